@@ -1,0 +1,71 @@
+"""SamplingParams: what a request asks of the sampler and of the stopping rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding parameters (vLLM-compatible names).
+
+    temperature 0 means greedy. `seed` makes a request's sampling independent of whatever
+    else shares its batch: each seeded request owns a torch.Generator.
+    """
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0                     # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0    # CTRL-style, > 1 discourages repeats
+    presence_penalty: float = 0.0      # OpenAI-style, subtracted once per seen token
+    frequency_penalty: float = 0.0     # OpenAI-style, subtracted per occurrence
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None        # number of top alternatives to return, 0 = chosen only
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            bad("max_tokens", "must be an integer")
+        if self.max_tokens < 1 or self.max_tokens > MAX_TOKENS_LIMIT:
+            bad("max_tokens", f"must be between 1 and {MAX_TOKENS_LIMIT}")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if self.top_k < -1:
+            bad("top_k", "must be -1, 0 (off) or positive")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "must be in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
