@@ -1,0 +1,141 @@
+"""Paged KV blocks: allocate / append / truncate (rollback) / free with reference counts, and
+prefix caching by chained hashes of full blocks.
+
+A block whose reference count drops to zero keeps its hash and contents and joins the free
+list at the tail; allocation takes from the head, so cached blocks are evicted
+least-recently-freed first (LRU), and a later prompt with the same prefix can revive them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from leapfrog.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}       # chain hash -> block id
+        self.num_prefix_queries = 0            # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0               # tokens found there
+
+    # --- accounting -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_slots: int) -> int:
+        return max(0, -(-num_slots // self.block_size) - len(seq.block_table))
+
+    # --- allocation ---------------------------------------------------------------------
+    def _take(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]         # evict: its contents are about to change
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding a prefix of `seq`'s tokens; returns tokens reused.
+        At least one token is always left to compute, so the step that follows has logits."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        bs = self.block_size
+        max_blocks = (len(seq.token_ids) - 1) // bs
+        prev: int | None = None
+        self.num_prefix_queries += len(seq.token_ids)
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            prev = h
+        reused = len(seq.block_table) * bs
+        seq.num_hashed_blocks = len(seq.block_table)
+        self.num_prefix_hits += reused
+        return reused
+
+    def reserve(self, seq: Sequence, num_slots: int) -> bool:
+        """Grow `seq`'s block table to hold `num_slots` tokens; all or nothing."""
+        need = self.blocks_needed(seq, num_slots)
+        if need > len(self.free):
+            return False
+        seq.block_table.extend(self._take() for _ in range(need))
+        return True
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll back: release blocks past the first `num_tokens` slots (rejected drafts)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_tokens // self.block_size)
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Release in reverse so that a sequence's tail blocks are evicted before its head,
+        # which other prompts are more likely to share.
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table.clear()
+        seq.num_hashed_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} released twice"
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)   # uncached: reuse first
+            else:
+                self.free[block_id] = None                     # cached: most recent at tail
+
+    # --- prefix cache -------------------------------------------------------------------
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash every block whose tokens are all computed and committed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(min(seq.num_computed, len(seq.token_ids)) // bs, len(seq.block_table))
+        i = seq.num_hashed_blocks
+        prev = self.blocks[seq.block_table[i - 1]].hash if i else None
+        for i in range(i, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.hash, block.token_ids = chain_hash(prev, tokens), tokens
+                self.cached.setdefault(block.hash, block.block_id)
+            prev = block.hash
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -1,0 +1,85 @@
+"""Typed engine configuration, built from keyword options with errors that name the key."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT_DIRS = [Path(os.environ.get("LEAPFROG_CHECKPOINTS", REPO_ROOT / "checkpoints"))]
+DEFAULT_MODEL = "stories"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    device: str = "auto"                     # auto: cuda when available, else cpu
+    dtype: str = "auto"                      # auto: bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"             # auto: same as dtype
+    block_size: int = 16                     # tokens per KV block
+    kv_cache_tokens: int | None = None       # cache size in tokens ...
+    kv_cache_bytes: int | None = None        # ... or in bytes (default: enough for the batch)
+    max_batch_size: int = 64
+    max_num_batched_tokens: int = 2048       # per-step token budget (chunked prefill)
+    max_model_len: int | None = None         # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None           # CPU threads for torch (default: torch's choice)
+
+    @classmethod
+    def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
+        """Split options into engine fields and the rest (handed to the decoding method)."""
+        names = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in options.items() if k in names})
+        cfg.validate()
+        return cfg, {k: v for k, v in options.items() if k not in names}
+
+    def validate(self) -> None:
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                raise ValueError(f"engine option {name}={getattr(self, name)!r}: {why}")
+        check("device", self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+              "expected auto, cpu, cuda or cuda:N")
+        check("dtype", self.dtype == "auto" or self.dtype in _DTYPES, f"expected auto or one of {sorted(_DTYPES)}")
+        check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
+              f"expected auto or one of {sorted(_DTYPES)}")
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens"):
+            check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
+            v = getattr(self, name)
+            check(name, v is None or (isinstance(v, int) and v > 0), "must be a positive integer")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_torch_dtype(self, device: torch.device) -> torch.dtype:
+        return self.torch_dtype(device) if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+
+    def replace(self, **changes: object) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """A checkpoint folder, or the name of a built-in model under checkpoints/."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    for root in CHECKPOINT_DIRS:
+        if (root / str(model)).is_dir():
+            return root / str(model)
+    builtin = sorted(p.name for root in CHECKPOINT_DIRS if root.is_dir() for p in root.iterdir() if p.is_dir())
+    raise FileNotFoundError(f"model {str(model)!r}: no such folder and no built-in model of that name "
+                            f"(built-in: {', '.join(builtin) or 'none'})")

@@ -1,0 +1,214 @@
+"""LLMEngine: add_request / step / abort over the scheduler, runner and decoding method."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from leapfrog.block_manager import BlockManager
+from leapfrog.config import EngineConfig, resolve_model
+from leapfrog.loader import load_model, read_config
+from leapfrog.methods import method_class
+from leapfrog.outputs import RequestMetrics, RequestOutput
+from leapfrog.runner import ModelRunner
+from leapfrog.sampling import Sampler
+from leapfrog.sampling_params import SamplingParams
+from leapfrog.scheduler import Scheduler, SchedulerConfig
+from leapfrog.sequence import Sequence
+from leapfrog.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class MethodContext:
+    """What a decoding method may use; methods build their own drafters from it."""
+    model: torch.nn.Module
+    model_path: Path
+    tokenizer: Tokenizer
+    sampler: Sampler
+    device: torch.device
+    dtype: torch.dtype
+    draft_model: str | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_finished: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: str, method: str = "ar", draft_model: str | None = None,
+                 **options: object) -> None:
+        self.config, method_options = EngineConfig.from_options(options)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.model_path = resolve_model(model)
+        self.model_name = str(model)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        self.hf_config = read_config(self.model_path)
+        self.model = load_model(self.model_path, self.device, self.dtype)
+        self.tokenizer = Tokenizer.from_folder(self.model_path)
+        self.max_model_len = self._max_model_len()
+        self.sampler = Sampler(self.device, self.config.seed)
+        ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
+                            self.device, self.dtype, draft_model)
+        self.method = method_class(method)(ctx, **method_options)
+        self.method_name = method
+        self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
+                                  self.device, self.config.kv_torch_dtype(self.device))
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(self.config.max_batch_size, self.config.max_num_batched_tokens,
+                                    self.max_model_len, self.config.chunked_prefill)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, self.tokenizer.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    def _max_model_len(self) -> int:
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        return min(limit, self.config.max_model_len or limit)
+
+    def _num_blocks(self) -> int:
+        per_token = ModelRunner.kv_bytes_per_token(self.model, self.config.kv_torch_dtype(self.device))
+        if self.config.kv_cache_tokens:
+            tokens = self.config.kv_cache_tokens
+        elif self.config.kv_cache_bytes:
+            tokens = self.config.kv_cache_bytes // per_token
+        else:  # enough for a full batch of full-length sequences, capped at 1 GiB
+            tokens = min(self.config.max_batch_size * self.max_model_len, (1 << 30) // per_token)
+        return max(1, tokens // self.config.block_size)
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.hf_config["vocab_size"]
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
+                             f"{self.max_model_len} tokens")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, priority=priority)
+        if params.seed is not None:
+            seq.generator = self.sampler.make_generator(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, text, detok)
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req.seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        changed: list[Sequence] = []
+        if batch.seqs:
+            self.method.prepare(batch)
+            out = self.runner.run(batch, want_hidden=bool(getattr(self.method, "wants_hidden", False)))
+            commits = self.method.commit(batch, out)
+            changed = self.scheduler.apply(batch, commits)
+            self.stats.num_steps += 1
+        finished_elsewhere = [r.seq for r in self.requests.values()
+                              if r.seq.is_finished and r.seq not in changed]
+        return [self._output(seq) for seq in changed + finished_elsewhere]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        new_tokens = seq.output_ids[req.sent_tokens:]
+        req.text += req.detok.add(new_tokens)
+        self.stats.num_generation_tokens += len(new_tokens)
+        self._check_stop_strings(req)
+        if seq.is_finished:
+            req.text += req.detok.flush() if seq.finish_reason == "length" else ""
+            self._check_stop_strings(req)
+            self._finish_request(req)
+        # Hold back a possible beginning of a stop string until it is decided.
+        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
+        visible = len(req.text) - hold
+        delta = req.text[req.sent_chars:visible] if visible > req.sent_chars else ""
+        req.sent_chars = max(req.sent_chars, visible)
+        out = RequestOutput(seq.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens],
+                            req.text[:visible] if not seq.is_finished else req.text,
+                            list(seq.output_ids), seq.is_finished, seq.finish_reason,
+                            self._metrics(seq), delta, new_tokens,
+                            list(seq.logprobs) if seq.params.logprobs is not None else None)
+        req.sent_tokens = seq.num_output_tokens
+        return out
+
+    def _check_stop_strings(self, req: _Request) -> None:
+        seq = req.seq
+        if not seq.params.stop:
+            return
+        window = max(len(s) for s in seq.params.stop) + 32
+        start = max(0, req.sent_chars - window)
+        hits = [(req.text.find(s, start), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        i, s = min(hits)
+        req.text = req.text[:i + len(s)] if seq.params.include_stop_str_in_output else req.text[:i]
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+
+    def _finish_request(self, req: _Request) -> None:
+        self.requests.pop(req.seq.request_id, None)
+        self.stats.num_finished += 1
+        reason = req.seq.finish_reason or "unknown"
+        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+
+    def _metrics(self, seq: Sequence) -> RequestMetrics:
+        m = seq.metrics
+        n = seq.num_output_tokens
+        end = m.finished_time or time.perf_counter()
+        acc = getattr(self.method, "acceptance_length", None)
+        return RequestMetrics(
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=n, num_forwards=m.num_forwards,
+            tokens_per_forward=n / m.num_forwards if m.num_forwards else 0.0,
+            acceptance_length=acc(seq) if callable(acc) else None,
+            time_to_first_token=(m.first_token_time - m.arrival_time) if m.first_token_time else None,
+            total_time=end - m.arrival_time, num_cached_prompt_tokens=m.num_cached_prompt_tokens,
+            num_preemptions=m.num_preemptions)

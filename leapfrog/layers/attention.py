@@ -1,0 +1,81 @@
+"""Paged attention over a flat KV cache, through torch's scaled_dot_product_attention.
+
+The cache of one layer is a pair of tensors [num_slots, num_kv_heads, head_dim]; a slot is
+block_id * block_size + offset, so a sequence's keys are gathered through its block table.
+The runner precomputes, once per step, which slots each query token writes and, per group of
+sequences, the gather indices and mask; every layer reuses them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Sequences attended together as one padded [B, Lq] x [B, Lk] problem."""
+    q_index: torch.Tensor | None    # [B, Lq] rows of the flat query; None: rows row_start.. in order
+    kv_slots: torch.Tensor          # [B, Lk] cache slots to gather (padding points at slot 0)
+    mask: torch.Tensor | None       # [B, 1, Lq, Lk] True = may attend; None = attend to all
+    out_rows: torch.Tensor | None   # [N] flat rows receiving the valid outputs (None when q_index is None)
+    q_valid: torch.Tensor | None    # [B, Lq] which padded query cells are real
+    row_start: int = 0
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    slot_mapping: torch.Tensor      # [T] where each query token's k/v is written
+    groups: list[AttnGroup]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttnMetadata | None) -> torch.Tensor:
+        """q: [T, H, D] (or [B, T, H, D] when meta is None: dense causal, no cache)."""
+        if meta is None:
+            return self._dense_causal(q, k, v)
+        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        if len(meta.groups) == 1 and meta.groups[0].q_index is None:
+            return self._group(q, meta.groups[0])
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            if g.q_index is None:
+                o = self._group(q, g)
+                out[g.row_start:g.row_start + o.shape[0]] = o
+            else:
+                out[g.out_rows] = self._group(q, g)
+        return out
+
+    def _group(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        b = g.kv_slots.shape[0]
+        if g.q_index is None:
+            lq = 1 if g.mask is None else g.mask.shape[2]
+            qg = q[g.row_start:g.row_start + b * lq].view(b, lq, self.num_heads, self.head_dim)
+        else:
+            qg = q[g.q_index]
+        kg = self.k_cache[g.kv_slots].to(q.dtype)
+        vg = self.v_cache[g.kv_slots].to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+            attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        o = o.transpose(1, 2)
+        if g.q_index is None:
+            return o.reshape(-1, self.num_heads, self.head_dim)
+        return o[g.q_valid]
+
+    def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return o.transpose(1, 2)

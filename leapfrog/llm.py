@@ -1,0 +1,47 @@
+"""The offline API: LLM(model, method, draft_model, **engine_options).generate(prompts, params)."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from leapfrog.engine import LLMEngine
+from leapfrog.outputs import RequestOutput
+from leapfrog.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "stories", method: str = "ar", draft_model: str | None = None,
+                 **engine_options: object) -> None:
+        self.engine = LLMEngine(model, method=method, draft_model=draft_model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts may be strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
+        if len(params_list) != n or len(prios) != n:
+            raise ValueError("params and priority lists must have one entry per prompt")
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params_list, prios)]
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=n, disable=not use_tqdm, file=sys.stderr, desc="generate")
+        while len(results) < n:
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             **kwargs: object) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, params, **kwargs)

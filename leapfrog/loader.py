@@ -1,0 +1,146 @@
+"""Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded index too).
+
+Every failure names the file and the problem: an unsupported architecture, a missing or
+truncated shard, a tensor whose shape does not match, a SHA256SUMS mismatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from leapfrog.layers.linear import default_weight_loader
+from leapfrog.models import model_class
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file."""
+
+
+def read_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint folder?)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def verify_manifest(folder: str | os.PathLike) -> None:
+    """Refuse a folder whose files differ from its SHA256SUMS manifest (when there is one)."""
+    folder = Path(folder)
+    manifest = folder / "SHA256SUMS"
+    if not manifest.is_file():
+        return
+    for line in manifest.read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, name = line.split(maxsplit=1)
+        name = name.lstrip("*").strip()
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in SHA256SUMS but missing")
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != digest.lower():
+            raise CheckpointError(f"{path}: SHA256 mismatch with SHA256SUMS (file changed or corrupt)")
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors weights found")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: weight shard missing")
+    return files
+
+
+def iter_tensors(files: list[Path]):
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:  # safetensors raises its own types for truncation / bad headers
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    yield f, name, handle.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{f}: tensor {name} unreadable ({e})") from None
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for f, name, tensor in iter_tensors(files):
+        if "rotary_emb" in name:
+            continue
+        target, shard = name, None
+        for src, (dst, shard_id) in packed.items():
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if target not in params:
+            if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                continue
+            raise CheckpointError(f"{f}: unexpected tensor {name} for {type(model).__name__}")
+        param = params[target]
+        try:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard)
+        except ValueError as e:
+            raise CheckpointError(f"{f}: {name}: {e}") from None
+        loaded.add(f"{target}:{shard}")
+    _check_complete(model, packed, loaded, files)
+
+
+def _check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list[Path]) -> None:
+    missing = []
+    for pname, p in model.named_parameters():
+        shards = {s for (dst, s) in packed.values() if f".{dst}." in pname}
+        needed = {f"{pname}:{s}" for s in shards} or {f"{pname}:None"}
+        if not needed <= loaded:
+            missing.append(pname)
+    if missing:
+        raise CheckpointError(f"{files[0].parent}: weights missing from checkpoint: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
+    verify_manifest(folder)
+    cfg = read_config(folder)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise CheckpointError(f"{folder / 'config.json'}: no 'architectures' entry")
+    try:
+        cls = model_class(archs[0])
+        with torch.device(device):
+            model = cls(cfg)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    model.to(dtype)
+    load_weights(model, weight_files(folder))
+    return model.eval()

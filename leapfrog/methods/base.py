@@ -1,0 +1,88 @@
+"""The seam between the engine and a decoding method.
+
+The scheduler and runner know only this protocol. Each step a method says how many query
+tokens a sequence needs beyond its known tokens (drafts, a diffusion canvas) and how the
+queries attend; after the forward it says which tokens to commit and how many of the step's
+KV slots to keep (the rest are rolled back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.sampling import Sampler
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+    seq: Sequence
+    start_pos: int                 # position of the first query token (= seq.num_computed)
+    num_known: int                 # committed tokens fed this step (a prefill chunk, or the last token)
+    num_extra: int = 0             # method-owned query slots after them (drafts, masks)
+    query_ids: list[int] = field(default_factory=list)   # filled by the method's prepare()
+    num_logits: int = 0            # trailing query rows whose logits the method needs
+
+    @property
+    def num_query(self) -> int:
+        return self.num_known + self.num_extra
+
+    @property
+    def reaches_end(self) -> bool:
+        """True when this step feeds every committed token: the method may extend the sequence."""
+        return self.start_pos + self.num_known == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    seqs: list[ScheduledSeq]
+    attn_block_size: int = 1       # 1: causal; B: bidirectional within absolute blocks of B
+    capture_layers: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query for s in self.seqs)
+
+
+@dataclass(slots=True)
+class Commit:
+    token_ids: list[int]           # appended to the sequence
+    num_kv_keep: int               # of this step's query slots, how many stay in the cache
+    logprobs: list[dict] | None = None
+    counted_forward: bool = True   # this step produced output for the sequence
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: torch.Tensor                   # [sum(num_logits), V] fp32, in batch order
+    hidden: torch.Tensor | None = None     # [num_tokens, H] final hidden rows (when asked)
+    captured: list[torch.Tensor] = field(default_factory=list)   # per capture layer [num_tokens, H]
+
+    def split(self, batch: Batch) -> list[torch.Tensor]:
+        return list(self.logits.split([s.num_logits for s in batch.seqs]))
+
+
+class Method(Protocol):
+    name: str
+    attn_block_size: int
+    capture_layers: tuple[int, ...]
+
+    def num_extra_tokens(self, seq: Sequence) -> int:
+        """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""
+
+    def prepare(self, batch: Batch) -> None:
+        """Fill query_ids and num_logits of every ScheduledSeq."""
+
+    def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
+        """Decide, per ScheduledSeq in order, what to append and what KV to keep."""
+
+    def on_finished(self, seq: Sequence) -> None:
+        """Release per-sequence state (preempted sequences restart from scratch)."""
+
+    def stats(self) -> dict[str, float]:
+        """Method-specific counters for metrics (drafted/accepted tokens, ...)."""

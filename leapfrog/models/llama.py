@@ -1,0 +1,135 @@
+"""The Llama decoder family: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+Module names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...),
+except that q/k/v and gate/up are packed; `packed_modules` tells the loader where they go.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leapfrog.layers.attention import Attention, AttnMetadata
+from leapfrog.layers.linear import Linear, PackedLinear
+from leapfrog.layers.norm import RMSNorm
+from leapfrog.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: dict, flavour: str) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = cfg.get("attention_bias", flavour == "qwen2")
+        self.qkv_proj = PackedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
+        o_bias = cfg.get("attention_bias", False) and flavour != "qwen2"
+        self.o_proj = Linear(q_size, hidden, bias=o_bias)
+        self.qk_norm = flavour == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
+            self.k_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_pos)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        lead = x.shape[:-1]
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(*lead, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden, {"0": intermediate, "1": intermediate}, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, flavour: str) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = DecoderAttention(cfg, flavour)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: dict, flavour: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+
+class LlamaForCausalLM(nn.Module):
+    flavour = "llama"
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "0"), "up_proj": ("gate_up_proj", "1"),
+    }
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, self.flavour)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttnMetadata | None = None, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final normed hidden states and the outputs of `capture_layers`
+        (layer indices; drafters condition on them)."""
+        x = self.model.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, meta)
+            if i in capture_layers:
+                captured.append(x)
+        return self.model.norm(x), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> logits [B, T, V]: plain causal forward without a cache (tests, eval)."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        hidden, _ = self.forward(input_ids, positions, None)
+        return self.compute_logits(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    flavour = "qwen2"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    flavour = "qwen3"

@@ -1,0 +1,32 @@
+"""What generation returns: RequestOutput and its metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_forwards: int = 0                   # main-model forward passes that produced output
+    tokens_per_forward: float = 0.0
+    acceptance_length: float | None = None  # speculative methods: accepted + bonus per verify
+    time_to_first_token: float | None = None
+    total_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    delta_text: str = ""                    # new text since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None

@@ -1,0 +1,106 @@
+"""Batch -> tensors -> model forward -> logits (and hidden states when the method asks).
+
+Queries of all sequences are flattened into one [T] token row (varlen, as vLLM does).
+Attention is computed per group: sequences that feed at most `small_query` tokens (decode,
+verification) are padded together into one [B, Lq] x [B, Lk] problem; each longer query
+(a prefill chunk) is its own group, so one long prompt never pads the whole batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leapfrog.layers.attention import AttnGroup, AttnMetadata
+from leapfrog.methods.base import Batch, ScheduledSeq, StepOutput
+
+
+class ModelRunner:
+    small_query = 32
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
+                 device: torch.device, kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.num_blocks = num_blocks
+        self._allocate_cache(num_blocks * block_size, kv_dtype)
+
+    def _allocate_cache(self, num_slots: int, dtype: torch.dtype) -> None:
+        for attn in self.model.attention_layers:
+            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
+        size = torch.tensor([], dtype=dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_dim * size for a in model.attention_layers)
+
+    # --- input preparation -----------------------------------------------------------------
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor]:
+        ids, pos, slots, logit_rows = [], [], [], []
+        row = 0
+        for s in batch.seqs:
+            n = s.num_query
+            ids.extend(s.query_ids)
+            pos.extend(range(s.start_pos, s.start_pos + n))
+            slots.extend(self._slots(s.seq.block_table, s.start_pos, s.start_pos + n))
+            logit_rows.extend(range(row + n - s.num_logits, row + n))
+            row += n
+        dev = self.device
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        meta = AttnMetadata(t(slots), self._groups(batch))
+        return t(ids), t(pos), meta, t(logit_rows)
+
+    def _groups(self, batch: Batch) -> list[AttnGroup]:
+        small, groups, row = [], [], 0
+        for s in batch.seqs:
+            if s.num_query <= self.small_query:
+                small.append((row, s))
+            else:
+                groups.append(self._group([(row, s)], batch.attn_block_size))
+            row += s.num_query
+        if small:
+            groups.insert(0, self._group(small, batch.attn_block_size))
+        return groups
+
+    def _group(self, members: list[tuple[int, ScheduledSeq]], attn_block: int) -> AttnGroup:
+        dev = self.device
+        lq = max(s.num_query for _, s in members)
+        lk = max(s.start_pos + s.num_query for _, s in members)
+        max_blocks = -(-lk // self.block_size)
+        tables = torch.tensor([s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                               for _, s in members], dtype=torch.long, device=dev)
+        kpos = torch.arange(lk, device=dev)
+        kv_slots = tables[:, kpos // self.block_size] * self.block_size + kpos % self.block_size
+        qlen = torch.tensor([s.num_query for _, s in members], device=dev)
+        start = torch.tensor([s.start_pos for _, s in members], device=dev)
+        qoff = torch.arange(lq, device=dev)
+        q_valid = qoff.unsqueeze(0) < qlen.unsqueeze(1)                    # [B, Lq]
+        qpos = start.unsqueeze(1) + qoff.unsqueeze(0)                       # [B, Lq]
+        ctx = (start + qlen).view(-1, 1, 1)
+        allowed = (kpos.view(1, 1, -1) < ctx) & \
+            (kpos.view(1, 1, -1) // attn_block <= qpos.unsqueeze(-1) // attn_block)
+        allowed |= ~q_valid.unsqueeze(-1) & (kpos == 0).view(1, 1, -1)       # padding rows: no NaNs
+        rows0 = members[0][0]
+        contiguous = all(r == rows0 + i * lq and s.num_query == lq for i, (r, s) in enumerate(members))
+        # One query row per sequence, all with the full context: nothing to mask.
+        mask = None if (lq == 1 and bool((ctx == lk).all())) else allowed.unsqueeze(1)
+        if contiguous:
+            return AttnGroup(None, kv_slots, mask, None, None, row_start=rows0)
+        q_index = torch.tensor([[r + min(j, s.num_query - 1) for j in range(lq)] for r, s in members],
+                               dtype=torch.long, device=dev)
+        out_rows = q_index[q_valid]
+        return AttnGroup(q_index, kv_slots, mask, out_rows, q_valid)
+
+    # --- the forward ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: Batch, want_hidden: bool = False) -> StepOutput:
+        ids, pos, meta, logit_rows = self.prepare(batch)
+        hidden, captured = self.model(ids, pos, meta, batch.capture_layers)
+        logits = self.model.compute_logits(hidden[logit_rows])
+        return StepOutput(logits, hidden if want_hidden else None, captured)

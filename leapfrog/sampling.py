@@ -1,0 +1,122 @@
+"""Sampling: penalties, temperature, top-k / top-p / min-p, and seeded draws.
+
+Each seeded request draws from its own torch.Generator, so its output does not depend on
+what else is in the batch. Draws use the exponential race (argmax p_i / E_i with
+E_i ~ Exp(1) selects i with probability p_i), which needs no cumulative sum or host sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from leapfrog.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
+    penalties (OpenAI) over the output only, as vLLM does."""
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if not p.needs_penalties:
+            continue
+        row = logits[i]
+        vocab = row.shape[0]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] already divided by temperature; per-row top_k (0 = off), top_p, min_p."""
+    neg_inf = torch.finfo(logits.dtype).min
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if bool((top_p < 1).any()):
+        probs_sorted, idx = logits.softmax(-1).sort(dim=-1, descending=True)
+        before = probs_sorted.cumsum(-1) - probs_sorted        # mass strictly above each token
+        drop_sorted = before > top_p.unsqueeze(-1)             # the top token always survives
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        floor = min_p.unsqueeze(-1) * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, neg_inf)
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Target distribution per row after penalties, temperature and filters (sampled rows;
+        greedy rows become one-hot). Speculative verification compares against this."""
+        logits = apply_penalties(logits.clone(), seqs)
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        logits = filter_logits(logits / temps.unsqueeze(-1), *self._filters(seqs, logits.device))
+        probs = logits.softmax(-1)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        if bool(greedy.any()):
+            onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
+        return probs
+
+    def _filters(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
+        top_k = torch.tensor([max(s.params.top_k, 0) for s in seqs], device=device)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+        return top_k, top_p, min_p
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row from `probs` [N, V], each row with its request's generator."""
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            noise[i].exponential_(generator=seq.generator or self.generator)
+        return (probs / noise).argmax(-1)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
+        """logits [N, V] fp32, one row per sequence -> token ids (and logprobs if asked)."""
+        if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
+            tokens = logits.argmax(-1)
+        else:
+            probs = self.probs(logits, seqs)
+            tokens = self.draw(probs, seqs)
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+            tokens = torch.where(greedy, probs.argmax(-1), tokens)
+        token_list = tokens.tolist()
+        if all(s.params.logprobs is None for s in seqs):
+            return token_list, None
+        return token_list, token_logprobs(logits, token_list, seqs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list[dict]:
+    """Log-probabilities of the model's raw distribution (before sampling transforms)."""
+    lp = logits.log_softmax(-1)
+    out = []
+    for i, (t, seq) in enumerate(zip(tokens, seqs)):
+        n = seq.params.logprobs
+        if n is None:
+            out.append({})
+            continue
+        entry = {"token_id": t, "logprob": lp[i, t].item(), "top": []}
+        if n:
+            vals, ids = lp[i].topk(n)
+            entry["top"] = list(zip(ids.tolist(), vals.tolist()))
+        out.append(entry)
+    return out

@@ -1,0 +1,82 @@
+"""Sequence: one request's tokens, its place in the KV cache, and its bookkeeping."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from leapfrog.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SequenceMetrics:
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_forwards: int = 0          # forward passes of the main model that produced output
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """`token_ids` = prompt + committed output. `num_computed` tokens have their K/V in the
+    cache; the rest (usually the last sampled token) are fed at the next step."""
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    priority: int = 0
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    method_state: dict[str, Any] = field(default_factory=dict)   # owned by the decoding method
+    logprobs: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        if not self.metrics.arrival_time:
+            self.metrics.arrival_time = time.perf_counter()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower runs first: priority class, then arrival (FIFO)."""
+        return (self.priority, self.metrics.arrival_time, self.seq_id)

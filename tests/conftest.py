@@ -1,0 +1,85 @@
+"""Tiny random checkpoints of each supported family, written in Hugging Face format by
+`transformers` itself, so loaders are checked against the real format."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 384
+TEXT = ("Once upon a time there was a little cat. The cat liked to play in the sun. "
+        "One day the cat met a big dog. They became friends and played all day. "
+        "春回大地万象新，福满人间百业兴。") * 4
+
+
+def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer.json with <s>, </s>, <pad>, <mask> specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<mask>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "mask_token": "<mask>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}"}))
+
+
+def _common(**kw):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(kw)
+    return base
+
+
+def build_model(root: Path, family: str, **overrides) -> Path:
+    import transformers as tf
+    cls_cfg, cls_model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[family]
+    kw = _common(**overrides)
+    if family == "qwen3":
+        kw.setdefault("head_dim", 32)
+    if family == "qwen2":
+        kw.setdefault("tie_word_embeddings", True)
+    torch.manual_seed(hash(family) % 1000)
+    model = cls_model(cls_cfg(**kw)).eval()
+    with torch.no_grad():    # random init is tiny; scale up so logits are not all ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    folder = root / family
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_root) -> Path:
+    return build_model(model_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(model_root, llama_dir) -> dict[str, Path]:
+    return {"llama": llama_dir, "qwen2": build_model(model_root, "qwen2"),
+            "qwen3": build_model(model_root, "qwen3")}
