@@ -1,0 +1,202 @@
+"""One training loop for every built-in model: next-token cross-entropy on packed token windows.
+
+AdamW, linear warm-up then cosine decay, gradient accumulation and clipping, optional bf16
+autocast, periodic validation, resumable state in a run folder (ignored by git), and a final
+Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` depends only on
+(seed, s), so a resumed run sees exactly the batches an uninterrupted one would have.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from leapfrog.train.tokenizer import TokenizerSpec
+
+
+@dataclass(slots=True)
+class ModelShape:
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 704
+    max_position: int = 512
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    name: str                                   # dataset: "stories" or "couplets"
+    out_dir: str                                # final HF folder (checkpoints/<name>)
+    run_dir: str                                # optimizer state, resumable (runs/<name>)
+    data_dir: str | None = None
+    model: ModelShape = field(default_factory=ModelShape)
+    tokenizer: TokenizerSpec = field(default_factory=lambda: TokenizerSpec(vocab_size=4096))
+    seq_len: int = 512
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    dtype: str = "fp32"                         # autocast: "fp32" or "bf16"
+    save_dtype: str = "float16"                 # dtype of the exported safetensors
+    eval_interval: int = 200
+    eval_batches: int = 20
+    ckpt_interval: int = 100
+    seed: int = 1234
+    threads: int = 1
+    command: str = ""                           # the command line, for the README
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine from lr down to min_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator):
+    """Random windows of seq_len + 1 tokens: inputs and next-token targets."""
+    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
+    rows = np.stack([stream[s:s + seq_len + 1].astype(np.int64) for s in starts])
+    t = torch.from_numpy(rows)
+    return t[:, :-1], t[:, 1:]
+
+
+def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position, rope_theta=shape.rope_theta,
+        tie_word_embeddings=shape.tie_embeddings, bos_token_id=bos_id, eos_token_id=eos_id,
+        pad_token_id=eos_id, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
+    )
+    model = LlamaForCausalLM(config)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # Decay matrices only: decaying norms' gains pulls them towards zero for no benefit.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=False)
+
+
+def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, stream: np.ndarray, cfg: TrainConfig) -> float:
+    """Mean loss on fixed validation windows (same windows every time, so curves compare)."""
+    model.eval()
+    rng = np.random.default_rng(0)
+    seq_len = min(cfg.seq_len, len(stream) - 2)
+    losses = [loss_on(model, *get_batch(stream, cfg.batch_size, seq_len, rng), cfg.dtype).item()
+              for _ in range(cfg.eval_batches)]
+    model.train()
+    return float(np.mean(losses))
+
+
+def save_state(run_dir: Path, model, opt, step: int, history: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "state.pt.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "history": history}, tmp)
+    tmp.replace(run_dir / "state.pt")  # atomic, so a kill mid-save keeps the previous state
+
+
+def load_state(run_dir: Path, model, opt) -> tuple[int, dict]:
+    state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return state["step"], state["history"]
+
+
+def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
+    """Train per cfg and write the checkpoint folder; returns the summary written to its README."""
+    from leapfrog.train import export
+    from leapfrog.train.prepare import prepare
+
+    torch.set_num_threads(cfg.threads)  # leave the other cores to whoever shares the machine
+    torch.manual_seed(cfg.seed)
+    prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
+    model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)
+    opt = make_optimizer(model, cfg)
+    run_dir = Path(cfg.run_dir)
+    step, history = 0, {"train": [], "val": [], "wall_s": 0.0, "tokens": 0}
+    if resume and (run_dir / "state.pt").exists():
+        step, history = load_state(run_dir, model, opt)
+        print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir)
+    summary = export.save_checkpoint(model, tok, prep, cfg, history)
+    export.write_sha256sums(cfg.out_dir)
+    return summary
+
+
+def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run_dir: Path):
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    bar = tqdm(total=cfg.max_steps, initial=step, file=sys.stderr, mininterval=10,
+               desc=cfg.name, dynamic_ncols=False)
+    model.train()
+    t_last = time.time()
+    while step < cfg.max_steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        rng = np.random.default_rng([cfg.seed, step])
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            loss = loss_on(model, *get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng), cfg.dtype)
+            (loss / cfg.grad_accum).backward()
+            total += loss.item() / cfg.grad_accum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        now = time.time()
+        history["wall_s"] += now - t_last
+        history["tokens"] += tokens_per_step
+        history["train"].append((step, total))
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens_per_step / max(now - t_last, 1e-9):.0f}")
+        t_last = now
+        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+            val = evaluate(model, prep.val, cfg)
+            history["val"].append((step, val))
+            rate = history["tokens"] / max(history["wall_s"], 1e-9)
+            print(f"step {step} train {total:.4f} val {val:.4f} lr {lr_at(step, cfg):.2e} "
+                  f"tokens {history['tokens']} tok/s {rate:.0f} wall {history['wall_s']:.0f}s",
+                  flush=True)
+            t_last = time.time()  # evaluation time is not training time
+        if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+            save_state(run_dir, model, opt, step, history)
+            t_last = time.time()
+    bar.close()
+    return step, history

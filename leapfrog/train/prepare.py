@@ -1,0 +1,60 @@
+"""Turn a dataset into a tokenizer folder and two memory-mapped token streams (train, val).
+
+Everything is cached under data_cache/<name>/ keyed by a fingerprint of the data files, the
+tokenizer spec and the format version, so a second run (or a resume) tokenises nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from leapfrog.train import couplets, data
+from leapfrog.train.tokenizer import TokenizerSpec, export_hf_tokenizer, train_sentencepiece
+
+FORMAT_VERSION = 1
+
+
+@dataclass(slots=True)
+class Prepared:
+    tokenizer_dir: Path
+    train: np.memmap
+    val: np.memmap
+    num_train_items: int
+    num_val_items: int
+
+
+def _texts(name: str, data_dir: str | None, seed: int) -> tuple[list[str], list[str]]:
+    """(train texts, validation texts); each text becomes <s> text </s> in the stream."""
+    items = data.train_items(name, data_dir)
+    held = data.heldout(name, data_dir)
+    if name == "stories":
+        return items["stories"], held
+    train = couplets.build_examples(items["pairs"], items["spring"], seed=seed)
+    val = [couplets.pair_text(u, d) for u, d in held]
+    return train, val
+
+
+def _data_stamp(data_dir: str | None, name: str) -> list[tuple[str, int, int]]:
+    folder = data.data_root(data_dir) / name
+    return [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sorted(folder.iterdir())]
+
+
+def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: int = 0,
+            max_length: int = 512) -> Prepared:
+    """Build (or reuse) the tokenizer and token streams for dataset ``name``."""
+    tag = data.fingerprint(FORMAT_VERSION, name, asdict(spec), _data_stamp(data_dir, name), seed)
+    root = data.CACHE_DIR / name / tag
+    tok_dir, train_bin, val_bin = root / "tokenizer", root / "train.bin", root / "val.bin"
+    train_texts, val_texts = _texts(name, data_dir, seed)
+    if not (train_bin.exists() and val_bin.exists() and (tok_dir / "tokenizer.json").exists()):
+        # The tokenizer sees training text only, so validation loss is honest.
+        sp_model = train_sentencepiece(train_texts, spec, root / "sentencepiece")
+        tok = export_hf_tokenizer(sp_model, tok_dir, spec, max_length, train_texts[:500])
+        encode = lambda texts: [[tok.bos_token_id, *ids, tok.eos_token_id]  # noqa: E731
+                                for ids in tok(texts, add_special_tokens=False).input_ids]
+        data.write_stream(val_bin, encode(val_texts))
+        data.write_stream(train_bin, encode(train_texts))
+    return Prepared(tok_dir, data.load_stream(train_bin), data.load_stream(val_bin),
+                    len(train_texts), len(val_texts))
