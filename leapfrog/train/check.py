@@ -1,0 +1,161 @@
+"""Quality checks of a built-in checkpoint with plain ``transformers`` (independent of the engine).
+
+stories:  continue held-out story openings (temperature 0.7, top-p 0.9) and measure rep-4, the
+          share of repeated 4-grams in a continuation, 1 - distinct/total (Welleck et al. 2019,
+          "Neural Text Generation with Unlikelihood Training", §6), on words and on tokens.
+couplets: greedy 下联 for held-out 上联 sent as the raw prompt; the share whose length equals the
+          上联's; and keyword mode: the share of completions with all three parts well formed.
+
+    python -m leapfrog.train.check checkpoints/stories [--num 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from leapfrog.train import couplets as fmt
+from leapfrog.train.data import heldout
+
+
+@dataclass(slots=True)
+class CheckResult:
+    name: str
+    metrics: dict = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)
+
+
+def load(folder: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"  # batched generation continues from the right edge
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, tok
+
+
+def generate(model, tok, prompts: list[str], batch_size: int = 16, **kwargs) -> list[list[int]]:
+    """New token ids per prompt (prompt and padding removed)."""
+    outs = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tok(prompts[i:i + batch_size], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            ids = model.generate(**enc, pad_token_id=tok.pad_token_id, **kwargs)
+        outs += [row[enc.input_ids.shape[1]:].tolist() for row in ids]
+    return outs
+
+
+def rep_n(items: list, n: int = 4) -> float:
+    grams = [tuple(items[i:i + n]) for i in range(len(items) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def story_opening(story: str) -> str:
+    """The first sentence (at least ~6 words) of a story: the prompt to continue."""
+    sentences = re.split(r"(?<=[.!?])\s+", story.split("\n")[0])
+    opening = ""
+    for s in sentences:
+        opening = f"{opening} {s}".strip()
+        if len(opening.split()) >= 6:
+            break
+    return opening
+
+
+def _strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:ids.index(eos)] if eos in ids else ids
+
+
+def check_stories(folder: str, num: int = 64, max_new_tokens: int = 128, seed: int = 0,
+                  data_dir: str | None = None) -> CheckResult:
+    model, tok = load(folder)
+    prompts = [story_opening(s) for s in heldout("stories", data_dir)[:num]]
+    torch.manual_seed(seed)
+    gens = generate(model, tok, prompts, do_sample=True, temperature=0.7, top_p=0.9,
+                    max_new_tokens=max_new_tokens)
+    res = CheckResult("stories")
+    word_reps, token_reps = [], []
+    for prompt, ids in zip(prompts, gens):
+        ids = _strip_eos(ids, tok.eos_token_id)
+        text = tok.decode(ids, skip_special_tokens=True)
+        word_reps.append(rep_n(text.split()))
+        token_reps.append(rep_n(ids))
+        res.samples.append({"prompt": prompt, "completion": text})
+    res.metrics = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                   "temperature": 0.7, "top_p": 0.9,
+                   "rep4_words": round(sum(word_reps) / len(word_reps), 4),
+                   "rep4_tokens": round(sum(token_reps) / len(token_reps), 4)}
+    return res
+
+
+def _bare(text: str) -> str:
+    return "".join(c for c in text if c not in fmt.PUNCT)
+
+
+def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: int = 0,
+                   data_dir: str | None = None) -> CheckResult:
+    model, tok = load(folder)
+    pairs = heldout("couplets", data_dir)
+    pairs = random.Random(seed).sample(pairs, min(num, len(pairs)))
+    ups = [u for u, _ in pairs]
+    gens = generate(model, tok, ups, batch_size=32, do_sample=False,
+                    max_new_tokens=max(len(u) for u in ups) + 8)
+    downs = [tok.decode(_strip_eos(g, tok.eos_token_id), skip_special_tokens=True) for g in gens]
+    exact = sum(len(d) == len(u) for u, d in zip(ups, downs))
+    bare = sum(len(_bare(d)) == len(_bare(u)) for u, d in zip(ups, downs))
+    res = CheckResult("couplets")
+    res.samples = [{"prompt": u, "completion": d, "reference": r}
+                   for (u, r), d in list(zip(pairs, downs))[:12]]
+    res.metrics = {"num_pairs": len(ups), "length_match": round(exact / len(ups), 4),
+                   "length_match_ignoring_punct": round(bare / len(ups), 4),
+                   "differs_from_up": round(sum(d != u for u, d in zip(ups, downs)) / len(ups), 4)}
+    res.metrics.update(_check_keywords(model, tok, pairs[:num_keywords], seed, res.samples))
+    return res
+
+
+def _check_keywords(model, tok, pairs, seed: int, samples: list[dict]) -> dict:
+    rng = random.Random(seed)
+    prompts = [fmt.keyword_prompt(fmt.sample_keywords(u, d, rng)) for u, d in pairs]
+    prompts[:4] = [fmt.keyword_prompt(k) for k in (["春", "福"], ["月"], ["山", "水"], ["龙年"])]
+    gens = generate(model, tok, prompts, batch_size=20, do_sample=False, max_new_tokens=80)
+    good = 0
+    for i, (prompt, g) in enumerate(zip(prompts, gens)):
+        text = tok.decode(_strip_eos(g, tok.eos_token_id), skip_special_tokens=True)
+        parts = fmt.parse_keyword_completion(text)
+        ok = (parts["上联"] and len(parts["上联"]) == len(parts["下联"])
+              and len(parts["横批"]) == 4)
+        good += bool(ok)
+        if i < 6:
+            samples.append({"prompt": prompt, "completion": text})
+    return {"num_keyword_prompts": len(prompts), "keyword_well_formed": round(good / len(prompts), 4)}
+
+
+def run_check(name: str, folder: str, data_dir: str | None = None) -> CheckResult:
+    if name == "stories":
+        return check_stories(folder, data_dir=data_dir)
+    if name == "couplets":
+        return check_couplets(folder, data_dir=data_dir)
+    raise ValueError(f"no check for {name!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure a built-in checkpoint with transformers.")
+    p.add_argument("folder")
+    p.add_argument("--name", choices=["stories", "couplets"], default=None,
+                   help="which check (default: the folder's name)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    name = args.name or args.folder.rstrip("/").split("/")[-1]
+    res = run_check(name, args.folder, args.data_dir)
+    print(json.dumps(asdict(res), ensure_ascii=False, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The README.md of a checkpoint folder: how it was made, how good it is, how to reproduce it.
+
+    python -m leapfrog.train.readme checkpoints/stories   # re-measure and rewrite after a run
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from leapfrog.train.check import CheckResult, run_check
+from leapfrog.train.export import write_sha256sums
+
+DATA_NOTES = {
+    "stories": (
+        "TinyStories (Eldan & Li 2023, CDLA-Sharing-1.0) from `../shared/data/stories/`: "
+        "`tinystories_cased.txt` + `tinystories_valid.txt` (4% of these held out by a hash of the "
+        "story, see `leapfrog.train.data.heldout`) and `tinystories_lowercase.txt` (training only). "
+        "`classics.txt` is not used (different register). Each story is `<s> story </s>`; training "
+        "windows are random 256-token slices of the concatenated stream."
+    ),
+    "couplets": (
+        "`../shared/data/couplets/`: `couplets.tsv` (2% of 上联 held out by hash), "
+        "`poetry_pairs.tsv` and `spring_festival.tsv` (training only; any record sharing a side "
+        "with a held-out pair is dropped). Licences and provenance: that folder's SOURCE.md."
+    ),
+}
+
+COUPLET_FORMATS = """## Prompt formats
+
+- **Pair mode** (no template): the prompt is the raw 上联, the completion is the 下联.
+  Trained as `<s>上联<sep>下联</s>`; the model emits `<sep>` itself where the 上联 ends, and
+  `<sep>` is a special token, so `decode(..., skip_special_tokens=True)` returns just the 下联.
+  Sending `上联<sep>` as the prompt works too. Greedy decoding is the default
+  (generation_config.json).
+- **Keyword mode**: prompt `关键词：春 福\\n` (1-3 keywords of 1-2 characters, separated by spaces,
+  ending with a newline); completion `上联：…\\n下联：…\\n横批：…` then `</s>`.
+  Keywords were sampled from the couplets themselves. Only `spring_festival.tsv` has a real 横批
+  (repeated 20 times with fresh keywords); for a quarter of the other pairs the 横批 is the
+  4-character phrase (real 横批 or 4-character couplet side) sharing the most characters with the
+  couplet, so 横批 is learned as "a four-character phrase on the couplet's theme".
+- Tokenizer: SentencePiece BPE with pieces of at most one character (one token per 汉字),
+  byte fallback for the rare characters outside 99.95% coverage, `add_prefix_space` false.
+"""
+
+
+def render(summary: dict, check: CheckResult, folder: Path) -> str:
+    cfg = summary["config"]
+    m = cfg["model"]
+    lines = [
+        f"# {summary['recipe']} — a built-in leapfrog model",
+        "",
+        f"A {summary['num_params'] / 1e6:.2f}M-parameter Llama (`LlamaForCausalLM`: hidden "
+        f"{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads / "
+        f"{m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}, context "
+        f"{m['max_position']}, tied embeddings, vocabulary {cfg['tokenizer']['vocab_size']} asked) "
+        f"trained from scratch by `leapfrog train {summary['recipe']}`. Weights are stored as "
+        f"**{summary['save_dtype']}** safetensors (trained in fp32); transformers and llama.cpp's "
+        "`convert_hf_to_gguf.py` read the folder as is. `SHA256SUMS` lists every file "
+        "(`sha256sum -c SHA256SUMS`).",
+        "",
+        "## Data",
+        "",
+        DATA_NOTES.get(summary["recipe"], ""),
+        "",
+        "## Training",
+        "",
+        "| | |", "|---|---|",
+        f"| parameters | {summary['num_params']:,} |",
+        f"| steps | {summary['steps']:,} (batch {cfg['batch_size']} x {cfg['seq_len']} tokens"
+        f" x accumulation {cfg['grad_accum']}) |",
+        f"| tokens seen | {summary['tokens_seen']:,} (training stream: {summary['train_tokens']:,} tokens) |",
+        f"| wall time | {summary['wall_s'] / 60:.1f} min on {cfg['threads']} CPU thread(s) |",
+        f"| optimiser | AdamW (betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}), "
+        f"lr {cfg['lr']} cosine to {cfg['min_lr']} after {cfg['warmup_steps']} warm-up steps, "
+        f"clip {cfg['grad_clip']}, {cfg['dtype']} |",
+        f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |",
+        f"| validation set | {summary['num_val_items']:,} held-out items, {summary['val_tokens']:,} tokens |",
+        "",
+        "![loss](loss.png)",
+        "",
+        "## Measured (transformers `generate`, `python -m leapfrog.train.check`)",
+        "",
+        "```json",
+        json.dumps(check.metrics, ensure_ascii=False, indent=2),
+        "```",
+        "",
+    ]
+    if summary["recipe"] == "couplets":
+        lines += [COUPLET_FORMATS]
+    lines += ["## Samples", ""] + _samples(check) + [
+        "## Reproduce", "",
+        "From the repository root, with the data in `../shared/data`:", "",
+        "```", cfg["command"] or f"leapfrog train {summary['recipe']}",
+        f"# or: python -m leapfrog.train.cli {summary['recipe']}", "```", "",
+        "The seed fixes initialisation and batch order; an interrupted run continues with `--resume`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _samples(check: CheckResult) -> list[str]:
+    out = []
+    for s in check.samples:
+        prompt = s["prompt"].replace("\n", "\\n")
+        out += [f"- prompt: `{prompt}`", f"  - completion: {s['completion']!r}"]
+        if "reference" in s:
+            out.append(f"  - reference: {s['reference']}")
+    return out + [""]
+
+
+def finish_folder(cfg, summary: dict) -> CheckResult:
+    """Measure the exported folder, write README.md, refresh SHA256SUMS."""
+    folder = Path(cfg.out_dir)
+    check = run_check(cfg.name, str(folder), cfg.data_dir)
+    summary = dict(summary, check=check.metrics)
+    (folder / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
+    (folder / "README.md").write_text(render(summary, check, folder))
+    write_sha256sums(folder)
+    return check
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from leapfrog.train.loop import TrainConfig
+
+    torch.set_num_threads(1)
+    folder = Path((argv or sys.argv[1:])[0])
+    summary = json.loads((folder / "training.json").read_text())
+    c = summary["config"]
+    cfg = TrainConfig(name=c["name"], out_dir=str(folder), run_dir=c["run_dir"], data_dir=c["data_dir"])
+    check = finish_folder(cfg, summary)
+    print(json.dumps(asdict(check), ensure_ascii=False, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

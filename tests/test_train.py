@@ -1,0 +1,141 @@
+"""Training pipeline: the loop learns, the exported folder loads in transformers, the manifest is
+right, and a resumed run continues where the saved one stopped. Synthetic data, seconds to run."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapfrog.train import couplets as fmt
+from leapfrog.train import data
+from leapfrog.train.export import verify_sha256sums
+from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer, train
+from leapfrog.train.recipes import tiny
+
+WORDS = "the cat dog girl boy sun tree ball happy sad ran jumped saw played with a big small red".split()
+HAN = "天地山水风月花鸟春秋日月云雨江河金玉龙凤福寿喜乐东西南北"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A miniature copy of the shared data layout."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    (root / "stories").mkdir()
+    for fname, n in (("tinystories_cased.txt", 150), ("tinystories_valid.txt", 30)):
+        stories = []
+        for i in range(n):
+            lines = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "."
+                     for _ in range(rng.randint(1, 3))]
+            stories.append(f"Story {fname[:4]} {i}.\n" + "\n".join(lines) + "\n<|endoftext|>\n")
+        (root / "stories" / fname).write_text("".join(stories))
+    (root / "couplets").mkdir()
+    side = lambda n: "".join(rng.choice(HAN) for _ in range(n))  # noqa: E731
+    pairs = [f"{side(n)}\t{side(n)}\n" for n in (rng.choice((5, 7)) for _ in range(400))]
+    (root / "couplets" / "couplets.tsv").write_text("".join(pairs))
+    (root / "couplets" / "spring_festival.tsv").write_text(
+        "".join(f"{side(7)}\t{side(7)}\t{side(4)}\n" for _ in range(20)))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+
+
+def test_loss_falls_on_a_repeated_batch():
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                   intermediate_size=64, max_position=32), vocab_size=64)
+    cfg = tiny()
+    opt = make_optimizer(model, cfg)
+    x = torch.randint(0, 64, (4, 17))
+    first = None
+    for _ in range(30):
+        loss = loss_on(model, x[:, :-1], x[:, 1:], "fp32")
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < first - 1.0
+
+
+def test_heldout_is_deterministic_and_disjoint(data_dir):
+    for name in ("stories", "couplets"):
+        held = data.heldout(name, str(data_dir))
+        assert held and held == data.heldout(name, str(data_dir))
+    held_ups = {u for u, _ in data.heldout("couplets", str(data_dir))}
+    train = data.train_items("couplets", str(data_dir))
+    assert not held_ups & {u for u, _ in train["pairs"]}
+    assert all(isinstance(p, tuple) and len(p) == 2 for p in data.heldout("couplets", str(data_dir)))
+    assert not set(data.heldout("stories", str(data_dir))) & set(data.train_items("stories", str(data_dir))["stories"])
+
+
+def test_couplet_formats_round_trip():
+    rng = random.Random(1)
+    keywords = fmt.sample_keywords("天若有情天亦老", "月如无恨月常圆", rng)
+    assert all(k in "天若有情天亦老" or k in "月如无恨月常圆" for k in keywords)
+    text = fmt.keyword_text(keywords, "天若有情天亦老", "月如无恨月常圆", "花好月圆")
+    completion = text[len(fmt.keyword_prompt(keywords)):]
+    assert fmt.parse_keyword_completion(completion) == {"上联": "天若有情天亦老", "下联": "月如无恨月常圆", "横批": "花好月圆"}
+    assert fmt.ScrollPool(["花好月圆", "万象更新"]).pick("花开富贵", "月满乾坤") == "花好月圆"
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    """One tiny stories run shared by the export tests (the slow part, a few seconds)."""
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = tiny("stories", root / "out", root / "run")
+    cfg.data_dir, cfg.max_steps = str(data_dir), 6
+    import leapfrog.train.data as d
+    old = d.CACHE_DIR
+    d.CACHE_DIR = root / "cache"
+    try:
+        summary = train(cfg)
+    finally:
+        d.CACHE_DIR = old
+    return cfg, summary
+
+
+def test_folder_loads_in_transformers(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, summary = trained
+    tok = AutoTokenizer.from_pretrained(cfg.out_dir)
+    model = AutoModelForCausalLM.from_pretrained(cfg.out_dir, dtype=torch.float32)
+    assert len(tok) == model.config.vocab_size > 100  # not the 3-token trap
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.convert_tokens_to_ids("<mask>") == 3
+    ids = tok("The cat ran", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == 1 and tok.decode(ids[0], skip_special_tokens=True) == "The cat ran"
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+    assert json.loads((Path(cfg.out_dir) / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert summary["steps"] == 6 and summary["val_loss"] > 0
+
+
+def test_sha256sums_cover_the_folder(trained):
+    cfg, _ = trained
+    folder = Path(cfg.out_dir)
+    listed = {line.split("  ", 1)[1] for line in (folder / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {p.name for p in folder.iterdir() if p.name != "SHA256SUMS"}
+    assert verify_sha256sums(folder) == []
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    assert verify_sha256sums(folder) == ["config.json"]
+
+
+def test_resume_continues_from_saved_step(trained, capsys):
+    cfg, _ = trained
+    saved = torch.load(Path(cfg.run_dir) / "state.pt", weights_only=False)
+    assert saved["step"] == 6
+    cfg.max_steps = 9
+    summary = train(cfg, resume=True)
+    assert "resumed from" in capsys.readouterr().out
+    state = torch.load(Path(cfg.run_dir) / "state.pt", weights_only=False)
+    steps = [s for s, _ in state["history"]["train"]]
+    assert steps == list(range(1, 10)) and summary["steps"] == 9
+    # The first six losses are the saved run's, not recomputed.
+    assert state["history"]["train"][:6] == saved["history"]["train"]
