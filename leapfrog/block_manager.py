@@ -101,7 +101,13 @@ class BlockManager:
         keep = -(-num_tokens // self.block_size)
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
-        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_tokens // self.block_size)
+        full = num_tokens // self.block_size
+        if full < len(seq.block_table):          # a partly kept block will be overwritten:
+            block = self.blocks[seq.block_table[full]]     # its old hash must stop hitting
+            if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, full)
 
     def free_seq(self, seq: Sequence) -> None:
         # Release in reverse so that a sequence's tail blocks are evicted before its head,

@@ -152,9 +152,10 @@ class LLMEngine:
             commits = self.method.commit(batch, out)
             changed = self.scheduler.apply(batch, commits)
             self.stats.num_steps += 1
-        finished_elsewhere = [r.seq for r in self.requests.values()
-                              if r.seq.is_finished and r.seq not in changed]
-        return [self._output(seq) for seq in changed + finished_elsewhere]
+        elsewhere = [s for s in self.scheduler.finished_outside_step
+                     if s.request_id in self.requests and s not in changed]
+        self.scheduler.finished_outside_step.clear()
+        return [self._output(seq) for seq in changed + elsewhere]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]

@@ -33,6 +33,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids or [])
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.finished_outside_step: list[Sequence] = []   # aborted / failed, not via apply()
         self.num_preemptions = 0
 
     # --- queue management -------------------------------------------------------------
@@ -106,15 +107,15 @@ class Scheduler:
         self.waiting.sort(key=lambda s: s.sort_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
+            if not self._fits_at_all(seq):       # would preempt itself forever: give up
+                self.waiting.pop(0)
+                self._finish(seq, "error:kv_cache_too_small")
+                continue
             if not seq.block_table:
                 seq.num_computed = self.bm.match_prefix(seq)
                 seq.metrics.num_cached_prompt_tokens = seq.num_computed
             item = self._fit(seq, budget)
             if item is None:
-                if not self.running and not scheduled and not self._fits_at_all(seq):
-                    self.waiting.pop(0)
-                    self._finish(seq, "error:kv_cache_too_small")
-                    continue
                 self.bm.free_seq(seq)            # give back prefix hits; retry next step
                 seq.num_computed = 0
                 break
@@ -127,7 +128,8 @@ class Scheduler:
             budget -= item.num_query
 
     def _fits_at_all(self, seq: Sequence) -> bool:
-        return self.bm.blocks_needed(seq, len(seq.token_ids) + 1) <= self.bm.num_free_blocks + len(seq.block_table)
+        """Whether the whole cache could hold `seq` plus one new token."""
+        return -(-(len(seq.token_ids) + 1) // self.bm.block_size) <= self.bm.num_blocks
 
     # --- after the forward ---------------------------------------------------------------
     def apply(self, batch: Batch, commits: list[Commit]) -> list[Sequence]:
@@ -180,6 +182,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
             return
+        if reason.startswith("error") or reason == "abort":
+            self.finished_outside_step.append(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.perf_counter()

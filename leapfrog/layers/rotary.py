@@ -105,11 +105,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attn_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attn_factor, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [..., T, H, D], k: [..., T, KVH, D]; positions: [..., T]."""
-        cos = self.cos[positions].unsqueeze(-2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(q.dtype)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [..., T] -> [..., T, 1, D]; looked up once per forward."""
+        return (self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype))
+
+    def apply(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [..., T, H, D], k: [..., T, KVH, D]."""
+        cos, sin = rope
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 

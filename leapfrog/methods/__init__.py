@@ -13,3 +13,23 @@ def method_class(name: str) -> type:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     module, cls = METHODS[name]
     return getattr(importlib.import_module(module), cls)
+
+
+def default_method(model: str) -> str:
+    """The best lossless method a model supports out of the box: a model folder that ships a
+    drafter (a `drafter/` subfolder or `leapfrog.json` naming one) gets its speculative
+    method; every other model decodes with `ar`."""
+    import json
+    from pathlib import Path
+
+    from leapfrog.config import resolve_model
+    try:
+        folder = resolve_model(model)
+    except FileNotFoundError:
+        return "ar"
+    meta = Path(folder) / "leapfrog.json"
+    if meta.is_file():
+        method = json.loads(meta.read_text()).get("default_method")
+        if method in METHODS:
+            return method
+    return "ar"

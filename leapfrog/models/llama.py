@@ -31,11 +31,9 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
-        max_pos = cfg.get("max_position_embeddings", 2048)
-        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_pos)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata | None) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         lead = x.shape[:-1]
         q = q.view(*lead, self.num_heads, self.head_dim)
@@ -43,7 +41,7 @@ class DecoderAttention(nn.Module):
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rope.apply(q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(*lead, -1))
 
@@ -70,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,6 +79,19 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(DecoderLayer(cfg, flavour) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.get("max_position_embeddings", 2048))
+
+
+class Rope:
+    """cos/sin rows for this forward's positions, shared by every layer."""
+    __slots__ = ("emb", "cos_sin")
+
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.emb, self.cos_sin = emb, emb.table(positions, dtype)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.emb.apply(self.cos_sin, q, k)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,9 +120,10 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final normed hidden states and the outputs of `capture_layers`
         (layer indices; drafters condition on them)."""
         x = self.model.embed_tokens(input_ids)
+        rope = Rope(self.model.rotary_emb, positions, x.dtype)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
             if i in capture_layers:
                 captured.append(x)
         return self.model.norm(x), captured

@@ -1,0 +1,5 @@
+import sys
+
+from leapfrog.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""`leapfrog` console script: serve, generate, bench, train, eval.
+
+Each subcommand owns its argument parser in its own module; this file only dispatches, so
+`leapfrog --help` stays fast (no torch import).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": ("leapfrog.server", "start the HTTP server (default: built-in model, port 8080)"),
+    "generate": ("leapfrog.generate", "generate text from a prompt, streaming to stdout"),
+    "bench": ("leapfrog.bench", "benchmark leapfrog against peers and decoding methods"),
+    "train": ("leapfrog.train.cli", "train a built-in model or drafter from a recipe"),
+    "eval": ("leapfrog.evaluate", "quality metrics for a model and decoding method"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="leapfrog", description="leapfrog text-generation engine")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (_, help_text) in COMMANDS.items():
+            sub.add_parser(name, help=help_text, add_help=False)
+        parser.add_argument("--version", action="version", version="leapfrog 0.1.0")
+        if argv and argv[0] not in ("-h", "--help", "--version"):
+            parser.error(f"unknown command {argv[0]!r}")
+        parser.parse_args(argv or ["--help"])
+        return 0
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

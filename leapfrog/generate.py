@@ -1,0 +1,107 @@
+"""`leapfrog generate`: stream a completion to stdout; diagnostics go to stderr."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from leapfrog.config import DEFAULT_MODEL
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible output)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or built-in name (default {DEFAULT_MODEL})")
+    g.add_argument("--method", default=None, help="decoding method (default: the model's best lossless one, else ar)")
+    g.add_argument("--draft-model", default=None, help="drafter checkpoint folder for speculative methods")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine or method option, e.g. --option block_size=32 (repeatable)")
+
+
+def parse_options(pairs: list[str]) -> dict:
+    import json
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--option {pair!r}: expected KEY=VALUE")
+        key, value = pair.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from leapfrog.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
+                          ignore_eos=args.ignore_eos)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    from leapfrog.methods import default_method
+    kw = dict(method=args.method or default_method(args.model), draft_model=args.draft_model,
+              device=args.device, dtype=args.dtype, **parse_options(args.option))
+    if args.num_threads:
+        kw["num_threads"] = args.num_threads
+    return kw
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="leapfrog generate", description=__doc__)
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (default: read stdin if piped, else 'Once upon a time')")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
+    p.add_argument("--stats", action="store_true", help="print speed and tokens/forward to stderr")
+    add_engine_args(p)
+    add_sampling_args(p)
+    args = p.parse_args(argv)
+    prompt = args.prompt
+    if prompt is None:
+        prompt = sys.stdin.read() if not sys.stdin.isatty() else "Once upon a time"
+    try:
+        params = sampling_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    from leapfrog.engine import LLMEngine
+    try:
+        engine = LLMEngine(args.model, **engine_kwargs(args))
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        engine.add_request(prompt, params, request_id="cli")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0, last = time.perf_counter(), None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            last = out
+    sys.stdout.write("\n")
+    if args.stats and last is not None:
+        m, dt = last.metrics, time.perf_counter() - t0
+        print(f"[{m.num_output_tokens} tokens in {dt:.2f}s, {m.num_output_tokens / dt:.1f} tok/s, "
+              f"{m.tokens_per_forward:.2f} tokens/forward, finish={last.finish_reason}]", file=sys.stderr)
+    return 0
