@@ -187,5 +187,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.perf_counter()
+        self.bm.register_full_blocks(seq)        # blocks completed by the final step stay cached
         self.bm.free_seq(seq)
         self.method.on_finished(seq)
