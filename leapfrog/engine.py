@@ -38,6 +38,7 @@ class _Request:
     seq: Sequence
     prompt: str | None
     detok: IncrementalDetokenizer
+    stream: bool = True                 # emit text deltas every step (else decode once at the end)
     text: str = ""
     sent_chars: int = 0
     sent_tokens: int = 0
@@ -98,7 +99,7 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, stream: bool = True) -> str:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -119,7 +120,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = _Request(seq, text, detok)
+        self.requests[request_id] = _Request(seq, text, detok, stream or bool(params.stop))
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(ids)
         return request_id
@@ -160,11 +161,15 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
         new_tokens = seq.output_ids[req.sent_tokens:]
-        req.text += req.detok.add(new_tokens)
+        if req.stream:
+            req.text += req.detok.add(new_tokens)
+        elif seq.is_finished:    # offline request: one decode at the end is much cheaper
+            req.text = self.tokenizer.decode(seq.output_ids, seq.params.skip_special_tokens)
         self.stats.num_generation_tokens += len(new_tokens)
         self._check_stop_strings(req)
         if seq.is_finished:
-            req.text += req.detok.flush() if seq.finish_reason == "length" else ""
+            if req.stream and seq.finish_reason == "length":
+                req.text += req.detok.flush()
             self._check_stop_strings(req)
             self._finish_request(req)
         # Hold back a possible beginning of a stop string until it is decided.

@@ -28,7 +28,7 @@ class LLM:
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params_list) != n or len(prios) != n:
             raise ValueError("params and priority lists must have one entry per prompt")
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params_list, prios)]
+        ids = [self.engine.add_request(p, sp, priority=pr, stream=False) for p, sp, pr in zip(prompts, params_list, prios)]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, disable=not use_tqdm, file=sys.stderr, desc="generate")
         while len(results) < n:

@@ -64,8 +64,10 @@ class Attention(nn.Module):
             qg = q[g.row_start:g.row_start + b * lq].view(b, lq, self.num_heads, self.head_dim)
         else:
             qg = q[g.q_index]
-        kg = self.k_cache[g.kv_slots].to(q.dtype)
-        vg = self.v_cache[g.kv_slots].to(q.dtype)
+        # index_select on a flat index is several times faster than advanced indexing on CPU.
+        flat = g.kv_slots.view(-1)
+        kg = self.k_cache.index_select(0, flat).view(b, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
+        vg = self.v_cache.index_select(0, flat).view(b, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
         o = F.scaled_dot_product_attention(
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
             attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)

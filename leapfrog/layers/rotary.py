@@ -109,11 +109,10 @@ class RotaryEmbedding(nn.Module):
         """cos, sin for `positions` [..., T] -> [..., T, 1, D]; looked up once per forward."""
         return (self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype))
 
-    def apply(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [..., T, H, D], k: [..., T, KVH, D]."""
+    def apply(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, heads, D] (query and key heads may be stacked)."""
         cos, sin = rope
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+        return _apply(x, cos, sin, self.rotary_dim)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:

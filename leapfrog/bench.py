@@ -1,0 +1,209 @@
+"""`leapfrog bench`: leapfrog side by side with peers, in one process, one run.
+
+Suites:
+  peers   the same checkpoint and prompts through leapfrog and through transformers
+          `generate` (and llama.cpp's llama-bench when a build is found): single-request decode
+          tokens/s and total output tokens/s at several concurrencies, reported as ratios.
+Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
+Speed targets live here, never in tests; ratios are taken against a baseline measured in the
+same run, so a busy machine slows both sides alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from leapfrog.config import DEFAULT_MODEL, resolve_model
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def story_prompts(num: int, tokenizer, max_prompt_tokens: int = 32) -> list[list[int]]:
+    """Openings of held-out stories (our own split); synthetic text if the data is absent."""
+    try:
+        from leapfrog.train.data import heldout
+        texts = heldout("stories")
+    except (FileNotFoundError, ImportError):
+        texts = [f"Once upon a time there was a little {w} who liked to play."
+                 for w in ("cat", "dog", "girl", "boy", "bird", "fish", "bear", "fox")]
+    prompts = []
+    for i in range(num):
+        ids = tokenizer.encode(texts[i % len(texts)])
+        prompts.append(ids[:max_prompt_tokens])
+    return prompts
+
+
+# --- leapfrog -------------------------------------------------------------------------------
+def leapfrog_run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    from leapfrog import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    n = sum(o.metrics.num_output_tokens for o in outs)
+    res = {"wall_s": wall, "output_tokens": n, "tokens_per_s": n / wall,
+           "tokens_per_forward": n / max(1, sum(o.metrics.num_forwards for o in outs))}
+    if len(prompts) == 1:
+        m = outs[0].metrics
+        res["decode_tokens_per_s"] = (m.num_output_tokens - 1) / (m.total_time - m.time_to_first_token)
+    return res
+
+
+# --- transformers -----------------------------------------------------------------------------
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Left-padded static batch through `generate`; returns wall seconds."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - t0
+
+
+def hf_run(model, prompts: list[list[int]], new_tokens: int, pad_id: int, single_time: float | None) -> dict:
+    batched = hf_generate(model, prompts, new_tokens, pad_id)
+    # Sequential time, estimated from the measured single-request time (running 64 requests one
+    # by one would take minutes and says nothing new).
+    sequential = single_time * len(prompts) if single_time else None
+    best = min(t for t in (batched, sequential) if t is not None)
+    n = len(prompts) * new_tokens
+    return {"wall_s": best, "output_tokens": n, "tokens_per_s": n / best,
+            "mode": "static batch" if best == batched else "sequential",
+            "static_batch_tokens_per_s": n / batched}
+
+
+def hf_single(model, prompt: list[int], new_tokens: int, pad_id: int) -> dict:
+    prefill = min(hf_generate(model, [prompt], 1, pad_id) for _ in range(2))
+    total = hf_generate(model, [prompt], new_tokens, pad_id)
+    return {"wall_s": total, "tokens_per_s": new_tokens / total,
+            "decode_tokens_per_s": (new_tokens - 1) / max(1e-9, total - prefill)}
+
+
+# --- llama.cpp --------------------------------------------------------------------------------
+def find_llama_bench() -> str | None:
+    for cand in (os.environ.get("LLAMA_BENCH"), shutil.which("llama-bench")):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
+
+
+def llama_cpp_single(gguf: str, new_tokens: int, threads: int) -> dict | None:
+    exe = find_llama_bench()
+    if not exe or not Path(gguf).is_file():
+        return None
+    out = subprocess.run([exe, "-m", gguf, "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return {"decode_tokens_per_s": float(rows[0]["avg_ts"])}
+
+
+# --- the suite --------------------------------------------------------------------------------
+def run_peers(args: argparse.Namespace) -> dict:
+    import transformers
+
+    from leapfrog import LLM
+    folder = resolve_model(args.model)
+    torch.set_num_threads(args.threads)
+    log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
+    llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = llm.tokenizer.pad_token_id or 0
+    prompts = story_prompts(max(args.concurrency), llm.tokenizer)
+    leapfrog_run(llm, prompts[:2], 8)                      # warm both up
+    hf_generate(hf, prompts[:2], 8, pad)
+    log("single request: leapfrog")
+    lf1 = max((leapfrog_run(llm, prompts[:1], args.new_tokens) for _ in range(args.repeats)),
+              key=lambda r: r["decode_tokens_per_s"])
+    log("single request: transformers")
+    hf1 = max((hf_single(hf, prompts[0], args.new_tokens, pad) for _ in range(args.repeats)),
+              key=lambda r: r["decode_tokens_per_s"])
+    rows = [{"concurrency": "single (decode)", "leapfrog": lf1["decode_tokens_per_s"],
+             "transformers": hf1["decode_tokens_per_s"]}]
+    gguf = args.gguf or str(folder / "model.gguf")
+    cpp = llama_cpp_single(gguf, args.new_tokens, args.threads)
+    if cpp:
+        rows[0]["llama.cpp"] = cpp["decode_tokens_per_s"]
+    for c in args.concurrency:
+        log(f"{c} concurrent requests")
+        lf = leapfrog_run(llm, prompts[:c], args.new_tokens)
+        h = hf_run(hf, prompts[:c], args.new_tokens, pad, hf1["wall_s"])
+        rows.append({"concurrency": c, "leapfrog": lf["tokens_per_s"], "transformers": h["tokens_per_s"],
+                     "transformers_mode": h["mode"]})
+    for r in rows:
+        r["ratio"] = r["leapfrog"] / r["transformers"]
+    return {"suite": "peers", "model": str(folder), "threads": args.threads, "new_tokens": args.new_tokens,
+            "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    has_cpp = any("llama.cpp" in r for r in result["rows"])
+    head = "| requests | leapfrog tok/s | transformers tok/s | leapfrog / transformers |" + \
+           (" llama.cpp tok/s |" if has_cpp else "")
+    lines = [head, "|" + "---|" * (5 if has_cpp else 4)]
+    for r in result["rows"]:
+        mode = f" ({r['transformers_mode']})" if "transformers_mode" in r else ""
+        line = f"| {r['concurrency']} | {r['leapfrog']:.0f} | {r['transformers']:.0f}{mode} | {r['ratio']:.2f}x |"
+        if has_cpp:
+            line += f" {r.get('llama.cpp', float('nan')):.0f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["rows"] if isinstance(r["concurrency"], int)]
+    xs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(xs, [r["leapfrog"] for r in rows], "o-", label="leapfrog")
+    ax.plot(xs, [r["transformers"] for r in rows], "s--", label="transformers")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{Path(result['model']).name}, {result['threads']} CPU threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="peers", choices=["peers"], help="what to measure (default peers)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--repeats", type=int, default=2, help="single-request runs; the best is kept")
+    p.add_argument("--gguf", default=None, help="GGUF file of the same weights for llama.cpp's llama-bench "
+                   "(found via $LLAMA_BENCH or PATH)")
+    p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run_peers(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (out / f"{args.suite}.md").write_text(table + "\n")
+    plot(result, out / f"{args.suite}.png")
+    print(table)
+    log(f"wrote {out}/{args.suite}.json, .md, .png")
+    return 0

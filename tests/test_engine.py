@@ -1,0 +1,131 @@
+"""Engine behaviour on a tiny real checkpoint: streaming, stops, seeds, preemption, abort."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = ["Once upon a time", "The cat liked to play in the sun. One day",
+           "春回大地", "They became friends and"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), block_size=4)
+
+
+def drain(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_streamed_deltas_equal_offline_text(llama_dir, llm):
+    offline = llm.generate(PROMPTS, GREEDY)
+    engine = LLMEngine(str(llama_dir), block_size=4)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    streams = drain(engine)
+    for i, off in enumerate(offline):
+        parts = streams[str(i)]
+        assert "".join(o.delta_text for o in parts) == off.text == parts[-1].text
+        assert sum(len(o.delta_token_ids) for o in parts) == len(off.token_ids) == 16
+        assert parts[-1].finished and not any(o.finished for o in parts[:-1])
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    base = llm.generate(["Once upon a time"], GREEDY)[0]
+    assert len(base.text) > 4
+    stop = base.text[2:4]
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == base.text[:base.text.index(stop)]
+    out = llm.generate(["Once upon a time"], SamplingParams(
+        max_tokens=16, temperature=0, stop=[stop], include_stop_str_in_output=True))[0]
+    assert out.text.endswith(stop)
+    tok = base.token_ids[3]
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    alone = llm.generate(["Once upon a time"], p)[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=1.0)
+    mixed = llm.generate(PROMPTS[1:] + ["Once upon a time"], [others] * 3 + [p])[3].token_ids
+    assert alone == mixed
+    assert llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=1.0, seed=99))[0].token_ids != alone
+
+
+def test_preemption_and_recompute_keep_results(llama_dir, llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    tight = LLM(str(llama_dir), block_size=4, kv_cache_tokens=48, enable_prefix_caching=False)
+    got = tight.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == want
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.block_manager.num_used_blocks == 0
+
+
+def test_priority_classes_are_served_first(llama_dir):
+    engine = LLMEngine(str(llama_dir), max_batch_size=1)
+    for name, prio in (("low", 5), ("high", 0), ("mid", 1)):
+        engine.add_request("Once upon", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                           request_id=name, priority=prio)
+    order = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "mid", "low"]
+
+
+def test_abort_frees_kv_blocks(llama_dir):
+    engine = LLMEngine(str(llama_dir), block_size=4)
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=50, temperature=0), request_id="a")
+    engine.add_request("The cat", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), request_id="b")
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert engine.abort("a") and not engine.abort("a")
+    drain(engine)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_logprobs_and_metrics(llm):
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp["token_id"] == tok and lp["top"][0][0] == tok and len(lp["top"]) == 3
+    m = out.metrics
+    assert m.num_output_tokens == 5 and m.num_forwards == 5 and m.tokens_per_forward == 1.0
+    assert m.time_to_first_token is not None and m.total_time >= m.time_to_first_token
+
+
+def test_bad_requests_raise_clear_errors(llm):
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(["word " * 400], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="unknown option"):
+        LLM(str(llm.engine.model_path), no_such_option=1)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM("no-such-model")
+
+
+def test_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt_token_ids[:1] == [1]
+
+
+def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
+    want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+    proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
+                           "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--stats",
+                           "Once upon a time"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want + "\n"
+    assert "tok/s" in proc.stderr

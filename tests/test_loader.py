@@ -1,0 +1,91 @@
+"""Broken checkpoints fail with a message that names the file and the problem."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from leapfrog.loader import CheckpointError, load_model
+
+
+@pytest.fixture
+def ckpt(llama_dir, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, folder)
+    return folder
+
+
+def test_unsupported_architecture(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*GPT2LMHeadModel"):
+        load_model(ckpt)
+
+
+def test_missing_config_and_weights(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(ckpt)
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_model(ckpt)
+
+
+def test_truncated_weights(ckpt):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_model(ckpt)
+
+
+def test_shape_mismatch_names_tensor(ckpt):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight.*shape mismatch"):
+        load_model(ckpt)
+
+
+def test_missing_tensor_is_reported(ckpt):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing.*layers\.1\.self_attn\.qkv_proj"):
+        load_model(ckpt)
+
+
+def test_sharded_index_and_missing_shard(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, ckpt / fname, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(ckpt)                                   # sharded loads fine
+    assert model.lm_head.weight.shape[0] == 384
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: weight shard missing"):
+        load_model(ckpt)
+
+
+def test_sha256sums_manifest_is_enforced(ckpt):
+    lines = []
+    for f in sorted(ckpt.iterdir()):
+        lines.append(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}")
+    (ckpt / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    load_model(ckpt)                                           # intact: loads
+    cfg = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(cfg.replace('"vocab_size"', ' "vocab_size"'))
+    with pytest.raises(CheckpointError, match=r"config\.json: SHA256 mismatch"):
+        load_model(ckpt)
