@@ -129,3 +129,16 @@ def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want + "\n"
     assert "tok/s" in proc.stderr
+
+
+def test_bf16_on_cpu_tracks_fp32(llama_dir):
+    import torch
+
+    from leapfrog.loader import load_model
+    ids = torch.tensor([[1, 5, 9, 30, 31, 32, 33]])
+    full = load_model(llama_dir).forward_dense(ids)
+    half = load_model(llama_dir, dtype=torch.bfloat16).forward_dense(ids)
+    assert half.dtype == torch.float32                     # logits are always returned in fp32
+    assert (half - full).abs().max() < 0.05 * full.abs().max()
+    out = LLM(str(llama_dir), dtype="bfloat16").generate(["Once upon"], GREEDY)[0]
+    assert out.metrics.num_output_tokens == 16
