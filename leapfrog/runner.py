@@ -24,6 +24,10 @@ class ModelRunner:
         self.device = device
         self.num_blocks = num_blocks
         self._allocate_cache(num_blocks * block_size, kv_dtype)
+        self.cpu_decode_kernel = False
+        if device.type == "cpu":
+            from leapfrog.layers.cpu_kernels import paged_attention_module
+            self.cpu_decode_kernel = paged_attention_module() is not None
 
     def _allocate_cache(self, num_slots: int, dtype: torch.dtype) -> None:
         for attn in self.model.attention_layers:
@@ -75,6 +79,12 @@ class ModelRunner:
         max_blocks = -(-lk // self.block_size)
         tables = torch.tensor([s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
                                for _, s in members], dtype=torch.long, device=dev)
+        rows0 = members[0][0]
+        contiguous = all(r == rows0 + i * lq and s.num_query == lq for i, (r, s) in enumerate(members))
+        if lq == 1 and contiguous and self.cpu_decode_kernel:
+            ctx_lens = torch.tensor([s.start_pos + 1 for _, s in members], dtype=torch.long, device=dev)
+            return AttnGroup(None, None, None, None, None, row_start=rows0, block_tables=tables,
+                             ctx_lens=ctx_lens, block_size=self.block_size)
         kpos = torch.arange(lk, device=dev)
         kv_slots = tables[:, kpos // self.block_size] * self.block_size + kpos % self.block_size
         qlen = torch.tensor([s.num_query for _, s in members], device=dev)
@@ -86,8 +96,6 @@ class ModelRunner:
         allowed = (kpos.view(1, 1, -1) < ctx) & \
             (kpos.view(1, 1, -1) // attn_block <= qpos.unsqueeze(-1) // attn_block)
         allowed |= ~q_valid.unsqueeze(-1) & (kpos == 0).view(1, 1, -1)       # padding rows: no NaNs
-        rows0 = members[0][0]
-        contiguous = all(r == rows0 + i * lq and s.num_query == lq for i, (r, s) in enumerate(members))
         # One query row per sequence, all with the full context: nothing to mask.
         mask = None if (lq == 1 and bool((ctx == lk).all())) else allowed.unsqueeze(1)
         if contiguous:

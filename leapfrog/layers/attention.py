@@ -23,6 +23,10 @@ class AttnGroup:
     out_rows: torch.Tensor | None   # [N] flat rows receiving the valid outputs (None when q_index is None)
     q_valid: torch.Tensor | None    # [B, Lq] which padded query cells are real
     row_start: int = 0
+    # Decode groups (one query per sequence) on CPU read the paged cache directly:
+    block_tables: torch.Tensor | None = None   # [B, max_blocks]
+    ctx_lens: torch.Tensor | None = None       # [B]
+    block_size: int = 0
 
 
 @dataclass(slots=True)
@@ -58,6 +62,8 @@ class Attention(nn.Module):
         return out
 
     def _group(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        if g.ctx_lens is not None:
+            return self._paged_decode(q, g)
         b = g.kv_slots.shape[0]
         if g.q_index is None:
             lq = 1 if g.mask is None else g.mask.shape[2]
@@ -75,6 +81,14 @@ class Attention(nn.Module):
         if g.q_index is None:
             return o.reshape(-1, self.num_heads, self.head_dim)
         return o[g.q_valid]
+
+    def _paged_decode(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        from leapfrog.layers.cpu_kernels import paged_attention_module
+        b = g.ctx_lens.shape[0]
+        qg = q[g.row_start:g.row_start + b]
+        o = paged_attention_module().paged_decode_attention(
+            qg, self.k_cache, self.v_cache, g.block_tables, g.ctx_lens, g.block_size, self.scale)
+        return o.to(q.dtype)
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         o = F.scaled_dot_product_attention(
