@@ -1,0 +1,368 @@
+"""`leapfrog serve`: the HTTP server (FastAPI + uvicorn).
+
+The engine runs in one background thread (server_engine.AsyncEngine); handlers validate,
+queue, and stream. Endpoints: POST /generate, /v1/completions, /v1/chat/completions;
+GET /v1/models, /health, /healthz, /ready, /metrics. Configuration: server_config.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from typing import Any, AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, retry_after_header
+from leapfrog.server_config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
+from leapfrog.server_engine import AsyncEngine, EngineError, Generation, RequestTimeout
+from leapfrog.server_metrics import ServerMetrics
+from leapfrog.server_openai import (Limits, Prepared, chat_logprobs, completion_logprobs, finish_reason,
+                                    new_id, now, prepare_chat, prepare_completion, sampling_params, sse,
+                                    usage, check_model, check_prompt)
+from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
+
+log = logging.getLogger("leapfrog.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
+
+
+class ServerState:
+    """Everything the handlers share; one per app."""
+
+    def __init__(self, cfg: ServerConfig, factory: Callable[[], Any]) -> None:
+        self.cfg = cfg
+        self.metrics = ServerMetrics(cfg.model_id)
+        timeout = cfg.request_timeout or None
+        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout)
+        self.auth = Authenticator(cfg.api_key, cfg.api_key_file, cfg.jwt_secret)
+        self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_limit_burst)
+        self.started = time.time()
+        self.draining = False
+        self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
+
+    def limits(self) -> Limits:
+        info = self.engine.info
+        return Limits({self.cfg.model_id, str(self.cfg.model)}, info.max_model_len, info.vocab_size,
+                      self.cfg.default_max_tokens, self.cfg.default_temperature, self.cfg.max_n)
+
+    # --- the gate every generation request passes ------------------------------------------
+    def authenticate(self, request: Request) -> str | None:
+        try:
+            return self.auth.check(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        except AuthError as exc:
+            self.metrics.reject("unauthorized")
+            raise APIError(401, str(exc), "authentication_error", None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"}) from None
+
+    def admit(self, request: Request) -> None:
+        identity = self.authenticate(request)
+        if self.draining:
+            raise APIError(503, "server is shutting down", "server_error", None, "shutting_down",
+                           {"Retry-After": "5", "Connection": "close"})
+        if not self.engine.ready.is_set():
+            raise APIError(503, "model is still loading", "server_error", None, "not_ready", {"Retry-After": "5"})
+        client = identity or (request.client.host if request.client else "unknown")
+        wait = self.limiter.acquire(client)
+        if wait > 0:
+            self.metrics.reject("rate_limited")
+            raise APIError(429, f"rate limit of {self.limiter.rate:g} requests/s exceeded; retry in "
+                           f"{wait:.1f}s", "rate_limit_error", None, "rate_limit_exceeded",
+                           {"Retry-After": retry_after_header(wait)})
+
+    def open(self, prep: Prepared, priority: int, arrival: float) -> Generation:
+        if self.engine.num_in_flight + len(prep.requests) > self.capacity:
+            self.metrics.reject("queue_full")
+            raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
+                           "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+        return Generation(self.engine, prep.requests, priority, arrival)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc), "timeout_error", None, "request_timeout")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    return APIError(500, f"internal error: {exc}", "server_error", None, "internal_error")
+
+
+async def run_to_end(gen: Generation, request: Request) -> dict[int, Any]:
+    """Non-streaming: the final output of every choice. A client that hangs up is noticed
+    within a second and its requests are aborted."""
+    final: dict[int, Any] = {}
+    try:
+        async for i, out in gen.outputs(request.is_disconnected):
+            if out.finished:
+                final[i] = out
+    except (RequestTimeout, EngineError, ValueError) as exc:
+        raise as_api_error(exc) from None
+    finally:
+        gen.close()
+    return final
+
+
+def sse_response(chunks: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    # The background task closes the generation even if streaming never started.
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(gen.close))
+
+
+async def stream_events(gen: Generation, render: Callable[[int, Any], dict | None],
+                        tail: Callable[[], list[dict]]) -> AsyncIterator[str]:
+    """SSE frames: one per output that says something, `tail()` frames, then [DONE]. An
+    error after the headers went out can only be reported in-band."""
+    try:
+        async for i, out in gen.outputs():
+            chunk = render(i, out)
+            if chunk is not None:
+                yield sse(chunk)
+        for chunk in tail():
+            yield sse(chunk)
+    except (RequestTimeout, EngineError, ValueError) as exc:
+        yield sse(as_api_error(exc).body())
+    finally:
+        gen.close()
+    yield sse("[DONE]")
+
+
+# --- app -------------------------------------------------------------------------------------
+def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
+    if engine_factory is None:
+        def engine_factory() -> Any:
+            from leapfrog.engine import LLMEngine
+            return LLMEngine(cfg.model, **cfg.engine_kwargs())
+    state = ServerState(cfg, engine_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start(asyncio.get_running_loop())
+        yield
+        state.draining = True     # uvicorn has already waited for in-flight requests
+        await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="leapfrog", lifespan=lifespan)
+    app.state.leapfrog = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return as_api_error(exc).response()
+
+    _add_probe_routes(app, state)
+    _add_generate_route(app, state)
+    _add_openai_routes(app, state)
+    return app
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        e = state.engine
+        if e.load_error is not None or (e.ready.is_set() and not e.alive):
+            return JSONResponse({"status": "unhealthy", "error": str(e.load_error or "engine thread stopped"),
+                                 "uptime": time.time() - state.started}, status_code=503)
+        return JSONResponse({"status": "healthy", "uptime": time.time() - state.started,
+                             "ready": e.ready.is_set() and not state.draining, "model": state.cfg.model_id})
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Liveness: the process answers and the engine thread has not died."""
+        ok = state.engine.load_error is None and (state.engine.alive or not state.engine.ready.is_set())
+        return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: loaded, warmed up, and not draining for shutdown."""
+        e = state.engine
+        status = ("failed" if e.load_error is not None else "draining" if state.draining
+                  else "ready" if e.ready.is_set() else "loading")
+        return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state.authenticate(request)
+        card = {"id": state.cfg.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
+                "max_model_len": state.engine.info.max_model_len, "method": state.engine.info.method}
+        return JSONResponse({"object": "list", "data": [card]})
+
+
+def _add_generate_route(app: FastAPI, state: ServerState) -> None:
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        """The simple contract: prompt + max_tokens (or max_length) -> text, counts, timing."""
+        arrival = time.perf_counter()
+        state.admit(request)
+        req = parse_body(await request.body(), GenerateRequest)
+        limits = state.limits()
+        check_model(req.model, limits)
+        if req.max_tokens is not None and req.max_length not in (None, req.max_tokens):
+            raise bad_request("max_tokens and max_length disagree", "max_length")
+        ids = state.engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        check_prompt(ids, limits)
+        max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
+        prep = Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
+        gen = state.open(prep, req.priority, arrival)
+        if req.stream:
+            def render(i: int, out: Any) -> dict | None:
+                if not out.delta_text and not out.finished:
+                    return None
+                return {"text": out.delta_text, "num_tokens": len(out.token_ids),
+                        "finished": out.finished, "finish_reason": finish_reason(out)}
+            return sse_response(stream_events(gen, render, lambda: []), gen)
+        out = (await run_to_end(gen, request))[0]
+        total = time.perf_counter() - arrival
+        m = out.metrics
+        return {"text": out.text, "model": state.cfg.model_id, "num_tokens": len(out.token_ids),
+                "prompt_tokens": len(ids), "finish_reason": finish_reason(out),
+                "tokens_per_forward": m.tokens_per_forward,
+                "timing": {"total_s": total, "time_to_first_token_s": m.time_to_first_token,
+                           "tokens_per_s": len(out.token_ids) / total if total > 0 else 0.0}}
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        arrival = time.perf_counter()
+        state.admit(request)
+        req = parse_body(await request.body(), CompletionRequest)
+        tok = state.engine.tokenizer
+        prep = prepare_completion(req, state.limits(), tok)
+        gen = state.open(prep, req.priority, arrival)
+        rid, created, model = new_id("cmpl"), now(), state.cfg.model_id
+        if req.stream:
+            return sse_response(_stream_completion(gen, req, prep, tok, rid, created, model), gen)
+        final = await run_to_end(gen, request)
+        choices = []
+        for i in range(len(prep.requests)):
+            out = final[i]
+            lp = completion_logprobs(out.logprobs or [], tok, 0) if req.logprobs is not None else None
+            choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
+        n_out = sum(len(o.token_ids) for o in final.values())
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": usage(prep, n_out)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        arrival = time.perf_counter()
+        state.admit(request)
+        req = parse_body(await request.body(), ChatRequest)
+        tok = state.engine.tokenizer
+        prep = prepare_chat(req, state.limits(), tok)
+        gen = state.open(prep, req.priority, arrival)
+        rid, created, model = new_id("chatcmpl"), now(), state.cfg.model_id
+        if req.stream:
+            return sse_response(_stream_chat(gen, req, prep, tok, rid, created, model), gen)
+        final = await run_to_end(gen, request)
+        choices = []
+        for i in range(len(prep.requests)):
+            out = final[i]
+            lp = chat_logprobs(out.logprobs or [], tok) if req.logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": lp, "finish_reason": finish_reason(out)})
+        n_out = sum(len(o.token_ids) for o in final.values())
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage(prep, n_out)}
+
+
+def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
+                       rid: str, created: int, model: str) -> AsyncIterator[str]:
+    n = len(prep.requests)
+    sent_lp, offsets, counts = [0] * n, [0] * n, [0] * n
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+
+    def render(i: int, out: Any) -> dict | None:
+        counts[i] = len(out.token_ids)
+        lp = None
+        if req.logprobs is not None and out.logprobs:
+            lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i])
+            sent_lp[i] = len(out.logprobs)
+            offsets[i] += sum(len(t) for t in lp["tokens"])
+        if not out.delta_text and not out.finished and lp is None:
+            return None
+        return {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
+                                     "finish_reason": finish_reason(out)}]}
+
+    def tail() -> list[dict]:
+        if req.stream_options and req.stream_options.include_usage:
+            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
+        return []
+    return stream_events(gen, render, tail)
+
+
+def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
+                 rid: str, created: int, model: str) -> AsyncIterator[str]:
+    n = len(prep.requests)
+    sent_lp, counts, started = [0] * n, [0] * n, [False] * n
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def render(i: int, out: Any) -> dict | None:
+        counts[i] = len(out.token_ids)
+        lp = None
+        if req.logprobs and out.logprobs:
+            lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok)
+            sent_lp[i] = len(out.logprobs)
+        if not out.delta_text and not out.finished and lp is None:
+            return None
+        delta = {"content": out.delta_text}
+        if not started[i]:          # OpenAI streams announce the role in a choice's first delta
+            delta, started[i] = {"role": "assistant", **delta}, True
+        return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                     "finish_reason": finish_reason(out)}]}
+
+    def tail() -> list[dict]:
+        if req.stream_options and req.stream_options.include_usage:
+            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
+        return []
+    return stream_events(gen, render, tail)
+
+
+# --- command line ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="leapfrog serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Precedence: flags > environment (LEAPFROG_<KEY>; also CACHE_SIZE, MAX_TOKENS, BATCH_SIZE, "
+               "TEMPERATURE) > --config file > defaults. See examples/*.yaml.")
+    add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = build_config(flags_from_args(args))
+    except ConfigError as exc:
+        print(f"leapfrog serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper() if cfg.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(cfg)
+    server = DrainingServer(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
+        ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None))
+    log.info("serving %s on %s://%s:%d", cfg.model_id, "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
+    server.run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT, readiness turns false at once (so a load balancer stops sending)
+    while uvicorn finishes the requests in flight, up to shutdown_timeout."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.config.app.state.leapfrog.draining = True
+        super().handle_exit(sig, frame)

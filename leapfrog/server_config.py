@@ -1,0 +1,279 @@
+"""Server configuration: defaults < config file < environment < command-line flags.
+
+One flat key space: the server's own keys (SERVER_FIELDS), every EngineConfig field (so a new
+engine option is configurable everywhere without touching this file) and `method_options`.
+Deployment guides use other words for some of them; ALIASES maps those onto ours. Unknown
+keys are errors; every error names the key, the value and where it came from.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from leapfrog.config import DEFAULT_MODEL, EngineConfig
+
+# Deployment-guide vocabulary -> our keys. CACHE_SIZE is a token count ("4096"), or a byte
+# size with a unit ("512MiB", "2GB"), which then sets kv_cache_bytes instead.
+ALIASES = {
+    "max_seq_len": "max_model_len",
+    "batch_size": "max_batch_size",
+    "cache_size": "kv_cache_tokens",
+    "max_tokens": "default_max_tokens",
+    "temperature": "default_temperature",
+}
+BARE_ENV = ("CACHE_SIZE", "MAX_TOKENS", "BATCH_SIZE", "TEMPERATURE")   # read without a prefix
+ENV_PREFIX = "LEAPFROG_"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    # model
+    model: str = DEFAULT_MODEL
+    method: str | None = None                  # default: the model's best lossless method
+    draft_model: str | None = None
+    served_model_name: str | None = None       # the `model` clients send; default: `model`
+    method_options: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)  # EngineConfig fields that were set
+    # HTTP
+    host: str = "0.0.0.0"                      # all interfaces: the server is meant for containers
+    port: int = 8080
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    log_level: str = "info"
+    # request defaults
+    default_max_tokens: int = 256
+    default_temperature: float = 1.0
+    max_n: int = 16                            # most choices one request may ask for
+    # protection
+    max_queue_size: int = 256                  # requests beyond the batch before 429
+    request_timeout: float = 600.0             # seconds; 0 = none
+    rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
+    rate_limit_burst: int = 0                  # bucket size; 0 = max(1, 2 x rate_limit)
+    api_key: list = field(default_factory=list)
+    api_key_file: str | None = None
+    jwt_secret: str | None = None              # HS256 bearer tokens
+    # lifecycle
+    warmup_requests: int = 3
+    shutdown_timeout: float = 30.0             # seconds to finish in-flight requests
+
+    def engine_kwargs(self) -> dict:
+        from leapfrog.methods import default_method
+        return dict(method=self.method or default_method(self.model), draft_model=self.draft_model,
+                    **self.engine, **self.method_options)
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.model).name or str(self.model)
+
+
+_SERVER_TYPES = {f.name: f.type for f in fields(ServerConfig) if f.name != "engine"}
+_ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
+KEYS = {**_ENGINE_TYPES, **_SERVER_TYPES}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# --- parsing one value ---------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Check (file/JSON values) or parse (environment strings) one value by its key's type."""
+    kind = KEYS[key]
+    from_text = isinstance(value, str) and source.startswith("env")
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{source}: {key}={value!r}: {why}")
+    if value is None:
+        if "None" in kind:
+            return None
+        raise bad("must not be empty")
+    base = kind.replace(" | None", "")
+    if base == "bool":
+        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, bool):
+            return value
+        raise bad("expected true or false")
+    if base == "int":
+        if from_text and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad("expected an integer")
+    if base == "float":
+        if from_text:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("expected a number") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad("expected a number")
+    if base == "list":
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise bad("expected a list of strings")
+    if base == "dict":
+        if from_text:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise bad("expected a JSON object") from None
+        if isinstance(value, dict):
+            return value
+        raise bad("expected a mapping")
+    if not isinstance(value, str):
+        raise bad("expected a string")
+    return value
+
+
+def _canonical(key: str, value: Any, source: str) -> tuple[str, Any]:
+    name = key.lower() if key.isupper() else key
+    name = name.replace("-", "_")
+    name = ALIASES.get(name, name)
+    if name not in KEYS:
+        close = difflib.get_close_matches(name, list(KEYS) + list(ALIASES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{source}: unknown key {key!r}{hint}")
+    if name == "kv_cache_tokens" and isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2):
+            if m.group(2).lower() not in _UNITS:
+                raise ConfigError(f"{source}: {key}={value!r}: unknown size unit {m.group(2)!r}")
+            return "kv_cache_bytes", int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return name, _coerce(name, value, source)
+
+
+def _merge_layer(layer: dict, out: dict, source: str) -> None:
+    seen: dict[str, str] = {}
+    for key, value in layer.items():
+        name, parsed = _canonical(str(key), value, source)
+        if name in seen and out[name] != parsed:
+            raise ConfigError(f"{source}: {key!r} and {seen[name]!r} both set {name} to different values")
+        seen[name] = str(key)
+        out[name] = parsed
+
+
+# --- the three sources -----------------------------------------------------------------------
+def read_file(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:
+        raise ConfigError(f"config file {str(p)!r}: cannot parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a mapping of keys to values")
+    return data
+
+
+def read_env(environ: dict[str, str]) -> dict:
+    """LEAPFROG_<KEY> for every key and alias, plus the guides' bare names (BARE_ENV).
+    Other LEAPFROG_* variables belong to other parts of leapfrog and are left alone."""
+    names = set(KEYS) | set(ALIASES)
+    out = {}
+    for var, value in environ.items():
+        if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() in names:
+            out[var[len(ENV_PREFIX):].lower()] = value
+    for var in BARE_ENV:
+        if var in environ and var.lower() not in out:
+            out[var.lower()] = environ[var]
+    return out
+
+
+def build_config(flags: dict, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Merge defaults < file (--config or LEAPFROG_CONFIG) < environment < flags, and validate."""
+    environ = dict(os.environ if environ is None else environ)
+    flags = {k: v for k, v in flags.items() if v is not None}
+    path = flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    merged: dict = {}
+    if path:
+        _merge_layer(read_file(path), merged, f"config file {path}")
+    env_layer: dict = {}
+    _merge_layer(read_env(environ), env_layer, "environment")
+    merged.update(env_layer)
+    flag_layer: dict = {}
+    _merge_layer(flags, flag_layer, "command line")
+    if "method_options" in flag_layer:      # --option adds to the file's options
+        flag_layer["method_options"] = {**merged.get("method_options", {}), **flag_layer["method_options"]}
+    merged.update(flag_layer)
+    return _finish(merged)
+
+
+def _finish(merged: dict) -> ServerConfig:
+    engine = {k: merged.pop(k) for k in list(merged) if k in _ENGINE_TYPES}
+    # Engine options that are also EngineConfig fields may be passed in method_options by
+    # mistake; hand them to the engine where they belong.
+    cfg = ServerConfig(**merged, engine=engine)
+    try:
+        EngineConfig(**engine).validate()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: ServerConfig) -> None:
+    def check(key: str, ok: bool, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: {why}")
+    check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
+    check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+          "expected critical, error, warning, info, debug or trace")
+    for key in ("default_max_tokens", "max_n"):
+        check(key, getattr(cfg, key) >= 1, "must be >= 1")
+    for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
+        check(key, getattr(cfg, key) >= 0, "must be >= 0")
+    for key in ("default_temperature", "request_timeout", "rate_limit", "shutdown_timeout"):
+        check(key, getattr(cfg, key) >= 0, "must be >= 0")
+    check("ssl_keyfile", bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile),
+          "ssl_certfile and ssl_keyfile must be given together")
+    for key in ("ssl_certfile", "ssl_keyfile", "api_key_file"):
+        check(key, getattr(cfg, key) is None or Path(getattr(cfg, key)).is_file(), "file not found")
+
+
+# --- command line ----------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per key, all defaulting to None so that build_config sees only what was typed."""
+    p.add_argument("--config", help="YAML or JSON config file (env LEAPFROG_CONFIG)")
+    p.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
+                   help="decoding-method option, e.g. --option num_draft_tokens=8 (repeatable)")
+    for key, kind in KEYS.items():
+        if key == "method_options":
+            continue
+        flag = "--" + key.replace("_", "-")
+        base = kind.replace(" | None", "")
+        help_text = f"(env {ENV_PREFIX}{key.upper()})"
+        if base == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif base == "list":
+            p.add_argument(flag, action="append", default=None, help=help_text + " (repeatable)")
+        else:
+            typ = {"int": int, "float": float}.get(base, str)
+            p.add_argument(flag, type=typ, default=None, help=help_text)
+
+
+def flags_from_args(args: argparse.Namespace) -> dict:
+    from leapfrog.generate import parse_options
+    flags = {k: v for k, v in vars(args).items() if k in KEYS or k == "config"}
+    if args.option:
+        flags["method_options"] = parse_options(args.option)
+    return flags

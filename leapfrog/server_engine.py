@@ -1,0 +1,338 @@
+"""AsyncEngine: one background thread owns the (not thread-safe) LLMEngine.
+
+The event loop talks to it through a thread-safe inbox (add / abort); the thread hands each
+step's outputs back to per-request asyncio queues with one `call_soon_threadsafe` per step,
+so a busy batch wakes the loop once per step rather than once per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from leapfrog.outputs import RequestOutput
+from leapfrog.sampling_params import SamplingParams
+from leapfrog.server_metrics import ServerMetrics
+
+log = logging.getLogger("leapfrog.server")
+
+
+class RequestTimeout(Exception):
+    """The request ran past the server's per-request timeout and was aborted."""
+
+
+class EngineError(Exception):
+    """The engine failed while this request was in flight."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Per-request timing kept by the engine thread for the latency histograms."""
+    sink: asyncio.Queue
+    arrival: float
+    deadline: float | None
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    tracked: _Tracked
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """Read-only facts about the loaded engine, for the HTTP layer."""
+    model_name: str = ""
+    max_model_len: int = 0
+    method: str = ""
+    vocab_size: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    def __init__(self, factory: Callable[[], Any], metrics: ServerMetrics, warmup_requests: int = 3,
+                 request_timeout: float | None = None) -> None:
+        self._factory = factory
+        self.metrics = metrics
+        self.warmup_requests = warmup_requests
+        self.request_timeout = request_timeout
+        self._inbox: queue.Queue = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.info = EngineInfo()
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.num_in_flight = 0            # event-loop side count, for the queue limit
+        self._finished_tokens = 0         # output tokens of finished requests (tokens/forward)
+        self._last_publish = 0.0
+
+    # --- lifecycle (event loop side) -------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.load_error is None
+
+    # --- requests (event loop side) --------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue,
+               priority: int = 0, arrival: float | None = None) -> str:
+        """Queue a request; its outputs (or an exception) arrive on `sink` as (id, item)."""
+        request_id = f"req-{next(self._ids)}"
+        arrival = arrival or time.perf_counter()
+        deadline = arrival + self.request_timeout if self.request_timeout else None
+        tracked = _Tracked(sink, arrival, deadline, len(prompt_ids))
+        self._inbox.put(_Add(request_id, prompt_ids, params, priority, tracked))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future":
+        """Run fn(engine) on the engine thread (debug hooks, tests); returns an awaitable."""
+        fut = self._loop.create_future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    # --- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+            self.tokenizer = self.engine.tokenizer
+            e = self.engine
+            self.info = EngineInfo(e.model_name, e.max_model_len, e.method_name,
+                                   int(e.hf_config.get("vocab_size", 0)))
+            self._warmup()
+        except BaseException as exc:       # surfaced by /health and the startup log
+            self.load_error = exc
+            log.error("engine failed to load: %s", exc)
+            traceback.print_exc()
+            return
+        self._publish(force=True)
+        self.ready.set()
+        log.info("engine ready: %s (%s), context %d", self.info.model_name, self.info.method,
+                 self.info.max_model_len)
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            self._expire()
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish()
+        for request_id in list(self._tracked):   # stop() after graceful drain: nothing left normally
+            self._abort(request_id, EngineError("server is shutting down"))
+
+    def _warmup(self) -> None:
+        """A few requests of different lengths, so first real requests do not pay for lazy
+        allocations and kernel selection, and readiness means 'answers at full speed'."""
+        e = self.engine
+        lengths = [4, 32, 128, 512][:max(0, self.warmup_requests)]
+        for n in lengths:
+            n = max(1, min(n, e.max_model_len - 9))
+            ids = [(7 * i + 3) % max(2, self.info.vocab_size) for i in range(n)]
+            e.add_request(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                          request_id=f"warmup-{n}")
+        while e.has_unfinished():
+            e.step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:           # None only wakes the thread (stop)
+                self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Add):
+            try:
+                self.engine.add_request(item.prompt_ids, item.params, item.request_id, item.priority)
+            except ValueError as exc:
+                self._deliver([(item.tracked.sink, (item.request_id, exc))])
+                return
+            self._tracked[item.request_id] = item.tracked
+            self.metrics.add("prompt_tokens", item.tracked.num_prompt_tokens)
+        elif item[0] == "abort":
+            self._abort(item[1], None)
+        elif item[0] == "call":
+            _, fn, fut = item
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as err:
+                result, exc = None, err
+            self._loop.call_soon_threadsafe(_resolve, fut, result, exc)
+
+    def _abort(self, request_id: str, reason: BaseException | None) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.engine.abort(request_id)       # frees its KV blocks now
+        self.metrics.finished("abort" if reason is None else type(reason).__name__.lower())
+        if reason is not None:
+            self._deliver([(tracked.sink, (request_id, reason))])
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for request_id, t in list(self._tracked.items()):
+            if t.deadline is not None and now > t.deadline:
+                self._abort(request_id, RequestTimeout(f"request exceeded the {self.request_timeout:g}s timeout"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:       # fail the requests in flight, keep serving new ones
+            log.exception("engine step failed")
+            for request_id in list(self._tracked):
+                self._abort(request_id, EngineError(f"engine error: {exc}"))
+            return
+        now = time.perf_counter()
+        batch = []
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            self._record(tracked, out, now)
+            if out.finished:
+                del self._tracked[out.request_id]
+            batch.append((tracked.sink, (out.request_id, out)))
+        if batch:
+            self._deliver(batch)
+
+    def _record(self, t: _Tracked, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        n_new = len(out.delta_token_ids)
+        if n_new:
+            if t.first_token is None:
+                t.first_token = now
+                m.observe("time_to_first_token_seconds", now - t.arrival)
+            else:
+                gap = (now - t.last_token) / n_new
+                for _ in range(n_new):
+                    m.observe("inter_token_latency_seconds", gap)
+            t.last_token = now
+            t.num_tokens += n_new
+            m.add("generation_tokens", n_new)
+        if not out.finished:
+            return
+        m.finished(out.finish_reason or "unknown")
+        m.observe("e2e_request_latency_seconds", now - t.arrival)
+        if t.first_token is not None and t.num_tokens > 1:
+            m.observe("time_per_output_token_seconds", (now - t.first_token) / (t.num_tokens - 1))
+        if out.metrics.num_forwards:
+            m.observe("request_tokens_per_forward", out.metrics.tokens_per_forward)
+            m.add("request_forwards", out.metrics.num_forwards)
+            self._finished_tokens += out.metrics.num_output_tokens
+        m.add("num_preemptions", out.metrics.num_preemptions)
+
+    def _deliver(self, batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+        self._loop.call_soon_threadsafe(_put_all, batch)
+
+    def _publish(self, force: bool = False) -> None:
+        """Copy engine gauges for /metrics at most every 50 ms (reading them from the event
+        loop would race with the step)."""
+        now = time.perf_counter()
+        if not force and now - self._last_publish < 0.05:
+            return
+        self._last_publish = now
+        e, bm = self.engine, self.engine.block_manager
+        gen = self._finished_tokens
+        fwd = self.metrics.counters["request_forwards"]
+        snapshot = {
+            "num_requests_running": e.num_running, "num_requests_waiting": e.num_waiting,
+            "kv_cache_usage_perc": bm.num_used_blocks / bm.num_blocks, "kv_cache_num_blocks": bm.num_blocks,
+            "kv_cache_used_blocks": bm.num_used_blocks,
+            "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
+            "engine_steps": e.stats.num_steps, "tokens_per_forward": gen / fwd if fwd else 0.0,
+        }
+        self.metrics.publish(snapshot, e.method_name, dict(e.method.stats()))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class Generation:
+    """The engine requests behind one HTTP request (n choices x prompts), merged into one
+    stream of (choice index, output). close() aborts whatever is unfinished; it is called on
+    every exit path, including a client that went away."""
+
+    def __init__(self, engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]],
+                 priority: int = 0, arrival: float | None = None) -> None:
+        self._engine = engine
+        self._sink: asyncio.Queue = asyncio.Queue()
+        engine.num_in_flight += len(requests)
+        self._index = {engine.submit(ids, params, self._sink, priority, arrival): i
+                       for i, (ids, params) in enumerate(requests)}
+        self._live = set(self._index)
+        self._closed = False
+
+    async def outputs(self, is_disconnected: Callable[[], Any] | None = None):
+        """Yields (index, RequestOutput); raises the request's exception if it failed.
+        With `is_disconnected`, the wait is cut into 1 s slices to notice a client gone
+        while its request is still queued."""
+        while self._live:
+            if is_disconnected is None:
+                request_id, item = await self._sink.get()
+            else:
+                try:
+                    request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        self.close()
+                        return
+                    continue
+            if isinstance(item, BaseException):
+                self._live.discard(request_id)
+                raise item
+            if item.finished:
+                self._live.discard(request_id)
+            yield self._index[request_id], item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in self._live:
+            self._engine.abort(request_id)
+        self._live.clear()
+        self._engine.num_in_flight -= len(self._index)

@@ -1,0 +1,198 @@
+"""Turning HTTP bodies into engine requests, and engine outputs into OpenAI-shaped responses.
+
+Shared by /generate, /v1/completions and /v1/chat/completions: all checks that can fail do so
+here, before anything is queued, so that a streaming response never starts with a bad request.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from leapfrog.outputs import RequestOutput
+from leapfrog.sampling_params import SamplingParams
+from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, _Sampling, bad_request, field_of
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
+
+
+@dataclass(slots=True)
+class Limits:
+    """What the HTTP layer needs to know about the engine and the server's defaults."""
+    model_ids: set[str]
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+    default_temperature: float
+    max_n: int
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompts: list[list[int]]                    # token ids, one per prompt
+    requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)   # prompt x n
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    if model is not None and model not in limits.model_ids:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{sorted(limits.model_ids)[0]!r}", "invalid_request_error", "model", "model_not_found")
+
+
+def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
+    if not ids:
+        raise bad_request("prompt is empty", param, "empty_prompt")
+    if any(t < 0 or t >= limits.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {limits.vocab_size})", param, "invalid_token_id")
+    if len(ids) >= limits.max_model_len:
+        raise bad_request(f"prompt has {len(ids)} tokens but the model's context is {limits.max_model_len} "
+                          "tokens, leaving no room to generate", param, "context_length_exceeded")
+
+
+def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens: int | None,
+                    seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
+    room = limits.max_model_len - prompt_len
+    explicit = max_tokens is not None
+    if not explicit:
+        max_tokens = min(limits.default_max_tokens, room)
+    kw: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              temperature=limits.default_temperature if req.temperature is None else req.temperature)
+    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.seed is not None:
+        kw["seed"] = req.seed + seed_offset
+    kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    kw["stop_token_ids"] = list(req.stop_token_ids or [])
+    try:
+        params = SamplingParams(**kw)
+    except ValueError as exc:
+        raise bad_request(str(exc), field_of(str(exc)), "invalid_value") from None
+    if explicit and max_tokens > room:
+        raise bad_request(f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                          f"model's context of {limits.max_model_len} tokens", "max_tokens",
+                          "context_length_exceeded")
+    return params
+
+
+def check_n(n: int, limits: Limits) -> None:
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"n={n}: must be between 1 and {limits.max_n}", "n", "invalid_value")
+
+
+# --- /v1/completions ------------------------------------------------------------------------
+def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -> Prepared:
+    check_model(req.model, limits)
+    check_n(req.n, limits)
+    if req.echo or req.suffix or (req.best_of or 1) > req.n or req.logit_bias:
+        name = next(k for k in ("echo", "suffix", "best_of", "logit_bias") if getattr(req, k))
+        raise bad_request(f"{name} is not supported", name, "unsupported")
+    p = req.prompt
+    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts:
+        raise bad_request("prompt is empty", "prompt", "empty_prompt")
+    ids = [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+    prep = Prepared(ids)
+    for prompt_ids in ids:
+        check_prompt(prompt_ids, limits)
+        for j in range(req.n):
+            prep.requests.append((prompt_ids, sampling_params(req, limits, len(prompt_ids), req.max_tokens,
+                                                              j, req.logprobs)))
+    return prep
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------
+def render_chat(req: ChatRequest, tokenizer: Any) -> list[int]:
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text or "" for part in content if part.type == "text")
+        messages.append({"role": m.role, "content": content or ""})
+    if not messages:
+        raise bad_request("messages must not be empty", "messages", "empty_prompt")
+    if getattr(tokenizer, "has_chat_template", False):
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as exc:        # templates raise on e.g. unsupported roles
+            raise bad_request(f"chat template failed: {exc}", "messages", "invalid_messages") from None
+    else:
+        text = "".join(FALLBACK_CHAT.format(**m) for m in messages)
+        text += "assistant:" if req.add_generation_prompt else ""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:2] == [bos, bos]:   # template wrote <s> and encode added one
+        ids = ids[1:]
+    return ids
+
+
+def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
+    check_model(req.model, limits)
+    check_n(req.n, limits)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+    if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
+        raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
+    ids = render_chat(req, tokenizer)
+    check_prompt(ids, limits, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prep = Prepared([ids])
+    for j in range(req.n):
+        prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs)))
+    return prep
+
+
+# --- responses --------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return FINISH_REASONS.get(out.finish_reason or "", "stop") if out.finished else None
+
+
+def usage(prep: Prepared, num_completion_tokens: int) -> dict:
+    prompt = sum(len(p) for p in prep.prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
+            "total_tokens": prompt + num_completion_tokens}
+
+
+def _token_str(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int) -> dict:
+    """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tok = _token_str(tokenizer, e["token_id"])
+        tokens.append(tok)
+        lps.append(e["logprob"])
+        tops.append({_token_str(tokenizer, i): lp for i, lp in e["top"]})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
+    def one(token_id: int, lp: float) -> dict:
+        tok = _token_str(tokenizer, token_id)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+    return {"content": [{**one(e["token_id"], e["logprob"]),
+                         "top_logprobs": [one(i, lp) for i, lp in e["top"]]} for e in entries]}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())

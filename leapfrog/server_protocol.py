@@ -1,0 +1,137 @@
+"""Request bodies (pydantic, strict) and the OpenAI error shape.
+
+Bodies are strict (no "5" for 5) and closed (an unknown field is an error): a typo such as
+`max_token` silently ignored would cost a user far more than a 400 does.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class APIError(Exception):
+    """An error with an HTTP status that says whose fault it was; rendered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Sampling(_Strict):
+    """Fields shared by /generate, /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    priority: int = 0                      # extension (vLLM's): lower runs first
+    user: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerateRequest(_Sampling):
+    prompt: str | list[int]
+    max_length: int | None = None          # alias of max_tokens: new tokens, not prompt + new
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    stream_options: StreamOptions | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)   # tool_calls etc. pass through
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    n: int = 1
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes -> validated model, or a 400 naming the first offending field."""
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _is_type_tag(str(p)))
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field {loc!r}", loc, "unknown_field") from None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required field {loc!r}", loc, "missing_field") from None
+        got = json.dumps(err.get("input"))[:80]
+        raise bad_request(f"{loc}: {err['msg'].lower()} (got {got})", loc, "invalid_type") from None
+
+
+def _is_type_tag(part: str) -> bool:
+    """Union errors put the tried type into `loc` ('prompt', 'list[int]', 0); drop those."""
+    return "[" in part or part in _TYPE_TAGS or part.startswith("function-")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPart", "StreamOptions"}
+
+
+def field_of(message: str) -> str | None:
+    """SamplingParams errors start with 'name=value:'; pull out the name for `param`."""
+    head = message.split("=", 1)[0]
+    return head if head.isidentifier() else None

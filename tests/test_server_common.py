@@ -1,0 +1,88 @@
+"""Helpers for the server tests: the real app under uvicorn on a free local port, in a thread."""
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from leapfrog.server import DrainingServer, create_app
+from leapfrog.server_config import build_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """`leapfrog serve` in-process: same app, same uvicorn, no subprocess start-up cost."""
+
+    def __init__(self, model_dir: Path, **options: object) -> None:
+        flags = {"model": str(model_dir), "host": "127.0.0.1", "port": free_port(), "warmup_requests": 1,
+                 "max_batch_size": 8, "served_model_name": "tiny", "log_level": "warning",
+                 "shutdown_timeout": 10.0, **options}
+        self.cfg = build_config(flags, environ={})
+        self.app = create_app(self.cfg)
+        self.state = self.app.state.leapfrog
+        self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1", port=self.cfg.port,
+                                                    log_level="warning", timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.cfg.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not become ready")
+
+    def stop(self) -> None:
+        self.server.handle_exit(15, None)
+        self.thread.join(timeout=30)
+
+    def metric(self, name: str) -> float:
+        """Value of one unlabelled-but-model_name series from /metrics."""
+        text = httpx.get(self.url + "/metrics").text
+        m = re.search(rf"^leapfrog:{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    def wait_idle(self, timeout: float = 5.0) -> float:
+        """Waits until no KV blocks are in use; returns the last seen count."""
+        deadline = time.time() + timeout
+        used = -1.0
+        while time.time() < deadline:
+            used = self.metric("kv_cache_used_blocks")
+            if used == 0 and self.metric("num_requests_running") == 0:
+                return 0.0
+            time.sleep(0.05)
+        return used
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def still_works(url: str, headers: dict | None = None) -> None:
+    r = httpx.post(url + "/generate", json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0},
+                   headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tokens"] >= 1
