@@ -25,7 +25,7 @@ from leapfrog.server_engine import AsyncEngine, EngineError, Generation, Request
 from leapfrog.server_metrics import ServerMetrics
 from leapfrog.server_openai import (Limits, Prepared, chat_logprobs, completion_logprobs, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse,
-                                    usage, check_model, check_prompt)
+                                    usage, check_model, check_prompt, encode_prompt)
 from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
 
 log = logging.getLogger("leapfrog.server")
@@ -212,7 +212,7 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         check_model(req.model, limits)
         if req.max_tokens is not None and req.max_length not in (None, req.max_tokens):
             raise bad_request("max_tokens and max_length disagree", "max_length")
-        ids = state.engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        ids = encode_prompt(req.prompt, state.engine.tokenizer)
         check_prompt(ids, limits)
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
         prep = Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])

@@ -308,19 +308,21 @@ class Generation:
 
     async def outputs(self, is_disconnected: Callable[[], Any] | None = None):
         """Yields (index, RequestOutput); raises the request's exception if it failed.
-        With `is_disconnected`, the wait is cut into 1 s slices to notice a client gone
-        while its request is still queued."""
+        With `is_disconnected`, the client is polled about once a second, whether tokens
+        are flowing or the request is still queued."""
+        last_check = time.monotonic()
         while self._live:
-            if is_disconnected is None:
-                request_id, item = await self._sink.get()
-            else:
-                try:
-                    request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await is_disconnected():
-                        self.close()
-                        return
-                    continue
+            try:
+                request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                request_id, item = None, None
+            if is_disconnected is not None and time.monotonic() - last_check >= 1.0:
+                last_check = time.monotonic()
+                if await is_disconnected():
+                    self.close()
+                    return
+            if request_id is None:
+                continue
             if isinstance(item, BaseException):
                 self._live.discard(request_id)
                 raise item

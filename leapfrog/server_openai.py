@@ -52,6 +52,14 @@ def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
                           "tokens, leaving no room to generate", param, "context_length_exceeded")
 
 
+def encode_prompt(prompt: str | list[int], tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:      # encode("") is [BOS], which would pass as a prompt
+            raise bad_request("prompt is empty", "prompt", "empty_prompt")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
 def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens: int | None,
                     seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
     room = limits.max_model_len - prompt_len
@@ -96,7 +104,7 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
         raise bad_request("prompt is empty", "prompt", "empty_prompt")
-    ids = [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+    ids = [encode_prompt(x, tokenizer) for x in prompts]
     prep = Prepared(ids)
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)

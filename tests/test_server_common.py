@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import socket
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -30,17 +31,20 @@ class ServerThread:
         self.cfg = build_config(flags, environ={})
         self.app = create_app(self.cfg)
         self.state = self.app.state.leapfrog
-        self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1", port=self.cfg.port,
-                                                    log_level="warning", timeout_graceful_shutdown=10))
+        self.server = DrainingServer(uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.cfg.port, log_level="warning", timeout_graceful_shutdown=10,
+            ssl_certfile=self.cfg.ssl_certfile, ssl_keyfile=self.cfg.ssl_keyfile))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.cfg.port}"
+        scheme = "https" if self.cfg.ssl_certfile else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.cfg.port}"
+        self.verify = ssl.create_default_context(cafile=self.cfg.ssl_certfile) if self.cfg.ssl_certfile else True
 
     def start(self, timeout: float = 60.0) -> "ServerThread":
         self.thread.start()
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=1, verify=self.verify).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
