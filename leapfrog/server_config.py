@@ -72,6 +72,33 @@ class ServerConfig:
         return self.served_model_name or Path(self.model).name or str(self.model)
 
 
+HELP = {
+    "model": f"checkpoint folder or built-in model name (default {DEFAULT_MODEL})",
+    "method": "decoding method: ar, dflash, dspark, diffusion (default: the model's best lossless one)",
+    "draft_model": "drafter checkpoint folder for speculative methods",
+    "served_model_name": "model id clients send and /v1/models lists (default: --model)",
+    "host": "address to bind (default 0.0.0.0: all interfaces; use 127.0.0.1 for local only)",
+    "port": "port (default 8080)",
+    "ssl_certfile": "TLS certificate (PEM); with --ssl-keyfile serves HTTPS",
+    "ssl_keyfile": "TLS private key (PEM)",
+    "log_level": "critical, error, warning, info (default), debug, trace",
+    "default_max_tokens": "max_tokens for requests that give none (default 256; guide name MAX_TOKENS)",
+    "default_temperature": "temperature for requests that give none (default 1.0; guide name TEMPERATURE)",
+    "max_n": "most choices (n) one request may ask for (default 16)",
+    "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
+    "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
+    "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
+    "rate_limit_burst": "token-bucket size per client (default 2 x rate_limit)",
+    "api_key": "accepted API key (repeatable; env: comma-separated)",
+    "api_key_file": "file of accepted API keys, one per line",
+    "jwt_secret": "accept HS256 JWT bearer tokens signed with this secret",
+    "warmup_requests": "warm-up requests (different lengths) before /ready turns true (default 3)",
+    "shutdown_timeout": "seconds to finish in-flight requests on SIGTERM (default 30)",
+    "max_batch_size": "most sequences in one step (guide names BATCH_SIZE, batch_size)",
+    "max_model_len": "context length (guide name max_seq_len; default: the model's)",
+    "kv_cache_tokens": "KV-cache size in tokens (guide name CACHE_SIZE; '2GiB' sets bytes instead)",
+}
+
 _SERVER_TYPES = {f.name: f.type for f in fields(ServerConfig) if f.name != "engine"}
 _ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
 KEYS = {**_ENGINE_TYPES, **_SERVER_TYPES}
@@ -261,7 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + key.replace("_", "-")
         base = kind.replace(" | None", "")
-        help_text = f"(env {ENV_PREFIX}{key.upper()})"
+        help_text = f"{HELP.get(key, 'engine option')} (env {ENV_PREFIX}{key.upper()})"
         if base == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif base == "list":

@@ -1,0 +1,113 @@
+"""Server configuration: precedence flags > env > file > defaults, guide vocabulary, errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from leapfrog.server import build_parser, main
+from leapfrog.server_config import ConfigError, build_config, flags_from_args
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def flags(*argv: str) -> dict:
+    return flags_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_defaults():
+    cfg = build_config({}, environ={})
+    assert (cfg.model, cfg.host, cfg.port) == ("stories", "0.0.0.0", 8080)
+    assert cfg.engine == {} and cfg.api_key == [] and cfg.model_id == "stories"
+
+
+def test_precedence_flags_env_file_defaults(tmp_path):
+    path = write(tmp_path, "c.yaml", "port: 1000\nmax_batch_size: 3\ndefault_temperature: 0.1\n")
+    env = {"LEAPFROG_PORT": "2000", "LEAPFROG_MAX_BATCH_SIZE": "5"}
+    cfg = build_config(flags("--config", path, "--port", "3000"), environ=env)
+    assert cfg.port == 3000                          # flag beats env and file
+    assert cfg.engine["max_batch_size"] == 5         # env beats file
+    assert cfg.default_temperature == 0.1            # file beats default
+    assert build_config(flags("--config", path), environ={}).port == 1000
+    assert build_config({}, environ={"LEAPFROG_CONFIG": path}).port == 1000
+
+
+def test_guide_vocabulary_in_file():
+    cfg = build_config({"config": str(EXAMPLES / "serve-guide.yaml")}, environ={})
+    assert cfg.engine == {"max_batch_size": 16, "max_model_len": 512, "dtype": "float32", "kv_cache_dtype": "float32"}
+    assert cfg.default_temperature == 0.7
+    cfg = build_config({"config": str(EXAMPLES / "serve-guide-env-style.yaml")}, environ={})
+    assert cfg.engine == {"kv_cache_tokens": 8192, "max_batch_size": 16}
+    assert (cfg.default_max_tokens, cfg.default_temperature) == (128, 0.7)
+
+
+def test_guide_vocabulary_in_env():
+    env = {"CACHE_SIZE": "512MiB", "MAX_TOKENS": "99", "BATCH_SIZE": "4", "TEMPERATURE": "0.5",
+           "LEAPFROG_ENABLE_PREFIX_CACHING": "false", "LEAPFROG_API_KEY": "a, b",
+           "LEAPFROG_CHECKPOINTS": "/elsewhere"}          # other parts' variables are left alone
+    cfg = build_config({}, environ=env)
+    assert cfg.engine == {"kv_cache_bytes": 512 * 2**20, "max_batch_size": 4, "enable_prefix_caching": False}
+    assert (cfg.default_max_tokens, cfg.default_temperature, cfg.api_key) == (99, 0.5, ["a", "b"])
+    assert build_config({}, environ={"CACHE_SIZE": "4096"}).engine == {"kv_cache_tokens": 4096}
+    # the prefixed name wins over the bare guide name
+    assert build_config({}, environ={"BATCH_SIZE": "4", "LEAPFROG_BATCH_SIZE": "6"}).engine["max_batch_size"] == 6
+
+
+def test_example_files_load():
+    for path in sorted(EXAMPLES.glob("serve*.*")):
+        if "secure" in path.name:     # names certificate files that exist only in a deployment
+            with pytest.raises(ConfigError, match="ssl_certfile.*file not found"):
+                build_config({"config": str(path)}, environ={})
+            continue
+        build_config({"config": str(path)}, environ={})
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("prot: 80\n", "unknown key 'prot' (did you mean 'port'?)"),
+    ("port: eighty\n", "port='eighty': expected an integer"),
+    ("max_batch_size: -1\n", "max_batch_size=-1"),
+    ("dtype: float8\n", "dtype='float8'"),
+    ("enable_prefix_caching: maybe\n", "enable_prefix_caching='maybe': expected true or false"),
+    ("rate_limit: -2\n", "rate_limit=-2.0: must be >= 0"),
+    ("BATCH_SIZE: 4\nmax_batch_size: 8\n", "both set max_batch_size"),
+    ("CACHE_SIZE: 2XB\n", "unknown size unit 'XB'"),
+    ("- just\n- a list\n", "expected a mapping"),
+])
+def test_bad_file_values_name_key_and_value(tmp_path, text, needle):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        build_config({"config": path}, environ={})
+    assert needle in str(e.value)
+
+
+def test_bad_env_and_json(tmp_path):
+    with pytest.raises(ConfigError, match=r"environment: port='x8': expected an integer"):
+        build_config({}, environ={"LEAPFROG_PORT": "x8"})
+    path = write(tmp_path, "c.json", json.dumps({"port": "8080"}))     # a string where a number belongs
+    with pytest.raises(ConfigError, match="port='8080'"):
+        build_config({"config": path}, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        build_config({"config": str(tmp_path / "missing.yaml")}, environ={})
+
+
+def test_method_options_merge(tmp_path):
+    path = write(tmp_path, "c.yaml", "method_options: {a: 1, b: 2}\n")
+    cfg = build_config(flags("--config", path, "--option", "b=3"), environ={})
+    assert cfg.method_options == {"a": 1, "b": 3}
+    assert cfg.engine_kwargs()["method"] == "ar"
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    path = write(tmp_path, "bad.yaml", "max_batch_sise: 4\n")
+    assert main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "max_batch_sise" in err and "max_batch_size" in err
+    with pytest.raises(SystemExit):
+        main(["--port", "not-a-number"])
