@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--serve" in argv:          # load against a running server: bench_serve.py
+        from leapfrog import bench_serve
+        return bench_serve.main(argv)
     args = build_parser().parse_args(argv)
     result = run_peers(args)
     out = Path(args.out)

@@ -1,0 +1,293 @@
+"""`leapfrog bench --serve`: load against a running server, in the manner of `vllm bench serve`.
+
+Per request (streamed /v1/completions with usage): TTFT (first text chunk), TPOT =
+(e2e - TTFT) / (output tokens - 1) with the token count taken from the server's usage (a chunk
+can carry several tokens), ITL = gaps between chunks, e2e. Per load level: mean / p50 / p99 of
+each, request and token throughput. Load levels are fixed concurrencies (all requests sent at
+once, at most C in flight) or Poisson arrival rates (gamma gaps with --burstiness; 1 = Poisson).
+One asyncio client drives everything: on a small machine, client threads would compete with
+the server for cores (research/serving.md §3.4).
+Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PERCENTILES = (50, 99)
+
+
+def log(msg: str) -> None:
+    print(f"[bench --serve] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def prompts(num: int, max_words: int, seed: int) -> list[str]:
+    """Openings of held-out stories (our own split); synthetic sentences without the data."""
+    try:
+        from leapfrog.train.data import heldout
+        texts = heldout("stories")
+    except Exception:
+        texts = []
+    if not texts:
+        texts = [f"Once upon a time there was a little {w} who liked to play in the {p}."
+                 for w in ("cat", "dog", "girl", "boy", "bird", "fox") for p in ("sun", "park", "snow")]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(texts).split()[:max_words]) for _ in range(num)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    res = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not _chunk_text(chunk):
+                    continue
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+        res.error = "" if res.ok else "no tokens"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def _chunk_text(chunk: dict) -> str:
+    c = chunk["choices"][0]
+    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+def _gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Arrival gaps: all zero for rate inf, else gamma(shape=burstiness, mean=1/rate)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+
+
+async def run_level(args: argparse.Namespace, model: str, concurrency: int | None, rate: float,
+                    num: int) -> dict:
+    texts = prompts(num, args.prompt_words, args.seed)
+    sem = asyncio.Semaphore(concurrency or num)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=(concurrency or num) + 4)
+    async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+        before = await scrape(client, args.url)
+
+        async def go(i: int) -> RequestResult:
+            body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
+                    "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,
+                    "stream_options": {"include_usage": True}}
+            async with sem:
+                return await one_request(client, url, body)
+        rng = random.Random(args.seed)
+        tasks, t0 = [], time.perf_counter()
+        for i, gap in enumerate(_gaps(num, rate, args.burstiness, rng)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(go(i)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after = await scrape(client, args.url)
+    return summarize(results, duration, concurrency, rate, before, after)
+
+
+async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float]:
+    """Server-side counters (tokens per forward comes from here, not from the client)."""
+    try:
+        text = (await client.get(base.rstrip("/") + "/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("leapfrog:request_forwards_total", "leapfrog:generation_tokens_total")):
+            name = line.split("{")[0].split(" ")[0].removeprefix("leapfrog:")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    s = sorted(values)
+
+    def pct(p: float) -> float:      # linear interpolation between closest ranks
+        k = (len(s) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return {"mean": sum(s) / len(s), **{f"p{p}": pct(p) for p in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration: float, concurrency: int | None, rate: float,
+              before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    fwd = after.get("request_forwards_total", 0) - before.get("request_forwards_total", 0)
+    gen = after.get("generation_tokens_total", 0) - before.get("generation_tokens_total", 0)
+    return {
+        "concurrency": concurrency, "request_rate": None if math.isinf(rate) else rate,
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
+        "server_tokens_per_forward": gen / fwd if fwd else None,
+        "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": _stats([x for r in ok for x in r.itl]), "e2e_s": _stats([r.e2e for r in ok]),
+    }
+
+
+# --- reporting -------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    head = ("| load | done/sent | req/s | out tok/s | total tok/s | TTFT mean / p50 / p99 (ms) | "
+            "TPOT mean / p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E mean / p50 / p99 (s) | tok/fwd |")
+    rows = [head, "|" + "---|" * 10]
+    for lv in result["levels"]:
+        load = f"c={lv['concurrency']}" if lv["request_rate"] is None else f"{lv['request_rate']:g} req/s"
+        e2e = " / ".join(f"{lv['e2e_s'][k]:.2f}" for k in ("mean", "p50", "p99"))
+        tpf = lv["server_tokens_per_forward"]
+        rows.append(f"| {load} | {lv['completed']}/{lv['num_requests']} | {lv['request_throughput']:.2f} | "
+                    f"{lv['output_throughput']:.1f} | {lv['total_token_throughput']:.1f} | {_ms(lv['ttft_s'])} | "
+                    f"{_ms(lv['tpot_s'])} | {_ms(lv['itl_s'], ('p50', 'p99'))} | {e2e} | "
+                    f"{'-' if tpf is None else f'{tpf:.2f}'} |")
+    cfg = result["config"]
+    note = (f"\n{result['model']} at {cfg['url']}; {cfg['max_tokens']} output tokens per request "
+            f"(ignore_eos={cfg['ignore_eos']}), prompts of <= {cfg['prompt_words']} words, "
+            f"temperature {cfg['temperature']}; {result['timestamp']}.")
+    return "\n".join(rows) + "\n" + note
+
+
+def _ms(stats: dict, keys: tuple[str, ...] = ("mean", "p50", "p99")) -> str:
+    return " / ".join(f"{stats[k] * 1e3:.1f}" for k in keys)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    levels = result["levels"]
+    by_rate = levels[0]["request_rate"] is not None
+    x = [lv["request_rate"] if by_rate else lv["concurrency"] for lv in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        ax1.plot(x, [lv[key]["p50"] for lv in levels], marker="o", label=f"{label} p50")
+        ax1.plot(x, [lv[key]["p99"] for lv in levels], marker="x", linestyle="--", label=f"{label} p99")
+    ax1.set(xlabel="request rate (req/s)" if by_rate else "concurrent clients", ylabel="seconds",
+            xscale="log", yscale="log", title="latency against load")
+    ax1.legend(fontsize=7)
+    ax2.plot(x, [lv["output_throughput"] for lv in levels], marker="o")
+    ax2.set(xlabel=ax1.get_xlabel(), ylabel="output tokens/s", xscale="log", title="throughput")
+    fig.suptitle(f"leapfrog serve: {result['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leapfrog bench --serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL")
+    p.add_argument("--model", default=None, help="model id (default: the server's first /v1/models entry)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)")
+    p.add_argument("--request-rate", default=None,
+                   help="comma-separated Poisson arrival rates in req/s (replaces --concurrency; 'inf' = burst)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests with --request-rate")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(16, 2 x level))")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-words", type=int, default=24, help="words of each story opening used as prompt")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: always generate --max-tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
+    p.add_argument("--out", default="bench_results", help="output folder")
+    p.add_argument("--name", default="serve", help="file stem of the results")
+    return p
+
+
+def _levels(args: argparse.Namespace) -> list[tuple[int | None, float]]:
+    if args.request_rate:
+        return [(args.max_concurrency, float(r)) for r in args.request_rate.split(",")]
+    return [(int(c), math.inf) for c in args.concurrency.split(",")]
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    model = args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+        if model is None:
+            model = (await client.get(args.url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
+    levels = []
+    for concurrency, rate in _levels(args):
+        num = args.num_prompts or max(16, 2 * (concurrency or int(min(rate, 64)) or 1))
+        log(f"level concurrency={concurrency} rate={rate:g}: {num} requests")
+        lv = await run_level(args, model, concurrency, rate, num)
+        log(f"  {lv['completed']}/{num} ok, {lv['output_throughput']:.1f} out tok/s, "
+            f"TTFT p50 {lv['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {lv['tpot_s']['p50'] * 1e3:.1f} ms")
+        levels.append(lv)
+    cfg = {k: v for k, v in vars(args).items() if k not in ("api_key", "serve")}
+    return {"model": model, "config": cfg, "levels": levels,
+            "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = asyncio.run(_run(args))
+    except httpx.HTTPError as exc:
+        print(f"leapfrog bench --serve: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (out / f"{args.name}.md").write_text(table + "\n")
+    plot(result, out / f"{args.name}.png")
+    print(table)
+    log(f"wrote {out}/{args.name}.json, .md, .png")
+    return 0 if all(lv["failed"] == 0 for lv in result["levels"]) else 1

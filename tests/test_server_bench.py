@@ -1,0 +1,40 @@
+"""`leapfrog bench --serve` against the real server: every request completes, files are written,
+and the numbers are self-consistent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leapfrog.bench import main as bench_main
+from test_server_common import ServerThread
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    s = ServerThread(llama_dir).start()
+    yield s
+    s.stop()
+
+
+def test_bench_serve_concurrency_levels(server, tmp_path):
+    rc = bench_main(["--serve", "--url", server.url, "--concurrency", "1,4", "--num-prompts", "4",
+                     "--max-tokens", "8", "--out", str(tmp_path), "--name", "t"])
+    assert rc == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["model"] == "tiny" and [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    for lv in result["levels"]:
+        assert lv["completed"] == 4 and lv["failed"] == 0
+        assert lv["mean_output_tokens"] == 8                       # ignore_eos by default
+        assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"]
+        assert lv["server_tokens_per_forward"] == pytest.approx(1.0)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert "| c=4 | 4/4 |" in (tmp_path / "t.md").read_text()
+
+
+def test_bench_serve_poisson_rate(server, tmp_path):
+    rc = bench_main(["--serve", "--url", server.url, "--request-rate", "50", "--max-concurrency", "2",
+                     "--num-prompts", "3", "--max-tokens", "4", "--out", str(tmp_path), "--name", "r"])
+    assert rc == 0
+    lv = json.loads((tmp_path / "r.json").read_text())["levels"][0]
+    assert lv["request_rate"] == 50 and lv["completed"] == 3
