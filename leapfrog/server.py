@@ -350,13 +350,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper() if cfg.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from leapfrog.config import resolve_model
+    try:
+        resolve_model(cfg.model)      # fail before binding the port, not in the background
+    except FileNotFoundError as exc:
+        print(f"leapfrog serve: {exc}", file=sys.stderr)
+        return 2
     app = create_app(cfg)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
         ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None))
+    state: ServerState = app.state.leapfrog
+    # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
+    # restart or report it, where a live process answering 503 forever would hide it.
+    state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info("serving %s on %s://%s:%d", cfg.model_id, "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
     server.run()
-    return 0
+    return 1 if state.engine.load_error is not None else 0
 
 
 class DrainingServer(uvicorn.Server):

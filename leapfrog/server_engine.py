@@ -80,6 +80,7 @@ class AsyncEngine:
         self.info = EngineInfo()
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None   # called from the thread if loading fails
         self.num_in_flight = 0            # event-loop side count, for the queue limit
         self._finished_tokens = 0         # output tokens of finished requests (tokens/forward)
         self._last_publish = 0.0
@@ -114,12 +115,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future":
-        """Run fn(engine) on the engine thread (debug hooks, tests); returns an awaitable."""
-        fut = self._loop.create_future()
-        self._inbox.put(("call", fn, fut))
-        return fut
-
     # --- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -133,6 +128,8 @@ class AsyncEngine:
             self.load_error = exc
             log.error("engine failed to load: %s", exc)
             traceback.print_exc()
+            if self.on_fatal is not None:
+                self.on_fatal()
             return
         self._publish(force=True)
         self.ready.set()
@@ -184,13 +181,6 @@ class AsyncEngine:
             self.metrics.add("prompt_tokens", item.tracked.num_prompt_tokens)
         elif item[0] == "abort":
             self._abort(item[1], None)
-        elif item[0] == "call":
-            _, fn, fut = item
-            try:
-                result, exc = fn(self.engine), None
-            except Exception as err:
-                result, exc = None, err
-            self._loop.call_soon_threadsafe(_resolve, fut, result, exc)
 
     def _abort(self, request_id: str, reason: BaseException | None) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -282,15 +272,6 @@ def _put_all(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
         sink.put_nowait(item)
 
 
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
 class Generation:
     """The engine requests behind one HTTP request (n choices x prompts), merged into one
     stream of (choice index, output). close() aborts whatever is unfinished; it is called on
@@ -313,7 +294,10 @@ class Generation:
         last_check = time.monotonic()
         while self._live:
             try:
-                request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
+                if is_disconnected is None:
+                    request_id, item = await self._sink.get()
+                else:
+                    request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 request_id, item = None, None
             if is_disconnected is not None and time.monotonic() - last_check >= 1.0:

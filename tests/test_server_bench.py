@@ -18,18 +18,18 @@ def server(llama_dir):
 
 
 def test_bench_serve_concurrency_levels(server, tmp_path):
-    rc = bench_main(["--serve", "--url", server.url, "--concurrency", "1,4", "--num-prompts", "4",
-                     "--max-tokens", "8", "--out", str(tmp_path), "--name", "t"])
+    rc = bench_main(["--serve", "--url", server.url, "--concurrency", "1,3", "--num-prompts", "3",
+                     "--max-tokens", "6", "--out", str(tmp_path), "--name", "t"])
     assert rc == 0
     result = json.loads((tmp_path / "t.json").read_text())
-    assert result["model"] == "tiny" and [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    assert result["model"] == "tiny" and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
     for lv in result["levels"]:
-        assert lv["completed"] == 4 and lv["failed"] == 0
-        assert lv["mean_output_tokens"] == 8                       # ignore_eos by default
+        assert lv["completed"] == 3 and lv["failed"] == 0
+        assert lv["mean_output_tokens"] == 6                       # ignore_eos by default
         assert lv["ttft_s"]["p50"] <= lv["e2e_s"]["p50"]
         assert lv["server_tokens_per_forward"] == pytest.approx(1.0)
     assert (tmp_path / "t.png").stat().st_size > 0
-    assert "| c=4 | 4/4 |" in (tmp_path / "t.md").read_text()
+    assert "| c=3 | 3/3 |" in (tmp_path / "t.md").read_text()
 
 
 def test_bench_serve_poisson_rate(server, tmp_path):

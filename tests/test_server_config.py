@@ -111,3 +111,8 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     assert "max_batch_sise" in err and "max_batch_size" in err
     with pytest.raises(SystemExit):
         main(["--port", "not-a-number"])
+
+
+def test_cli_missing_model_fails_fast(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "no-such-model"), "--port", "0"]) == 2
+    assert "no-such-model" in capsys.readouterr().err

@@ -190,3 +190,42 @@ def test_tls(llama_dir, tmp_path):
             httpx.get(s.url.replace("https", "http") + "/health", timeout=2)
     finally:
         s.stop()
+
+
+def test_engine_load_failure_stops_server(llama_dir):
+    """A model that cannot load is fatal: the server exits rather than answer 503 forever."""
+    s = ServerThread(llama_dir, method_options={"no_such_option": 1})
+    s.state.engine.on_fatal = lambda: setattr(s.server, "should_exit", True)
+    s.thread.start()
+    s.thread.join(30)
+    assert not s.thread.is_alive()
+    assert "no_such_option" in str(s.state.engine.load_error)
+
+
+def test_serve_cli_subprocess_sigterm(llama_dir):
+    """The real `leapfrog serve` process becomes ready, serves, and exits on SIGTERM."""
+    import os
+    import signal
+    import sys
+    from test_server_common import free_port
+    port = free_port()
+    env = {**os.environ, "LEAPFROG_WARMUP_REQUESTS": "1", "LEAPFROG_LOG_LEVEL": "warning"}
+    cmd = [sys.executable, "-m", "leapfrog", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        still_works(url)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn drains, then re-raises the signal so the exit status says "terminated"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
