@@ -105,6 +105,8 @@ async def run_to_end(gen: Generation, request: Request) -> dict[int, Any]:
         raise as_api_error(exc) from None
     finally:
         gen.close()
+    if len(final) < gen.num_requests:       # the client hung up; nobody will read this
+        raise APIError(499, "client closed the connection", "invalid_request_error", None, "client_closed")
     return final
 
 

@@ -286,6 +286,7 @@ class Generation:
                        for i, (ids, params) in enumerate(requests)}
         self._live = set(self._index)
         self._closed = False
+        self.num_requests = len(requests)
 
     async def outputs(self, is_disconnected: Callable[[], Any] | None = None):
         """Yields (index, RequestOutput); raises the request's exception if it failed.
