@@ -169,9 +169,12 @@ class ServerMetrics:
             lines.append(f"leapfrog:http_requests_rejected_total{_labels({**self.labels, 'reason': reason})} {n}")
 
     def _render_method(self, lines: list[str]) -> None:
-        """Whatever the decoding method counts (drafted / accepted tokens, denoising steps),
-        one family per key, so the names stay stable as methods add keys."""
+        """Whatever the decoding method counts (Method.stats(): drafted / accepted tokens,
+        denoising steps), one family per key so names stay stable as methods add keys.
+        `num_*` keys are counters (leapfrog:method_num_accepted_tokens_total); others,
+        such as ratios, are gauges."""
         for key, value in sorted(self.method_stats.items()):
             name = "method_" + "".join(c if c.isalnum() else "_" for c in key)
-            self._one(lines, name, f"Decoding-method statistic {key!r}.", "gauge", float(value),
-                      {"method": self.method_name})
+            kind = "counter" if key.startswith("num_") else "gauge"
+            self._one(lines, name.removesuffix("_total"), f"Decoding-method statistic {key!r}.", kind,
+                      float(value), {"method": self.method_name})
