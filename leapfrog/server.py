@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.server_config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
@@ -155,6 +156,12 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods get the same error shape as everything else.
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None,
+                        "not_found" if exc.status_code == 404 else None, exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

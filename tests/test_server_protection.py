@@ -58,6 +58,12 @@ def test_malformed_json(server):
     still_works(server.url)
 
 
+def test_unknown_route_and_method(server):
+    assert_error(httpx.get(server.url + "/v1/nothing"), 404, "not_found")
+    assert_error(httpx.get(server.url + "/generate"), 405)
+    still_works(server.url)
+
+
 def test_openai_client_sees_errors(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
