@@ -113,6 +113,13 @@ def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: in
     res.metrics = {"num_pairs": len(ups), "length_match": round(exact / len(ups), 4),
                    "length_match_ignoring_punct": round(bare / len(ups), 4),
                    "differs_from_up": round(sum(d != u for u, d in zip(ups, downs)) / len(ups), 4)}
+    # The same 上联 with the separator already in the prompt: isolates the 下联's quality from
+    # the model's own decision that the 上联 has ended.
+    gens = generate(model, tok, [u + fmt.SEP for u in ups], batch_size=32, do_sample=False,
+                    max_new_tokens=max(len(u) for u in ups) + 8)
+    with_sep = [tok.decode(_strip_eos(g, tok.eos_token_id), skip_special_tokens=True) for g in gens]
+    res.metrics["length_match_sep_prompt"] = round(
+        sum(len(d) == len(u) for u, d in zip(ups, with_sep)) / len(ups), 4)
     res.metrics.update(_check_keywords(model, tok, pairs[:num_keywords], seed, res.samples))
     return res
 

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict
@@ -56,8 +57,10 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         f"{m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}, context "
         f"{m['max_position']}, tied embeddings, vocabulary {cfg['tokenizer']['vocab_size']} asked) "
         f"trained from scratch by `leapfrog train {summary['recipe']}`. Weights are stored as "
-        f"**{summary['save_dtype']}** safetensors (trained in fp32); transformers and llama.cpp's "
-        "`convert_hf_to_gguf.py` read the folder as is. `SHA256SUMS` lists every file "
+        f"**{summary['save_dtype']}** safetensors (trained in fp32; load with `dtype=torch.float32` "
+        "for CPU inference). transformers loads the folder as is, and llama.cpp's "
+        "`convert_hf_to_gguf.py` (checked with the copy in the llama-cpp-python 0.3.36 sources) "
+        "converts it to GGUF. `SHA256SUMS` lists every file "
         "(`sha256sum -c SHA256SUMS`).",
         "",
         "## Data",
@@ -77,6 +80,8 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         f"clip {cfg['grad_clip']}, {cfg['dtype']} |",
         f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |",
         f"| validation set | {summary['num_val_items']:,} held-out items, {summary['val_tokens']:,} tokens |",
+        "",
+        *[f"Note: {note}" for note in summary.get("notes", [])],
         "",
         "![loss](loss.png)",
         "",
@@ -100,9 +105,9 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
     return "\n".join(lines)
 
 
-def _samples(check: CheckResult) -> list[str]:
+def _samples(check: CheckResult, limit: int = 18) -> list[str]:
     out = []
-    for s in check.samples:
+    for s in check.samples[:limit] if check.name == "couplets" else check.samples[:8]:
         prompt = s["prompt"].replace("\n", "\\n")
         out += [f"- prompt: `{prompt}`", f"  - completion: {s['completion']!r}"]
         if "reference" in s:
@@ -110,11 +115,15 @@ def _samples(check: CheckResult) -> list[str]:
     return out + [""]
 
 
-def finish_folder(cfg, summary: dict) -> CheckResult:
-    """Measure the exported folder, write README.md, refresh SHA256SUMS."""
+def finish_folder(cfg, summary: dict, measure: bool = True) -> CheckResult:
+    """Measure the exported folder (or reuse the stored measurement), write README.md, refresh
+    SHA256SUMS."""
     folder = Path(cfg.out_dir)
-    check = run_check(cfg.name, str(folder), cfg.data_dir)
-    summary = dict(summary, check=check.metrics)
+    if measure or "check_samples" not in summary:
+        check = run_check(cfg.name, str(folder), cfg.data_dir)
+    else:
+        check = CheckResult(cfg.name, summary["check"], summary["check_samples"])
+    summary = dict(summary, check=check.metrics, check_samples=check.samples)
     (folder / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
     (folder / "README.md").write_text(render(summary, check, folder))
     write_sha256sums(folder)
@@ -127,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     from leapfrog.train.loop import TrainConfig
 
     torch.set_num_threads(1)
-    folder = Path((argv or sys.argv[1:])[0])
+    p = argparse.ArgumentParser(description="Rewrite a checkpoint folder's README.md and SHA256SUMS.")
+    p.add_argument("folder")
+    p.add_argument("--no-measure", action="store_true", help="reuse the measurement in training.json")
+    args = p.parse_args(argv)
+    folder = Path(args.folder)
     summary = json.loads((folder / "training.json").read_text())
     c = summary["config"]
     cfg = TrainConfig(name=c["name"], out_dir=str(folder), run_dir=c["run_dir"], data_dir=c["data_dir"])
-    check = finish_folder(cfg, summary)
+    check = finish_folder(cfg, summary, measure=not args.no_measure)
     print(json.dumps(asdict(check), ensure_ascii=False, indent=2))
     return 0
 

@@ -18,7 +18,7 @@ def stories() -> TrainConfig:
         model=ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
                          intermediate_size=704, max_position=512),
         tokenizer=TokenizerSpec(vocab_size=4096, specials=["<mask>"]),
-        seq_len=256, batch_size=8, max_steps=1500, lr=2e-3, min_lr=1e-4, warmup_steps=100,
+        seq_len=256, batch_size=8, max_steps=1200, lr=2e-3, min_lr=1e-4, warmup_steps=100,
         eval_interval=250, eval_batches=16, ckpt_interval=50,
     )
 
