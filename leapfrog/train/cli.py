@@ -16,10 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="leapfrog train",
         description="Train a built-in model (tokenizer, Llama weights) from the text in the data "
                     "folder and write a Hugging Face checkpoint folder with README and SHA256SUMS.",
-        epilog="Recipes: stories (English TinyStories continuations, 5.5M params), couplets "
-               "(Chinese couplets: 上联 -> 下联, and 关键词 -> 上联/下联/横批), tiny (seconds-long "
-               "smoke test on the stories data). Interrupted runs continue with --resume.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=_recipe_table() + "\nAn interrupted run continues with --resume (same flags). "
+               "Outputs: <out>/ (config.json, model.safetensors, tokenizer files, "
+               "generation_config.json, loss.png, training.json, README.md, SHA256SUMS); "
+               "<run-dir>/state.pt (weights + AdamW state, every --ckpt-interval steps). "
+               "Token caches go to data_cache/.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", choices=sorted(RECIPES), help="which model to train")
     p.add_argument("--data-dir", default=None,
@@ -44,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-readme", action="store_true",
                    help="skip sampling/metrics after training (README then lacks samples)")
     return p
+
+
+def _recipe_table() -> str:
+    about = {"stories": "English TinyStories continuations",
+             "couplets": "Chinese couplets: 上联 -> 下联, and 关键词 -> 上联/下联/横批",
+             "tiny": "seconds-long smoke test (stories data)"}
+    lines = ["recipes (defaults that the flags override):"]
+    for name, make in sorted(RECIPES.items()):
+        c = make()
+        lines.append(f"  {name:9s} {about.get(name, '')}; hidden {c.model.hidden_size} x "
+                     f"{c.model.num_layers} layers, steps {c.max_steps}, batch {c.batch_size} x "
+                     f"{c.seq_len}, lr {c.lr}, {c.dtype}, saved as {c.save_dtype}")
+    return "\n".join(lines)
 
 
 OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "steps": "max_steps",
