@@ -92,21 +92,38 @@ def hf_single(model, prompt: list[int], new_tokens: int, pad_id: int) -> dict:
 
 
 # --- llama.cpp --------------------------------------------------------------------------------
-def find_llama_bench() -> str | None:
-    for cand in (os.environ.get("LLAMA_BENCH"), shutil.which("llama-bench")):
-        if cand and Path(cand).is_file():
-            return cand
-    return None
+def find_llama_bench(cpp_dir: str | None) -> str | None:
+    cands = [os.environ.get("LLAMA_BENCH"), shutil.which("llama-bench")]
+    if cpp_dir:
+        cands += [str(Path(cpp_dir) / "build" / "bin" / "llama-bench"), str(Path(cpp_dir) / "bin" / "llama-bench")]
+    return next((c for c in cands if c and Path(c).is_file()), None)
 
 
-def llama_cpp_single(gguf: str, new_tokens: int, threads: int) -> dict | None:
-    exe = find_llama_bench()
-    if not exe or not Path(gguf).is_file():
+def make_gguf(folder: Path, cpp_dir: str | None, out: Path) -> Path | None:
+    """Convert the checkpoint with llama.cpp's own converter (identical weights, f32)."""
+    if not cpp_dir:
         return None
-    out = subprocess.run([exe, "-m", gguf, "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-o", "json"],
+    root = Path(cpp_dir)
+    if not (root / "convert_hf_to_gguf.py").is_file():
+        return None
+    gguf = out / f"{folder.name}-f32.gguf"
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+    proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(folder), "--outfile",
+                           str(gguf), "--outtype", "f32"], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        log(f"llama.cpp converter refused {folder}: {tail}; no llama.cpp column")
+        return None
+    return gguf
+
+
+def llama_cpp_single(gguf: Path | None, new_tokens: int, threads: int, cpp_dir: str | None) -> dict | None:
+    exe = find_llama_bench(cpp_dir)
+    if not exe or gguf is None or not gguf.is_file():
+        return None
+    out = subprocess.run([exe, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    return {"decode_tokens_per_s": float(rows[0]["avg_ts"])}
+    return {"decode_tokens_per_s": float(json.loads(out)[0]["avg_ts"]), "exe": exe}
 
 
 # --- the suite --------------------------------------------------------------------------------
@@ -131,8 +148,12 @@ def run_peers(args: argparse.Namespace) -> dict:
               key=lambda r: r["decode_tokens_per_s"])
     rows = [{"concurrency": "single (decode)", "leapfrog": lf1["decode_tokens_per_s"],
              "transformers": hf1["decode_tokens_per_s"]}]
-    gguf = args.gguf or str(folder / "model.gguf")
-    cpp = llama_cpp_single(gguf, args.new_tokens, args.threads)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf = Path(args.gguf) if args.gguf else make_gguf(folder, args.llama_cpp_dir, out_dir)
+    cpp = llama_cpp_single(gguf, args.new_tokens, args.threads, args.llama_cpp_dir)
+    if cpp:
+        log(f"llama.cpp: {cpp['exe']} on {gguf}")
     if cpp:
         rows[0]["llama.cpp"] = cpp["decode_tokens_per_s"]
     for c in args.concurrency:
@@ -189,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--repeats", type=int, default=2, help="single-request runs; the best is kept")
-    p.add_argument("--gguf", default=None, help="GGUF file of the same weights for llama.cpp's llama-bench "
-                   "(found via $LLAMA_BENCH or PATH)")
+    p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
+                   help="a llama.cpp source tree with a build/ (e.g. built from the llama-cpp-python sdist, "
+                   "research/serving.md §3): its converter makes an f32 GGUF of the same weights and its "
+                   "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
+    p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
     return p
 
