@@ -146,6 +146,15 @@ def generate(llm, prompts: list[str], params: list) -> tuple[list, dict]:
     return outs, speed
 
 
+def continuation_text(tok, out) -> str:
+    """The completion as it reads after the prompt. Decoding output ids alone drops the
+    SentencePiece word-boundary space of the first token ("She" for "▁She"), which would glue
+    prompt and continuation together for the judge; decoding with the prompt keeps it."""
+    head = tok.decode(out.prompt_token_ids)
+    full = tok.decode(list(out.prompt_token_ids) + list(out.token_ids))
+    return full[len(head):] if full.startswith(head) else out.text
+
+
 def sampling(args: argparse.Namespace, index: int, max_tokens: int):
     from leapfrog.sampling_params import SamplingParams
     # One seed per prompt: the text does not depend on batching, so methods compare fairly.
@@ -168,7 +177,7 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
     prompts = [story_opening(s) for s in stories[:args.num]]
     log(f"generating {len(prompts)} continuations with {res.method}")
     outs, res.speed = generate(llm, prompts, [sampling(args, i, args.max_tokens) for i in range(len(prompts))])
-    texts = [o.text for o in outs]
+    texts = [continuation_text(llm.tokenizer, o) for o in outs]
     word_lists = [mt.words(t) for t in texts]
     res.metrics.update({
         "rep_2": round(mt.mean_rep_n(word_lists, 2), 4),

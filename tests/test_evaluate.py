@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from leapfrog import metrics_text as mt
-from leapfrog.evaluate import COUPLET_METRICS, SPEED_METRICS, STORY_METRICS, main, sequence_nll
+from leapfrog.evaluate import (COUPLET_METRICS, SPEED_METRICS, STORY_METRICS, continuation_text, main,
+                               sequence_nll)
 
 # --- rep-n, distinct-n ----------------------------------------------------------------------
 
@@ -94,6 +95,19 @@ def test_sequence_nll_matches_direct_computation(llama_dir):
         n += len(ids) - start
     assert count == n
     assert total == pytest.approx(expect, rel=1e-4)
+
+
+def test_continuation_keeps_the_word_boundary_space():
+    class SentencePieceLike:     # decode drops the leading space of "▁word" pieces, as SP does
+        pieces = {1: "▁Once", 2: "▁upon", 3: "▁a", 4: "▁time"}
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids).replace("▁", " ").lstrip()
+
+    class Out:
+        prompt_token_ids, token_ids, text = [1, 2], [3, 4], "a time"
+
+    assert continuation_text(SentencePieceLike(), Out()) == " a time"
 
 
 # --- end to end -----------------------------------------------------------------------------
