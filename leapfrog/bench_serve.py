@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -114,6 +115,7 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int | Non
     limits = httpx.Limits(max_connections=(concurrency or num) + 4)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         before = await scrape(client, args.url)
+        load_before = os.getloadavg()[0]
 
         async def go(i: int) -> RequestResult:
             body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
@@ -129,7 +131,9 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int | Non
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         after = await scrape(client, args.url)
-    return summarize(results, duration, concurrency, rate, before, after)
+    summary = summarize(results, duration, concurrency, rate, before, after)
+    summary["load_average_1m"] = load_before     # the machine's own load: context for the numbers
+    return summary
 
 
 async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float]:
@@ -192,9 +196,11 @@ def markdown(result: dict) -> str:
                     f"{_ms(lv['tpot_s'])} | {_ms(lv['itl_s'], ('p50', 'p99'))} | {e2e} | "
                     f"{'-' if tpf is None else f'{tpf:.2f}'} |")
     cfg = result["config"]
+    loads = ", ".join(f"{lv.get('load_average_1m', math.nan):.1f}" for lv in result["levels"])
     note = (f"\n{result['model']} at {cfg['url']}; {cfg['max_tokens']} output tokens per request "
             f"(ignore_eos={cfg['ignore_eos']}), prompts of <= {cfg['prompt_words']} words, "
-            f"temperature {cfg['temperature']}; {result['timestamp']}.")
+            f"temperature {cfg['temperature']}; 1-min load average before each level: {loads}; "
+            f"{result['timestamp']}.")
     return "\n".join(rows) + "\n" + note
 
 
@@ -237,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated Poisson arrival rates in req/s (replaces --concurrency; 'inf' = burst)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests with --request-rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(16, 2 x level))")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(8, 2 x level))")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=24, help="words of each story opening used as prompt")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -264,7 +270,7 @@ async def _run(args: argparse.Namespace) -> dict:
             model = (await client.get(args.url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
     levels = []
     for concurrency, rate in _levels(args):
-        num = args.num_prompts or max(16, 2 * (concurrency or int(min(rate, 64)) or 1))
+        num = args.num_prompts or max(8, 2 * (concurrency or int(min(rate, 64)) or 1))
         log(f"level concurrency={concurrency} rate={rate:g}: {num} requests")
         lv = await run_level(args, model, concurrency, rate, num)
         log(f"  {lv['completed']}/{num} ok, {lv['output_throughput']:.1f} out tok/s, "

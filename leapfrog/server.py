@@ -76,12 +76,12 @@ class ServerState:
                            f"{wait:.1f}s", "rate_limit_error", None, "rate_limit_exceeded",
                            {"Retry-After": retry_after_header(wait)})
 
-    def open(self, prep: Prepared, priority: int, arrival: float) -> Generation:
+    def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
         if self.engine.num_in_flight + len(prep.requests) > self.capacity:
             self.metrics.reject("queue_full")
             raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
                            "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-        return Generation(self.engine, prep.requests, priority, arrival)
+        return Generation(self.engine, prep.requests, priority, arrival, stream)
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -225,7 +225,7 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         check_prompt(ids, limits)
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
         prep = Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
-        gen = state.open(prep, req.priority, arrival)
+        gen = state.open(prep, req.priority, arrival, req.stream)
         if req.stream:
             def render(i: int, out: Any) -> dict | None:
                 if not out.delta_text and not out.finished:
@@ -251,7 +251,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_body(await request.body(), CompletionRequest)
         tok = state.engine.tokenizer
         prep = prepare_completion(req, state.limits(), tok)
-        gen = state.open(prep, req.priority, arrival)
+        gen = state.open(prep, req.priority, arrival, req.stream)
         rid, created, model = new_id("cmpl"), now(), state.cfg.model_id
         if req.stream:
             return sse_response(_stream_completion(gen, req, prep, tok, rid, created, model), gen)
@@ -272,7 +272,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_body(await request.body(), ChatRequest)
         tok = state.engine.tokenizer
         prep = prepare_chat(req, state.limits(), tok)
-        gen = state.open(prep, req.priority, arrival)
+        gen = state.open(prep, req.priority, arrival, req.stream)
         rid, created, model = new_id("chatcmpl"), now(), state.cfg.model_id
         if req.stream:
             return sse_response(_stream_chat(gen, req, prep, tok, rid, created, model), gen)

@@ -50,6 +50,7 @@ class _Add:
     params: SamplingParams
     priority: int
     tracked: _Tracked
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -103,13 +104,13 @@ class AsyncEngine:
 
     # --- requests (event loop side) --------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue,
-               priority: int = 0, arrival: float | None = None) -> str:
+               priority: int = 0, arrival: float | None = None, stream: bool = True) -> str:
         """Queue a request; its outputs (or an exception) arrive on `sink` as (id, item)."""
         request_id = f"req-{next(self._ids)}"
         arrival = arrival or time.perf_counter()
         deadline = arrival + self.request_timeout if self.request_timeout else None
         tracked = _Tracked(sink, arrival, deadline, len(prompt_ids))
-        self._inbox.put(_Add(request_id, prompt_ids, params, priority, tracked))
+        self._inbox.put(_Add(request_id, prompt_ids, params, priority, tracked, stream))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -173,7 +174,8 @@ class AsyncEngine:
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Add):
             try:
-                self.engine.add_request(item.prompt_ids, item.params, item.request_id, item.priority)
+                self.engine.add_request(item.prompt_ids, item.params, item.request_id, item.priority,
+                                        stream=item.stream)
             except ValueError as exc:
                 self._deliver([(item.tracked.sink, (item.request_id, exc))])
                 return
@@ -278,11 +280,12 @@ class Generation:
     every exit path, including a client that went away."""
 
     def __init__(self, engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]],
-                 priority: int = 0, arrival: float | None = None) -> None:
+                 priority: int = 0, arrival: float | None = None, stream: bool = True) -> None:
         self._engine = engine
         self._sink: asyncio.Queue = asyncio.Queue()
         engine.num_in_flight += len(requests)
-        self._index = {engine.submit(ids, params, self._sink, priority, arrival): i
+        # stream=False: the engine decodes the text once at the end instead of every step
+        self._index = {engine.submit(ids, params, self._sink, priority, arrival, stream): i
                        for i, (ids, params) in enumerate(requests)}
         self._live = set(self._index)
         self._closed = False
