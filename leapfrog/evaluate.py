@@ -11,8 +11,9 @@ couplets: validation loss / perplexity on held-out ``<s>上联<sep>下联</s>``;
 Both:     tokens per forward, acceptance length and output tokens/s of the generation run.
 
 The table goes to stdout, progress to stderr, everything (plus samples) to --json.
-Methods are compared on the same prompts and per-request seeds (seed + prompt index), so `ar`
-and a lossless method sample the same text up to numerics.
+Methods are compared on the same prompts and per-request seeds (seed + prompt index), so the
+text does not depend on batching: greedy `ar` and a greedy lossless method give the same text,
+sampled ones the same distribution (so their quality metrics agree within noise).
 """
 from __future__ import annotations
 
