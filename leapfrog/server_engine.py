@@ -137,11 +137,14 @@ class AsyncEngine:
         log.info("engine ready: %s (%s), context %d", self.info.model_name, self.info.method,
                  self.info.max_model_len)
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.engine.has_unfinished())
-            self._expire()
-            if self.engine.has_unfinished():
-                self._step()
-            self._publish()
+            try:
+                self._drain_inbox(block=not self.engine.has_unfinished())
+                self._expire()
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish()
+            except Exception:           # a bug in bookkeeping must not stop serving
+                log.exception("engine loop error")
         for request_id in list(self._tracked):   # stop() after graceful drain: nothing left normally
             self._abort(request_id, EngineError("server is shutting down"))
 
@@ -150,11 +153,11 @@ class AsyncEngine:
         allocations and kernel selection, and readiness means 'answers at full speed'."""
         e = self.engine
         lengths = [4, 32, 128, 512][:max(0, self.warmup_requests)]
-        for n in lengths:
+        for k, n in enumerate(lengths):
             n = max(1, min(n, e.max_model_len - 9))
             ids = [(7 * i + 3) % max(2, self.info.vocab_size) for i in range(n)]
             e.add_request(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                          request_id=f"warmup-{n}")
+                          request_id=f"warmup-{k}")
         while e.has_unfinished():
             e.step()
 

@@ -67,7 +67,6 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": ("Time between consecutive streamed outputs, per token.", LATENCY_BUCKETS),
     "time_per_output_token_seconds": ("Per request: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS),
     "e2e_request_latency_seconds": ("Time from arrival to the last token.", LATENCY_BUCKETS),
-    "request_queue_time_seconds": ("Time from arrival to the first scheduled step.", LATENCY_BUCKETS),
     "request_tokens_per_forward": ("Per request: output tokens per main-model forward.", TOKENS_PER_FORWARD_BUCKETS),
 }
 COUNTERS = {
