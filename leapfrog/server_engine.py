@@ -192,7 +192,8 @@ class AsyncEngine:
         if tracked is None:
             return
         self.engine.abort(request_id)       # frees its KV blocks now
-        self.metrics.finished("abort" if reason is None else type(reason).__name__.lower())
+        self.metrics.finished("abort" if reason is None else "timeout" if isinstance(reason, RequestTimeout)
+                              else "error")
         if reason is not None:
             self._deliver([(tracked.sink, (request_id, reason))])
 

@@ -162,6 +162,7 @@ def test_request_timeout(llama_dir):
         r = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 240, "ignore_eos": True})
         assert_error(r, 504, "request_timeout")
         assert s.wait_idle() == 0
+        assert 'finished_reason="timeout"' in httpx.get(s.url + "/metrics").text
         still_works(s.url)
     finally:
         s.stop()
