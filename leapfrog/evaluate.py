@@ -1,7 +1,7 @@
 """`leapfrog eval`: quality and speed of one model + decoding method on our held-out split.
 
     leapfrog eval --model stories --method ar --num 64 --json out.json
-    leapfrog eval --model couplets --task couplets --num 300
+    leapfrog eval --model couplets        # task inferred from the name; 300 held-out 上联
 
 stories:  validation loss / perplexity (teacher-forced on held-out stories); continuations of
           held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4, distinct-1/2, coherence
@@ -216,13 +216,13 @@ def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
     from leapfrog.train.couplets import pair_text
     from leapfrog.train.data import heldout
     device = llm.engine.device
+    # A seeded shuffle rather than the first N: the file is grouped by source (SOURCE.md).
     pairs = heldout("couplets", args.data_dir)
+    pairs = random.Random(args.seed).sample(pairs, len(pairs))
     log(f"validation loss on {min(args.num_ppl, len(pairs))} held-out pairs")
     texts = [pair_text(u, d) for u, d in pairs[:args.num_ppl]]
     res.metrics.update(validation_loss(load_scorer(args.model, device), texts, device))
-    # A seeded sample rather than the first N: the file is grouped by source (SOURCE.md).
-    pairs = random.Random(args.seed).sample(pairs, min(args.num, len(pairs)))
-    ups, refs = [u for u, _ in pairs], [d for _, d in pairs]
+    ups, refs = [u for u, _ in pairs[:args.num]], [d for _, d in pairs[:args.num]]
     # Room for one token per character plus slack; --max-tokens caps it.
     params = [sampling(args, i, min(args.max_tokens, len(u) + 8)) for i, u in enumerate(ups)]
     log(f"generating {len(ups)} 下联 with {res.method}")
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     g.add_argument("--task", choices=["stories", "couplets"], default=None,
                    help="held-out set (default: couplets for a model named couplets*, else stories)")
-    g.add_argument("--num", type=int, default=64, help="prompts to generate from (default 64)")
+    g.add_argument("--num", type=int, default=None, help="prompts to generate from (default 64 stories, 300 couplets)")
     g.add_argument("--num-ppl", type=int, default=256, help="held-out texts for validation loss (default 256)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="tokens per continuation (default 128 for stories; 上联 length + 8 for couplets)")
@@ -272,6 +272,8 @@ def fill_defaults(args: argparse.Namespace) -> None:
         name = resolve_model(args.model).name
         args.task = "couplets" if name.startswith("couplet") else "stories"
     stories = args.task == "stories"
+    if args.num is None:
+        args.num = 64 if stories else 300
     if args.max_tokens is None:
         args.max_tokens = 128 if stories else 256
     if args.temperature is None:
