@@ -24,9 +24,9 @@ from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, retry_af
 from leapfrog.server_config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.server_engine import AsyncEngine, EngineError, Generation, RequestTimeout
 from leapfrog.server_metrics import ServerMetrics
-from leapfrog.server_openai import (Limits, Prepared, chat_logprobs, completion_logprobs, finish_reason,
-                                    new_id, now, prepare_chat, prepare_completion, sampling_params, sse,
-                                    usage, check_model, check_prompt, encode_prompt)
+from leapfrog.server_openai import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
+                                    completion_body, completion_logprobs, encode_prompt, finish_reason,
+                                    new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
 from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
 
 log = logging.getLogger("leapfrog.server")
@@ -256,14 +256,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             return sse_response(_stream_completion(gen, req, prep, tok, rid, created, model), gen)
         final = await run_to_end(gen, request)
-        choices = []
-        for i in range(len(prep.requests)):
-            out = final[i]
-            lp = completion_logprobs(out.logprobs or [], tok, 0) if req.logprobs is not None else None
-            choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
-        n_out = sum(len(o.token_ids) for o in final.values())
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(prep, n_out)}
+        return completion_body(final, req, prep, tok, rid, created, model)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -277,15 +270,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             return sse_response(_stream_chat(gen, req, prep, tok, rid, created, model), gen)
         final = await run_to_end(gen, request)
-        choices = []
-        for i in range(len(prep.requests)):
-            out = final[i]
-            lp = chat_logprobs(out.logprobs or [], tok) if req.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": lp, "finish_reason": finish_reason(out)})
-        n_out = sum(len(o.token_ids) for o in final.values())
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(prep, n_out)}
+        return chat_body(final, req, prep, tok, rid, created, model)
 
 
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,

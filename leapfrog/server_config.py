@@ -113,57 +113,77 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _as_bool(value: Any, from_text: bool) -> bool:
+    if from_text and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise ValueError("expected true or false")
+
+
+def _as_int(value: Any, from_text: bool) -> int:
+    if from_text and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError("expected an integer")
+
+
+def _as_float(value: Any, from_text: bool) -> float:
+    if from_text:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError("expected a number") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError("expected a number")
+
+
+def _as_list(value: Any, from_text: bool) -> list:
+    if isinstance(value, str):             # env, or a single key in a file
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ValueError("expected a list of strings")
+
+
+def _as_dict(value: Any, from_text: bool) -> dict:
+    if from_text:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("expected a JSON object") from None
+    if isinstance(value, dict):
+        return value
+    raise ValueError("expected a mapping")
+
+
+def _as_str(value: Any, from_text: bool) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError("expected a string")
+
+
+_PARSERS = {"bool": _as_bool, "int": _as_int, "float": _as_float, "list": _as_list, "dict": _as_dict}
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     """Check (file/JSON values) or parse (environment strings) one value by its key's type."""
     kind = KEYS[key]
-    from_text = isinstance(value, str) and source.startswith("env")
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"{source}: {key}={value!r}: {why}")
     if value is None:
         if "None" in kind:
             return None
-        raise bad("must not be empty")
-    base = kind.replace(" | None", "")
-    if base == "bool":
-        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        if isinstance(value, bool):
-            return value
-        raise bad("expected true or false")
-    if base == "int":
-        if from_text and re.fullmatch(r"[+-]?\d+", value.strip()):
-            return int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad("expected an integer")
-    if base == "float":
-        if from_text:
-            try:
-                return float(value)
-            except ValueError:
-                raise bad("expected a number") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise bad("expected a number")
-    if base == "list":
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise bad("expected a list of strings")
-    if base == "dict":
-        if from_text:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                raise bad("expected a JSON object") from None
-        if isinstance(value, dict):
-            return value
-        raise bad("expected a mapping")
-    if not isinstance(value, str):
-        raise bad("expected a string")
-    return value
+        raise ConfigError(f"{source}: {key}=None: must not be empty")
+    from_text = isinstance(value, str) and source.startswith("env")
+    parse = _PARSERS.get(kind.replace(" | None", ""), _as_str)
+    try:
+        return parse(value, from_text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {key}={value!r}: {exc}") from None
 
 
 def _canonical(key: str, value: Any, source: str) -> tuple[str, Any]:

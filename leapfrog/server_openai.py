@@ -198,6 +198,31 @@ def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
                          "top_logprobs": [one(i, lp) for i, lp in e["top"]]} for e in entries]}
 
 
+def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, prep: Prepared, tok: Any,
+                    rid: str, created: int, model: str) -> dict:
+    choices = []
+    for i in range(len(prep.requests)):
+        out = final[i]
+        lp = completion_logprobs(out.logprobs or [], tok, 0) if req.logprobs is not None else None
+        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
+    n_out = sum(len(o.token_ids) for o in final.values())
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prep, n_out)}
+
+
+def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared, tok: Any,
+              rid: str, created: int, model: str) -> dict:
+    choices = []
+    for i in range(len(prep.requests)):
+        out = final[i]
+        lp = chat_logprobs(out.logprobs or [], tok) if req.logprobs else None
+        choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                        "logprobs": lp, "finish_reason": finish_reason(out)})
+    n_out = sum(len(o.token_ids) for o in final.values())
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prep, n_out)}
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
