@@ -148,3 +148,16 @@ def test_generate_stream(server):
         events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
     assert "".join(e["text"] for e in events) == full["text"]
     assert events[-1]["finished"] and events[-1]["num_tokens"] == 6
+
+
+def test_batch_prompts_with_n_streamed(client):
+    kw = dict(model="tiny", prompt=["The cat", "A dog"], n=2, max_tokens=5, temperature=1.0, seed=11)
+    full = client.completions.create(**kw)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
+    texts = {c.index: c.text for c in full.choices}
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == texts
+    assert texts[0] != texts[1]            # choice j is seeded with seed + j
