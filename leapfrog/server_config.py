@@ -302,7 +302,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per key, all defaulting to None so that build_config sees only what was typed."""
     p.add_argument("--config", help="YAML or JSON config file (env LEAPFROG_CONFIG)")
     p.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
-                   help="decoding-method option, e.g. --option num_draft_tokens=8 (repeatable)")
+                   help="decoding-method option KEY=VALUE, value parsed as JSON when it can be (repeatable)")
     for key, kind in KEYS.items():
         if key == "method_options":
             continue
