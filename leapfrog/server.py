@@ -15,12 +15,6 @@ import sys
 import time
 from typing import Any, AsyncIterator, Callable
 
-# Set before torch loads its OpenMP runtime (the imports below do). Threads that spin while
-# waiting for work keep the cores from the threads (and processes) that have some: on a
-# 2-core machine shared with a training run, decode steps took 10-30x longer with OpenMP's
-# default active wait (measured with the stories model: batch 8, 264 ms -> 13 ms per step).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
