@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 import time
 from typing import Any, AsyncIterator, Callable

@@ -15,7 +15,7 @@ import torch
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.sampling import Sampler
+    pass
 
 
 @dataclass(slots=True)
