@@ -303,7 +303,7 @@ def test_lru_eviction_oldest_freed_first():
     a, b = make_seq([1, 2, 3], "a"), make_seq([5, 6, 7], "b")
     compute(bm, a, 2)                               # one hashed block each
     compute(bm, b, 2)
-    blk_b = b.block_table[0]
+    blk_a, blk_b = a.block_table[0], b.block_table[0]
     bm.free_seq(a)                                  # a freed before b: a is older
     bm.free_seq(b)
     assert len(bm.cached) == 2

@@ -8,14 +8,11 @@ KV slots to keep (the rest are rolled back).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from leapfrog.sequence import Sequence
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(slots=True)
