@@ -52,6 +52,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    # Start every window at a <s>: a window that opens mid-example shows a cut 上联 before a
+    # whole 下联, which teaches that the sides need not match in length.
+    align_to_bos: bool = False
     dtype: str = "fp32"                         # autocast: "fp32" or "bf16"
     save_dtype: str = "float16"                 # dtype of the exported safetensors
     eval_interval: int = 200
@@ -70,9 +73,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator):
-    """Random windows of seq_len + 1 tokens: inputs and next-token targets."""
-    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
+def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator,
+              start_ids: np.ndarray | None = None):
+    """Random windows of seq_len + 1 tokens: inputs and next-token targets. With start_ids the
+    windows begin at those positions only."""
+    if start_ids is not None:
+        starts = start_ids[rng.integers(0, len(start_ids), size=batch_size)]
+    else:
+        starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
     rows = np.stack([stream[s:s + seq_len + 1].astype(np.int64) for s in starts])
     t = torch.from_numpy(rows)
     return t[:, :-1], t[:, 1:]
@@ -163,6 +171,10 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
 
 def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run_dir: Path):
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    start_ids = None
+    if cfg.align_to_bos:
+        start_ids = np.flatnonzero(np.asarray(prep.train) == 1)  # 1 = <s> (tokenizer.py layout)
+        start_ids = start_ids[start_ids < len(prep.train) - cfg.seq_len - 1]
     bar = tqdm(total=cfg.max_steps, initial=step, file=sys.stderr, mininterval=10,
                desc=cfg.name, dynamic_ncols=False)
     model.train()
@@ -173,7 +185,8 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         rng = np.random.default_rng([cfg.seed, step])
         total = 0.0
         for _ in range(cfg.grad_accum):
-            loss = loss_on(model, *get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng), cfg.dtype)
+            x, y = get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng, start_ids)
+            loss = loss_on(model, x, y, cfg.dtype)
             (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
