@@ -5,6 +5,8 @@ import importlib
 
 METHODS: dict[str, tuple[str, str]] = {
     "ar": ("leapfrog.methods.autoregressive", "AutoregressiveMethod"),
+    "dflash": ("leapfrog.methods.drafters", "DFlashMethod"),
+    "dspark": ("leapfrog.methods.drafters", "DSparkMethod"),
 }
 
 

@@ -1,0 +1,189 @@
+"""`dflash` and `dspark`: speculative decoding with a parallel drafter (research/speculative.md).
+
+The drafter (models/dflash.py) is conditioned on the target's hidden states at its tapped
+layers: this method asks the runner to capture them (capture_layers), feeds the rows of each
+sequence's kept positions to the drafter's per-sequence context cache (observe), and drafts one
+block per sequence, batched, after every verify pass (propose). DSpark adds the sequential
+Markov/RNN stage and confidence scores; `verify` chooses how many drafts to check:
+"fixed" (all γ), "threshold" (the prefix whose cumulative confidence stays >= threshold) or
+"confidence" (the brief's Algorithm 1, confidence_schedule.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from leapfrog.loader import (CheckpointError, _check_complete, iter_tensors, read_config,
+                             verify_manifest, weight_files)
+from leapfrog.layers.linear import default_weight_loader
+from leapfrog.methods.base import Batch, Commit, StepOutput
+from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, _draw
+from leapfrog.models.dflash import DFlashDraftModel, DraftContext
+from leapfrog.models.dflash_heads import sample_block
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.engine import MethodContext
+
+# Frozen copies of the target's tables that DeepSpec checkpoints carry (§2.8): the target's own
+# embedding and LM head are used instead.
+SHARED_TENSORS = {"embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight"}
+VERIFY_MODES = ("fixed", "threshold", "confidence")
+
+
+def find_drafter(ctx: "MethodContext") -> Path:
+    """`draft_model` (a folder or built-in name), else the model folder's `drafter/`."""
+    if ctx.draft_model:
+        from leapfrog.config import resolve_model
+        return resolve_model(ctx.draft_model)
+    folder = Path(ctx.model_path) / "drafter"
+    if folder.is_dir():
+        return folder
+    raise ValueError(f"{ctx.model_path}: no drafter; pass draft_model=<folder> or ship one "
+                     f"in {folder}")
+
+
+def load_drafter(folder: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    """A z-lab DFlash or DeepSpec DSpark checkpoint folder -> DFlashDraftModel."""
+    folder = Path(folder)
+    verify_manifest(folder)
+    cfg = read_config(folder)
+    try:
+        with torch.device(device):
+            model = DFlashDraftModel(cfg)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    files = weight_files(folder)
+    loaded: set[str] = set()
+    for f, name, tensor in iter_tensors(files):
+        name = name.removeprefix("model.") if name.startswith("model.layers.") else name
+        if name in SHARED_TENSORS or "rotary_emb" in name:
+            continue
+        target, shard = name, None
+        for src, (dst, shard_id) in model.packed_modules.items():
+            if name.startswith("layers.") and f".{src}." in name:   # not markov_head.gate_proj
+                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if target not in params:
+            raise CheckpointError(f"{f}: unexpected tensor {name} for a {model.drafter.kind} drafter")
+        param = params[target]
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype), shard)
+        except ValueError as e:
+            raise CheckpointError(f"{f}: {name}: {e}") from None
+        loaded.add(f"{target}:{shard}")
+    _check_complete(model, model.packed_modules, loaded, files)
+    return model.eval()
+
+
+class DFlashMethod(SpeculativeMethod):
+    name = "dflash"
+
+    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int | None = None,
+                 draft_sampling: str = "argmax", verify: str = "fixed", threshold: float = 0.7,
+                 drafter: DFlashDraftModel | None = None, **options: object) -> None:
+        if options:
+            raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(sorted(options))}")
+        if draft_sampling not in ("argmax", "sample"):
+            raise ValueError(f"draft_sampling={draft_sampling!r}: expected argmax or sample")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+        self.drafter = drafter or load_drafter(find_drafter(ctx), ctx.device, ctx.dtype)
+        cfg = self.drafter.drafter
+        gamma = cfg.num_draft_tokens if num_speculative_tokens is None else \
+            min(int(num_speculative_tokens), cfg.num_draft_tokens)
+        super().__init__(ctx, gamma)
+        self._check_target(ctx.model)
+        self.target = ctx.model
+        self.capture_layers = tuple(sorted(set(cfg.target_layer_ids)))
+        self._tap_order = [self.capture_layers.index(t) for t in cfg.target_layer_ids]
+        self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
+        if verify != "fixed" and self.drafter.confidence_head is None:
+            raise ValueError(f"verify={verify!r} needs a drafter with a confidence head (dspark)")
+
+    def _check_target(self, model: torch.nn.Module) -> None:
+        tcfg, dcfg = model.config, self.drafter.config
+        if tcfg["hidden_size"] != dcfg["hidden_size"]:
+            raise ValueError(f"drafter hidden_size {dcfg['hidden_size']} != target {tcfg['hidden_size']}")
+        bad = [t for t in self.drafter.drafter.target_layer_ids if not 0 <= t < tcfg["num_hidden_layers"]]
+        if bad:
+            raise ValueError(f"drafter taps target layers {bad}; the target has {tcfg['num_hidden_layers']}")
+
+    # --- drafter hooks --------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, batch: Batch, out: StepOutput, commits: list[Commit]) -> None:
+        feats = torch.cat([out.captured[j] for j in self._tap_order], dim=-1)
+        row = 0
+        for s, c in zip(batch.seqs, commits):
+            ctx: DraftContext | None = s.seq.method_state.get("draft_ctx")
+            if ctx is None or ctx.start + ctx.num_positions != s.start_pos:
+                # First chunk (maybe after a prefix-cache hit: the drafter then sees no
+                # features for the cached prefix, which costs acceptance, never correctness).
+                ctx = s.seq.method_state["draft_ctx"] = DraftContext(s.start_pos)
+            self.drafter.extend_context(ctx, feats[row:row + c.num_kv_keep])
+            row += s.num_query
+
+    @torch.inference_mode()
+    def propose(self, anchors: list[Anchor]) -> list[Proposal]:
+        if self.num_speculative_tokens == 0:
+            return [Proposal(a.pos, []) for a in anchors]
+        cfg, dev = self.drafter.drafter, self.ctx.device
+        ids = torch.tensor([[a.token_id] + [cfg.mask_token_id] * (cfg.block_size - 1) for a in anchors],
+                           dtype=torch.long, device=dev)
+        embeds = F.embedding(ids, self.target.model.embed_tokens.weight)
+        pos = torch.tensor([a.pos for a in anchors], dtype=torch.long, device=dev)
+        hidden = self.drafter.forward(embeds, pos, [a.seq.method_state["draft_ctx"] for a in anchors])
+        hidden = hidden[:, cfg.block_size - cfg.num_draft_tokens:][:, :self.num_speculative_tokens]
+        base = self.target.compute_logits(hidden)                    # [B, γ, V] shared LM head
+        seqs = [a.seq for a in anchors]
+        temps = [self._draft_temperature(s) for s in seqs]
+        tokens, logits, conf = sample_block(base, hidden, ids[:, 0], self.drafter.markov_head,
+                                            self.drafter.confidence_head, self._chooser(seqs, temps))
+        return [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
+                for i, a in enumerate(anchors)]
+
+    def _draft_temperature(self, seq: Sequence) -> float:
+        """0 means argmax drafts (q one-hot); argmax proposals keep pure-parallel blocks
+        coherent at T > 0 (§1.2, z-lab PR #169)."""
+        if self.draft_sampling == "argmax" or seq.params.greedy:
+            return 0.0
+        return seq.params.temperature
+
+    def _chooser(self, seqs: list[Sequence], temps: list[float]):
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            ids = logits.argmax(-1)
+            for i, (seq, t) in enumerate(zip(seqs, temps)):
+                if t > 0:
+                    ids[i] = _draw((logits[i] / t).softmax(-1), seq.generator or self.sampler.generator)
+            return ids
+        return choose
+
+    def _proposal(self, a: Anchor, tokens: torch.Tensor, logits: torch.Tensor, temp: float,
+                  conf: torch.Tensor | None) -> Proposal:
+        probs = (logits / temp).softmax(-1) if temp > 0 else None
+        confidence = conf.tolist() if conf is not None else None
+        return Proposal(a.pos, tokens.tolist(), probs, confidence, self._num_verify(confidence))
+
+    def _num_verify(self, confidence: list[float] | None) -> int | None:
+        """Threshold mode: the longest prefix whose survival Π c_i stays >= threshold. Whether
+        draft j is verified depends on c_1..c_j only, which do not see x_j: non-anticipating,
+        hence lossless (§2.4)."""
+        if self.verify != "threshold" or confidence is None:
+            return None
+        survival, n = 1.0, 0
+        for c in confidence:
+            survival *= c
+            if survival < self.threshold:
+                break
+            n += 1
+        return n
+
+
+class DSparkMethod(DFlashMethod):
+    name = "dspark"

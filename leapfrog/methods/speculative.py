@@ -1,0 +1,236 @@
+"""Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward.
+
+Per decoding step a sequence feeds [last committed token, d_1..d_k] (DESIGN.md "One step":
+query = last token + k drafts, num_logits = k+1). Row j of the target's logits is the
+distribution of the token after d_j, so one forward checks every draft and yields one more
+token (the bonus). Verification is the standard lossless rule (research/speculative.md §2.5):
+accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
+normalize(max(0, p_j - q_j)); if all k survive, draw the bonus from p_k. Greedy requests have
+one-hot p (Sampler.probs), which reduces the rule to "accept while d_j == argmax p_j".
+
+Drafting happens at the end of commit(), right after the verify pass ("propose after
+verify", as vLLM's proposers do): the target's hidden states of the kept positions are at
+hand then, and the next step's num_extra_tokens() can say exactly how many drafts a sequence
+carries (the scheduler budgets tokens before prepare()). Subclasses implement observe()
+(take the kept rows' captured hidden states) and propose() (draft from the new anchors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
+from leapfrog.sampling import Sampler, token_logprobs
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.engine import MethodContext
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Drafts for the token after `anchor_pos` (the last committed position)."""
+    anchor_pos: int
+    token_ids: list[int]
+    probs: torch.Tensor | None = None          # [k, V] draft distribution q; None: one-hot (argmax drafts)
+    confidence: list[float] | None = None      # per-position conditional acceptance estimates (DSpark §2.1)
+    num_verify: int | None = None              # how many drafts to verify (confidence scheduling); None: all
+
+
+@dataclass(slots=True)
+class Anchor:
+    """A sequence whose next step verifies drafts that start after `token_id` at `pos`.
+    Proposals are made before Scheduler.apply appends this step's tokens: the sequence then
+    reads seq.token_ids + new_token_ids (whose last entry is the anchor)."""
+    seq: Sequence
+    token_id: int
+    pos: int
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SeqSpecStats:
+    """Kept in seq.method_state across preemption so τ survives on_finished()."""
+    num_verify_steps: int = 0
+    num_emitted_tokens: int = 0                # accepted + bonus over all verify steps
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs` [V] by the exponential race, as Sampler.draw does."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def verify_drafts(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor | None,
+                  generator: torch.Generator | None = None) -> list[int]:
+    """The lossless acceptance rule (research/speculative.md §2.5) for one sequence.
+
+    p: [k+1, V] target distributions (row j: token after d_j); draft_ids: [k];
+    q: [k, V] draft distributions, or None when the drafts were argmax picks (q one-hot).
+    Returns accepted drafts + one token (the residual draw or the bonus): len = accepted + 1.
+    """
+    k = draft_ids.numel()
+    if k == 0:
+        return [_draw(p[0], generator)]
+    rows = torch.arange(k, device=p.device)
+    px = p[rows, draft_ids]
+    qx = q[rows, draft_ids] if q is not None else torch.ones_like(px)
+    u = torch.rand(k, generator=generator, device=p.device, dtype=px.dtype)
+    ok = u * qx < px                               # u < p/q without dividing by q
+    n = int(ok.to(torch.int32).cumprod(0).sum())   # leading run of accepted drafts
+    out = draft_ids[:n].tolist()
+    if n == k:
+        return out + [_draw(p[k], generator)]
+    qn = q[n] if q is not None else torch.zeros_like(p[n]).index_fill_(0, draft_ids[n:n + 1], 1.0)
+    residual = (p[n] - qn).clamp_(min=0)
+    if float(residual.sum()) <= 1e-12:             # p == q up to rounding: p itself is the residual
+        residual = p[n]
+    return out + [_draw(residual, generator)]
+
+
+def greedy_accept(target_ids: list[int], draft_ids: list[int]) -> list[int]:
+    """Greedy special case of verify_drafts: accept while draft == target argmax."""
+    n = 0
+    while n < len(draft_ids) and draft_ids[n] == target_ids[n]:
+        n += 1
+    return draft_ids[:n] + [target_ids[n]]
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    drafted_at: list[int] = field(default_factory=list)    # per draft position (0-based)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafted_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.num_verify_steps += 1
+        grow = num_drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(num_drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {"num_drafted_tokens": self.num_drafted_tokens,
+                                 "num_accepted_tokens": self.num_accepted_tokens,
+                                 "num_verify_steps": self.num_verify_steps}
+        if self.num_verify_steps:
+            out["acceptance_length"] = 1 + self.num_accepted_tokens / self.num_verify_steps
+        for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):
+            out[f"acceptance_rate_pos{j + 1}"] = a / d if d else 0.0
+        return out
+
+
+class SpeculativeMethod:
+    """Lossless draft-and-verify behind the Method protocol; subclasses supply the drafter."""
+    name = "speculative"
+    attn_block_size = 1
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4) -> None:
+        if int(num_speculative_tokens) < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
+        self.ctx = ctx
+        self.sampler: Sampler = ctx.sampler
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.max_positions = int(getattr(ctx.model, "config", {}).get("max_position_embeddings", 1 << 30))
+        self.counters = SpecCounters()
+
+    # --- drafter hooks (subclasses) --------------------------------------------------------
+    def observe(self, batch: Batch, out: StepOutput, commits: list[Commit]) -> None:
+        """Take the captured target hidden states of each sequence's kept query rows."""
+
+    def propose(self, anchors: list[Anchor]) -> list[Proposal]:
+        """Draft up to num_speculative_tokens tokens after each anchor."""
+        return [Proposal(a.pos, []) for a in anchors]
+
+    # --- Method protocol -------------------------------------------------------------------
+    def num_extra_tokens(self, seq: Sequence) -> int:
+        prop: Proposal | None = seq.method_state.get("proposal")
+        if prop is None or prop.anchor_pos != len(seq.token_ids) - 1 or seq.params.needs_penalties:
+            return 0    # penalties depend on the drafts before each row: verify them one by one (ar)
+        k = len(prop.token_ids) if prop.num_verify is None else prop.num_verify
+        remaining = seq.params.max_tokens - seq.num_output_tokens - 1   # the bonus is always free
+        room = self.max_positions - len(seq.token_ids)                  # last query position < max
+        return max(0, min(k, remaining, room))
+
+    def prepare(self, batch: Batch) -> None:
+        for s in batch.seqs:
+            known = s.seq.token_ids[s.start_pos:s.start_pos + s.num_known]
+            drafts = s.seq.method_state["proposal"].token_ids[:s.num_extra] if s.num_extra else []
+            s.query_ids = known + drafts
+            s.num_logits = (1 + s.num_extra) if s.reaches_end else 0
+
+    def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
+        commits = self._verify(batch, out)
+        self.observe(batch, out, commits)
+        anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
+                   for s, c in zip(batch.seqs, commits) if c.token_ids]
+        for a, prop in zip(anchors, self.propose(anchors) if anchors else []):
+            a.seq.method_state["proposal"] = prop
+        return commits
+
+    def on_finished(self, seq: Sequence) -> None:
+        # Drop drafter state (its context cache); keep the small τ counters for metrics.
+        for key in [k for k in seq.method_state if k != "spec"]:
+            del seq.method_state[key]
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.as_dict()
+
+    def acceptance_length(self, seq: Sequence) -> float | None:
+        """τ: tokens committed per verify step (accepted drafts + the bonus)."""
+        st: SeqSpecStats | None = seq.method_state.get("spec")
+        if st is None or not st.num_verify_steps:
+            return None
+        return st.num_emitted_tokens / st.num_verify_steps
+
+    # --- verification ----------------------------------------------------------------------
+    def _verify(self, batch: Batch, out: StepOutput) -> list[Commit]:
+        rows = out.split(batch)
+        todo = [(i, s) for i, s in enumerate(batch.seqs) if s.num_logits]
+        tokens = self._target_tokens(todo, rows)
+        commits = []
+        for i, s in enumerate(batch.seqs):
+            if not s.num_logits:      # a prefill chunk short of the end: keep its KV only
+                commits.append(Commit([], s.num_known, counted_forward=False))
+                continue
+            toks = tokens[i]
+            if s.num_extra:
+                self._record(s.seq, s.num_extra, len(toks) - 1)
+            logprobs = None
+            if s.seq.params.logprobs is not None:
+                logprobs = token_logprobs(rows[i][:len(toks)], toks, [s.seq] * len(toks))
+            commits.append(Commit(toks, s.num_known + len(toks) - 1, logprobs))
+        return commits
+
+    def _target_tokens(self, todo: list[tuple[int, ScheduledSeq]], rows: list[torch.Tensor]
+                       ) -> dict[int, list[int]]:
+        """Committed tokens per batch index: accepted drafts + residual/bonus token."""
+        result: dict[int, list[int]] = {}
+        for i, s in todo:
+            seq = s.seq
+            drafts = seq.method_state["proposal"].token_ids[:s.num_extra] if s.num_extra else []
+            if seq.params.greedy and not seq.params.needs_penalties:
+                result[i] = greedy_accept(rows[i].argmax(-1).tolist(), drafts)
+                continue
+            p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0])
+            q = seq.method_state["proposal"].probs if s.num_extra else None
+            q = q[:s.num_extra] if q is not None else None
+            ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
+            result[i] = verify_drafts(p, ids, q, seq.generator or self.sampler.generator)
+        return result
+
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        self.counters.record(num_drafted, num_accepted)
+        st = seq.method_state.setdefault("spec", SeqSpecStats())
+        st.num_verify_steps += 1
+        st.num_emitted_tokens += num_accepted + 1

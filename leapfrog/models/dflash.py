@@ -1,0 +1,178 @@
+"""DFlash / DSpark drafter backbone (research/speculative.md §1.1, §2.1).
+
+A few Qwen3 decoder layers run non-causally over one block [anchor, MASK x (B-1)]. The target's
+hidden states from `target_layer_ids` are concatenated and fused, H_ctx = RMSNorm(fc(concat))
+(DSpark Eq. 2), and every draft layer attends to [K(H_ctx); K(block)] (Eq. 3): the same
+k_proj / v_proj / k_norm for context and block, RoPE at each key's absolute position. Context
+K/V are computed once per committed position and cached per sequence (DraftContext); block K/V
+live only inside the forward. Embedding and LM head are the target's (§1.1 "not part of the
+drafter"). Weight names follow the z-lab / DeepSpec layouts: `layers.N.self_attn.q_proj`,
+`fc`, `hidden_norm`, `norm` with no `model.` prefix; q/k/v and gate/up are packed here as in
+models/llama.py. The DSpark heads live in models/dflash_heads.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leapfrog.layers.linear import Linear
+from leapfrog.layers.norm import RMSNorm
+from leapfrog.layers.rotary import RotaryEmbedding
+from leapfrog.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default taps (§1.1): the middle layer for one draft layer, else evenly from
+    layer 1 to layer L-3 (never the last: HF returns it normed)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(slots=True)
+class DrafterConfig:
+    """The keys a DFlash or DSpark config.json carries beyond the Qwen3 ones (§1.1, §2.8)."""
+    kind: str                      # "dflash": anchor + B-1 masks -> B-1 drafts; "dspark": B -> B
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+
+    @property
+    def num_draft_tokens(self) -> int:
+        # DSpark makes the anchor slot its first prediction (§2.1); DFlash reads slots 1..B-1.
+        return self.block_size if self.kind == "dspark" else self.block_size - 1
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        archs = cfg.get("architectures") or []
+        kind = "dspark" if any("DSpark" in a for a in archs) or "markov_rank" in cfg else "dflash"
+        sub = cfg.get("dflash_config") or {}
+        # Newer DFlash drafters keep block_size inside dflash_config only (§1.1, NeMo note).
+        block = cfg.get("block_size", sub.get("block_size"))
+        mask = sub.get("mask_token_id", cfg.get("mask_token_id"))
+        taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if block is None or mask is None:
+            raise ValueError("drafter config.json needs block_size and mask_token_id "
+                             "(top level or in dflash_config)")
+        if taps is None:
+            taps = build_target_layer_ids(int(cfg["num_target_layers"]), int(cfg["num_hidden_layers"]))
+        return cls(kind, int(block), int(mask), [int(t) for t in taps],
+                   int(cfg.get("markov_rank", 0) or 0), str(cfg.get("markov_head_type", "vanilla")),
+                   bool(cfg.get("enable_confidence_head", False)),
+                   bool(cfg.get("confidence_head_with_markov", True)))
+
+
+@dataclass(slots=True)
+class DraftContext:
+    """Per-sequence draft KV: one [n, kv_heads, head_dim] pair per draft layer for the
+    committed positions start..start+n-1. Only kept (committed) positions are ever appended,
+    so a rejected draft never needs rolling back here."""
+    start: int
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_positions(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+
+class DFlashDraftModel(nn.Module):
+    packed_modules = LlamaForCausalLM.packed_modules
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.drafter = DrafterConfig.from_hf(cfg)
+        d = cfg["hidden_size"]
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, "qwen3") for _ in range(cfg["num_hidden_layers"]))
+        self.fc = Linear(len(self.drafter.target_layer_ids) * d, d)
+        self.hidden_norm = RMSNorm(d, eps)
+        self.norm = RMSNorm(d, eps)
+        attn = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.max_positions = cfg.get("max_position_embeddings", 2048)
+        self.rotary_emb = RotaryEmbedding(cfg, self.head_dim, self.max_positions)
+        self.markov_head: nn.Module | None = None
+        self.confidence_head: nn.Module | None = None
+        if self.drafter.kind == "dspark":
+            from leapfrog.models.dflash_heads import build_heads
+            self.markov_head, self.confidence_head = build_heads(self.drafter, d, cfg["vocab_size"])
+
+    # --- context K/V ---------------------------------------------------------------------------
+    def _kv(self, layer: DecoderLayer, h: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        a = layer.self_attn
+        _, k, v = a.qkv_proj.split(a.qkv_proj.forward(h))
+        k = a.k_norm.forward(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return self.rotary_emb.apply(rope, k), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+    def extend_context(self, ctx: DraftContext, features: torch.Tensor) -> None:
+        """Append the fused target features [n, m*d] of the next n committed positions."""
+        n = features.shape[0]
+        if n == 0:
+            return
+        h = self.hidden_norm.forward(self.fc.forward(features))
+        pos = torch.arange(ctx.num_positions, ctx.num_positions + n, device=h.device) + ctx.start
+        rope = self.rotary_emb.table(pos.clamp(max=self.max_positions - 1), h.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = self._kv(layer, h, rope)
+            if len(ctx.keys) <= i:
+                ctx.keys.append(k)
+                ctx.values.append(v)
+            else:
+                ctx.keys[i] = torch.cat([ctx.keys[i], k])
+                ctx.values[i] = torch.cat([ctx.values[i], v])
+
+    # --- the block forward -----------------------------------------------------------------
+    def forward(self, embeds: torch.Tensor, anchor_pos: torch.Tensor,
+                contexts: list[DraftContext]) -> torch.Tensor:
+        """embeds [B, L, d] of [anchor, MASK...]; anchor_pos [B]. Returns normed hidden [B, L, d]."""
+        b, length, _ = embeds.shape
+        pos = (anchor_pos.unsqueeze(1) + torch.arange(length, device=embeds.device)).clamp(max=self.max_positions - 1)
+        rope = self.rotary_emb.table(pos, embeds.dtype)
+        ctx_len = max(c.num_positions for c in contexts)
+        valid = torch.tensor([[j < c.num_positions for j in range(ctx_len)] for c in contexts],
+                             dtype=torch.bool, device=embeds.device).view(b, 1, 1, ctx_len)
+        # Block queries see every context key before the anchor and their whole block (§1.1).
+        mask = torch.cat([valid.expand(b, 1, length, ctx_len),
+                          torch.ones(b, 1, length, length, dtype=torch.bool, device=embeds.device)], dim=-1)
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            ck = _pad([c.keys[i] if c.keys else None for c in contexts], ctx_len, self.num_kv_heads, embeds)
+            cv = _pad([c.values[i] if c.values else None for c in contexts], ctx_len, self.num_kv_heads, embeds)
+            x = self._layer(layer, x, rope, ck, cv, mask)
+        return self.norm.forward(x)
+
+    def _layer(self, layer: DecoderLayer, x: torch.Tensor, rope: tuple, ck: torch.Tensor,
+               cv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = layer.self_attn
+        h = layer.input_layernorm.forward(x)
+        q, k, v = a.qkv_proj.split(a.qkv_proj.forward(h))
+        q = a.q_norm.forward(q.unflatten(-1, (self.num_heads, self.head_dim)))
+        k = a.k_norm.forward(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        q, k = self.rotary_emb.apply(rope, q), self.rotary_emb.apply(rope, k)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        keys, values = torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            scale=self.head_dim ** -0.5, enable_gqa=self.num_kv_heads != self.num_heads)
+        x = x + a.o_proj.forward(o.transpose(1, 2).flatten(-2))
+        return x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+
+
+def _pad(parts: list[torch.Tensor | None], length: int, heads: int, like: torch.Tensor) -> torch.Tensor:
+    """Stack per-sequence [n_i, heads, D] into [B, length, heads, D] (zeros past n_i, masked)."""
+    dim = next((p.shape[-1] for p in parts if p is not None), 1)
+    out = torch.zeros(len(parts), length, heads, dim, dtype=like.dtype, device=like.device)
+    for i, p in enumerate(parts):
+        if p is not None:
+            out[i, :p.shape[0]] = p
+    return out

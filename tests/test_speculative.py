@@ -1,0 +1,228 @@
+"""Speculative decoding (dflash, dspark): oracles from DESIGN.md, on tiny random models.
+
+Greedy speculative == greedy ar token for token; a drafter that proposes the target's own
+continuation is fully accepted; the acceptance rule reproduces the target distribution; no KV
+block outlives its request. Drafter checkpoints are written here in the z-lab DFlash and
+DeepSpec DSpark layouts (research/speculative.md §1.1, §2.8).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.loader import CheckpointError
+from leapfrog.methods.drafters import load_drafter
+from leapfrog.methods.speculative import Proposal, SpeculativeMethod, greedy_accept, verify_drafts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = ["Once upon a time", "The cat liked to play in the sun. One day the cat met a big dog.",
+           "春回大地", "They became friends and"]
+ENGINE = dict(block_size=4, max_num_batched_tokens=24)   # small budget: prefill chunks mix with verify steps
+
+
+def _layer_tensors(i: int, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> dict:
+    r = lambda *shape: torch.randn(*shape) * 0.08
+    p = f"layers.{i}."
+    return {p + "self_attn.q_proj.weight": r(heads * head_dim, d),
+            p + "self_attn.k_proj.weight": r(kv_heads * head_dim, d),
+            p + "self_attn.v_proj.weight": r(kv_heads * head_dim, d),
+            p + "self_attn.o_proj.weight": r(d, heads * head_dim),
+            p + "self_attn.q_norm.weight": torch.ones(head_dim),
+            p + "self_attn.k_norm.weight": torch.ones(head_dim),
+            p + "mlp.gate_proj.weight": r(ffn, d), p + "mlp.up_proj.weight": r(ffn, d),
+            p + "mlp.down_proj.weight": r(d, ffn),
+            p + "input_layernorm.weight": torch.ones(d), p + "post_attention_layernorm.weight": torch.ones(d)}
+
+
+def write_drafter(folder: Path, target: Path, kind: str = "dflash", num_layers: int = 1,
+                  block_size: int = 5, head: str = "vanilla", rank: int = 8, taps=(0, 1)) -> Path:
+    """A random drafter for `target` in the published layout of `kind`."""
+    torch.manual_seed(7)
+    t = json.loads((target / "config.json").read_text())
+    d, v, heads, kvh = t["hidden_size"], t["vocab_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    head_dim = t.get("head_dim") or d // heads
+    cfg = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                             "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta") if k in t}
+    cfg.update(head_dim=head_dim, num_hidden_layers=num_layers, num_target_layers=t["num_hidden_layers"])
+    tensors = {"fc.weight": torch.randn(d, len(taps) * d) * 0.08,
+               "hidden_norm.weight": torch.ones(d), "norm.weight": torch.ones(d)}
+    for i in range(num_layers):
+        tensors.update(_layer_tensors(i, d, heads, kvh, head_dim, t["intermediate_size"]))
+    if kind == "dflash":   # z-lab: block_size and dflash_config
+        cfg.update(architectures=["DFlashDraftModel"], block_size=block_size,
+                   dflash_config={"mask_token_id": 3, "target_layer_ids": list(taps)})
+    else:                  # DeepSpec Qwen3DSparkModel: flat keys, frozen embed/lm_head copies inside
+        cfg.update(architectures=["Qwen3DSparkModel"], block_size=block_size, mask_token_id=3,
+                   target_layer_ids=list(taps), markov_rank=rank, markov_head_type=head,
+                   enable_confidence_head=True, confidence_head_with_markov=True, tie_word_embeddings=False)
+        tensors.update({"embed_tokens.weight": torch.randn(v, d), "lm_head.weight": torch.randn(v, d),
+                        "markov_head.markov_w1.weight": torch.randn(v, rank) * 0.3,
+                        "markov_head.markov_w2.weight": torch.randn(v, rank) * 0.3,
+                        "confidence_head.proj.weight": torch.randn(1, d + rank) * 0.1,
+                        "confidence_head.proj.bias": torch.full((1,), 2.0)})
+        if head == "gated":
+            tensors.update({"markov_head.gate_proj.weight": torch.randn(rank, d + rank) * 0.1,
+                            "markov_head.gate_proj.bias": torch.zeros(rank)})
+        if head == "rnn":
+            tensors.update({"markov_head.joint_proj.weight": torch.randn(3 * rank, 2 * rank + d) * 0.1,
+                            "markov_head.joint_proj.bias": torch.zeros(3 * rank)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: x.contiguous() for k, x in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def drafters(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    return {"dflash": write_drafter(root / "dflash", llama_dir),
+            "dspark": write_drafter(root / "dspark", llama_dir, "dspark", num_layers=2, block_size=4),
+            "dspark_gated": write_drafter(root / "gated", llama_dir, "dspark", head="gated", taps=(1,)),
+            "dspark_rnn": write_drafter(root / "rnn", llama_dir, "dspark", head="rnn")}
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(llama_dir) -> list[list[int]]:
+    return [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)]
+
+
+# --- the pure acceptance rule -----------------------------------------------------------------
+def test_greedy_accept_stops_at_first_mismatch():
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]
+    assert greedy_accept([4], []) == [4]
+
+
+@pytest.mark.parametrize("one_hot_drafts", [False, True])
+def test_rejection_sampling_reproduces_the_target_distribution(one_hot_drafts):
+    """Two tokens generated by draft-and-verify from fixed tables P (target) and Q (draft):
+    their joint law must be P[0] x P[1], whatever Q is (research/speculative.md §2.5)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, trials = 4, 12000
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25],
+                      [0.7, 0.1, 0.1, 0.1]])
+    q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.4, 0.3, 0.2, 0.1], [0.6, 0.2, 0.1, 0.1],
+                      [0.25, 0.25, 0.25, 0.25]])
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(trials):
+        out: list[int] = []
+        while len(out) < 2:
+            pos = len(out)
+            qd = q[pos:pos + 2]
+            drafts = qd.argmax(-1) if one_hot_drafts else torch.multinomial(qd, 1, generator=g).squeeze(1)
+            out += verify_drafts(p[pos:pos + 3], drafts, None if one_hot_drafts else qd, g)
+        counts[out[0], out[1]] += 1
+    expected = torch.outer(p[0], p[1]) * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 37.7, chi2      # 15 degrees of freedom, p = 0.001
+
+
+# --- loaders ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark_gated", "dspark_rnn"])
+def test_drafter_checkpoints_load(drafters, name):
+    model = load_drafter(drafters[name])
+    cfg = model.drafter
+    assert cfg.kind == name.split("_")[0] and cfg.mask_token_id == 3
+    assert cfg.num_draft_tokens == (cfg.block_size if cfg.kind == "dspark" else cfg.block_size - 1)
+    from safetensors.torch import load_file
+    saved = load_file(str(drafters[name] / "model.safetensors"))
+    q = saved["layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight[:q.shape[0]], q)
+    if cfg.kind == "dspark":
+        assert torch.equal(model.markov_head.markov_w2.weight, saved["markov_head.markov_w2.weight"])
+        assert model.confidence_head.proj.weight.shape == (1, 64 + 8)
+
+
+def test_drafter_loader_names_the_problem(drafters, tmp_path):
+    folder = tmp_path / "extra"
+    folder.mkdir()
+    cfg = json.loads((drafters["dflash"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file
+    tensors = load_file(str(drafters["dflash"] / "model.safetensors"))
+    tensors["layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected tensor layers.0.self_attn.bogus"):
+        load_drafter(folder)
+    del tensors["layers.0.self_attn.bogus.weight"], tensors["fc.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing.*fc.weight"):
+        load_drafter(folder)
+    del cfg["dflash_config"]["mask_token_id"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        load_drafter(folder)
+
+
+# --- the engine -----------------------------------------------------------------------------
+def _llm(llama_dir: Path, method: str, draft: Path, **options) -> LLM:
+    return LLM(str(llama_dir), method=method, draft_model=str(draft), **ENGINE, **options)
+
+
+@pytest.mark.parametrize("method,drafter,options", [
+    ("dflash", "dflash", {}),
+    ("dspark", "dspark", {}),
+    ("dspark", "dspark_gated", {"verify": "threshold", "threshold": 0.6}),
+    ("dspark", "dspark_rnn", {"num_speculative_tokens": 2}),
+])
+def test_greedy_speculative_equals_ar(llama_dir, drafters, ar_greedy, method, drafter, options):
+    llm = _llm(llama_dir, method, drafters[drafter], **options)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_greedy
+    stats = llm.engine.method.stats()
+    assert stats["num_verify_steps"] > 0 and stats["num_drafted_tokens"] > 0
+    assert all(o.metrics.acceptance_length is not None and o.metrics.acceptance_length >= 1 for o in outs)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_runs_and_frees_every_block(llama_dir, drafters):
+    # Without prefix caching: a cache hit leaves the drafter without the prefix's features, so
+    # its drafts (and hence the random draws a seed drives) would differ on the second run.
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], draft_sampling="sample", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]   # per-request generators
+    assert all(len(o.token_ids) == 12 for o in first)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+class OracleMethod(SpeculativeMethod):
+    """Drafts the target's own greedy continuation (a drafter identical to the target)."""
+    name = "oracle"
+
+    def propose(self, anchors):
+        out = []
+        for a in anchors:
+            ids = a.seq.token_ids + a.new_token_ids
+            drafts = []
+            for _ in range(self.num_speculative_tokens):
+                logits = self.ctx.model.forward_dense(torch.tensor([ids]))[0, -1]
+                ids.append(int(logits.argmax()))
+                drafts.append(ids[-1])
+            out.append(Proposal(a.pos, drafts))
+        return out
+
+
+def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, monkeypatch):
+    import leapfrog.engine
+    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: OracleMethod)
+    llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=4, **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_greedy
+    # 16 tokens = 1 from the prefill + 3 verify steps of 4 drafts + 1 bonus each.
+    assert [(o.metrics.acceptance_length, o.metrics.num_forwards) for o in outs] == [(5.0, 4)] * len(PROMPTS)
+    stats = llm.engine.method.stats()
+    assert stats["num_accepted_tokens"] == stats["num_drafted_tokens"] == 4 * 3 * len(PROMPTS)
+    assert all(stats[f"acceptance_rate_pos{j}"] == 1.0 for j in range(1, 5))
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_missing_drafter_is_a_clear_error(llama_dir):
+    with pytest.raises(ValueError, match="no drafter"):
+        LLM(str(llama_dir), method="dflash")
