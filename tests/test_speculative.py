@@ -226,3 +226,92 @@ def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, mon
 def test_missing_drafter_is_a_clear_error(llama_dir):
     with pytest.raises(ValueError, match="no drafter"):
         LLM(str(llama_dir), method="dflash")
+
+
+# --- confidence-scheduled verification (Algorithm 1) ----------------------------------------
+def test_prefix_scheduler_verifies_more_when_idle_and_less_under_load():
+    from leapfrog.methods.confidence_schedule import StepCostTable, schedule_prefix, survival
+    surv = [survival([0.9, 0.8, 0.5, 0.2]), survival([0.6, 0.5, 0.9, 0.9])]
+    flat = StepCostTable([1, 64], [0.01, 0.01])            # forwards cost the same at any size
+    assert schedule_prefix(surv, flat.sps) == [4, 4]
+    steep = StepCostTable([1, 2, 64], [0.01, 0.01, 0.64])   # each token past 2 costs 1x a step
+    lengths = schedule_prefix(surv, steep.sps)
+    assert lengths == [0, 0]
+    mid = StepCostTable([1, 64], [0.01, 0.01 + 63 * 0.002])
+    lengths = schedule_prefix(surv, mid.sps)
+    assert 0 < sum(lengths) < 8 and lengths[0] >= lengths[1]
+    # research/speculative.md App. A example: SPS(1,2,3) = (1.0, 0.5, 0.45), a1 = 0.8 -> stop.
+    table = StepCostTable([1, 2, 3], [1.0, 2.0, 1 / 0.45])
+    assert schedule_prefix([[0.8, 0.4]], table.sps) == [0]
+    assert table.cost(5) > table.cost(3) and table.cost(1) == 1.0
+
+
+def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
+    costs = {1: 0.01, 8: 0.012, 64: 0.05}
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_preemption_restarts_the_drafter_context(llama_dir, drafters, ar_greedy):
+    llm = _llm(llama_dir, "dflash", drafters["dflash"], kv_cache_tokens=44)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+# --- the drafter backbone against a from-the-formulas reference -------------------------------
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta=10000.0):
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+    ang = torch.outer(pos.float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+
+def reference_block(w: dict, cfg: dict, feats, embeds, anchor_pos: int):
+    """DSpark Eq. 2-3 / z-lab DFlash written out: fused context keys in every layer, full
+    (non-causal) attention over [context; block]."""
+    heads, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    hc = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+    cpos, bpos = torch.arange(feats.shape[0]), anchor_pos + torch.arange(embeds.shape[0])
+    x = embeds
+    for i in range(cfg["num_hidden_layers"]):
+        g = lambda n: w[f"layers.{i}.{n}.weight"]
+        h = _rms(x, g("input_layernorm"))
+        q = _rope(_rms((h @ g("self_attn.q_proj").T).view(-1, heads, hd), g("self_attn.q_norm")), bpos)
+        kv = lambda src, pos: (_rope(_rms((src @ g("self_attn.k_proj").T).view(-1, kvh, hd),
+                                          g("self_attn.k_norm")), pos),
+                               (src @ g("self_attn.v_proj").T).view(-1, kvh, hd))
+        (kc, vc), (kb, vb) = kv(hc, cpos), kv(h, bpos)
+        k = torch.cat([kc, kb]).repeat_interleave(heads // kvh, 1)
+        v = torch.cat([vc, vb]).repeat_interleave(heads // kvh, 1)
+        att = torch.einsum("qhd,khd->hqk", q, k).div(hd ** 0.5).softmax(-1)
+        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(x.shape[0], -1) @ g("self_attn.o_proj").T
+        h = _rms(x, g("post_attention_layernorm"))
+        x = x + (torch.nn.functional.silu(h @ g("mlp.gate_proj").T) * (h @ g("mlp.up_proj").T)) @ g("mlp.down_proj").T
+    return _rms(x, w["norm.weight"])
+
+
+def test_drafter_forward_matches_the_formulas(drafters):
+    from safetensors.torch import load_file
+    from leapfrog.models.dflash import DraftContext
+    folder = drafters["dspark"]                              # 2 layers, 2 taps
+    w, cfg = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
+    model = load_drafter(folder)
+    torch.manual_seed(0)
+    feats = [torch.randn(n, 2 * 64) for n in (7, 3)]
+    embeds = torch.randn(2, 4, 64)
+    contexts = [DraftContext(0), DraftContext(0)]
+    with torch.no_grad():
+        model.extend_context(contexts[0], feats[0][:4])      # incremental == one shot
+        model.extend_context(contexts[0], feats[0][4:])
+        model.extend_context(contexts[1], feats[1])
+        got = model.forward(embeds, torch.tensor([7, 3]), contexts)   # padded batch of two
+    for i in range(2):
+        want = reference_block(w, cfg, feats[i], embeds[i], anchor_pos=feats[i].shape[0])
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)

@@ -20,6 +20,7 @@ from leapfrog.loader import (CheckpointError, _check_complete, iter_tensors, rea
                              verify_manifest, weight_files)
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.methods.base import Batch, Commit, StepOutput
+from leapfrog.methods.confidence_schedule import StepCostTable, schedule_prefix, survival
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, _draw
 from leapfrog.models.dflash import DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block
@@ -87,7 +88,8 @@ class DFlashMethod(SpeculativeMethod):
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int | None = None,
                  draft_sampling: str = "argmax", verify: str = "fixed", threshold: float = 0.7,
-                 drafter: DFlashDraftModel | None = None, **options: object) -> None:
+                 step_costs: dict | None = None, drafter: DFlashDraftModel | None = None,
+                 **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(sorted(options))}")
         if draft_sampling not in ("argmax", "sample"):
@@ -106,6 +108,7 @@ class DFlashMethod(SpeculativeMethod):
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         if verify != "fixed" and self.drafter.confidence_head is None:
             raise ValueError(f"verify={verify!r} needs a drafter with a confidence head (dspark)")
+        self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
 
     def _check_target(self, model: torch.nn.Module) -> None:
         tcfg, dcfg = model.config, self.drafter.config
@@ -145,8 +148,19 @@ class DFlashMethod(SpeculativeMethod):
         temps = [self._draft_temperature(s) for s in seqs]
         tokens, logits, conf = sample_block(base, hidden, ids[:, 0], self.drafter.markov_head,
                                             self.drafter.confidence_head, self._chooser(seqs, temps))
-        return [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
-                for i, a in enumerate(anchors)]
+        props = [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
+                 for i, a in enumerate(anchors)]
+        if self.verify == "confidence":
+            lengths = schedule_prefix([survival(p.confidence or []) for p in props], self._step_costs().sps)
+            for p, n in zip(props, lengths):
+                p.num_verify = n
+        return props
+
+    def _step_costs(self) -> StepCostTable:
+        """The profiled cost curve (Algorithm 1's SPS), measured once on first use."""
+        if self.step_costs is None:
+            self.step_costs = StepCostTable.profile(self.target, self.ctx.device)
+        return self.step_costs
 
     def _draft_temperature(self, seq: Sequence) -> float:
         """0 means argmax drafts (q one-hot); argmax proposals keep pure-parallel blocks

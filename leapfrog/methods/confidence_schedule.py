@@ -1,0 +1,92 @@
+"""DSpark's hardware-aware prefix scheduler (research/speculative.md §2.4, Algorithm 1).
+
+Each request r carries survival probabilities a_{r,j} = Π_{i<=j} c_{r,i} of its drafts. Verifying
+ℓ_r drafts costs 1 + ℓ_r query tokens in the next target forward and is expected to commit
+1 + Σ_{j<=ℓ_r} a_{r,j} tokens. The scheduler maximises Θ = τ · SPS(B), where SPS(B) is target
+forwards per second at B batch tokens, greedily over candidates sorted by a (ties: earlier
+position first), and stops at the first candidate that does not raise Θ. The early break is
+what keeps it lossless (§2.4 non-anticipation, App. A): a_{r,j+1} depends on the sampled x_j,
+and without the break x_j could influence its own admission.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def survival(confidence: list[float]) -> list[float]:
+    out, a = [], 1.0
+    for c in confidence:
+        a *= c
+        out.append(a)
+    return out
+
+
+def schedule_prefix(surv: list[list[float]], sps: Callable[[int], float]) -> list[int]:
+    """Algorithm 1: how many drafts to verify per request (ℓ_r), from survival rows."""
+    lengths = [0] * len(surv)
+    batch, tau = len(surv), float(len(surv))
+    best = tau * sps(batch)
+    cands = sorted(((a, j, r) for r, row in enumerate(surv) for j, a in enumerate(row, 1) if a > 0),
+                   key=lambda t: (-t[0], t[1]))
+    for a, j, r in cands:
+        if j != lengths[r] + 1:      # only on ties that skip a position; keep prefixes contiguous
+            break
+        theta = (tau + a) * sps(batch + 1)
+        if theta <= best:
+            break
+        lengths[r], batch, tau, best = j, batch + 1, tau + a, theta
+    return lengths
+
+
+@dataclass(slots=True)
+class StepCostTable:
+    """Seconds per target forward at B batch tokens, piecewise linear between profiled points
+    (vLLM PR #47808 profiles such a curve at start-up; §2.4)."""
+    num_tokens: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def cost(self, batch: int) -> float:
+        i = bisect.bisect_left(self.num_tokens, batch)
+        if i < len(self.num_tokens) and self.num_tokens[i] == batch:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.num_tokens):   # beyond the table: extend the last segment's slope
+            i -= 1
+        x0, x1 = self.num_tokens[i - 1], self.num_tokens[i]
+        y0, y1 = self.seconds[i - 1], self.seconds[i]
+        return max(y0 + (y1 - y0) * (batch - x0) / (x1 - x0), 1e-9)
+
+    def sps(self, batch: int) -> float:
+        return 1.0 / self.cost(batch)
+
+    @classmethod
+    def from_mapping(cls, costs: dict) -> "StepCostTable":
+        items = sorted((int(k), float(v)) for k, v in costs.items())
+        if not items or any(v <= 0 for _, v in items):
+            raise ValueError("step_costs: need {batch_tokens: seconds > 0, ...}")
+        return cls([k for k, _ in items], [v for _, v in items])
+
+    @classmethod
+    def profile(cls, model: torch.nn.Module, device: torch.device, max_tokens: int = 64,
+                repeats: int = 3) -> "StepCostTable":
+        """Time dense forwards of B tokens (B = 1, 2, 4, ... max_tokens), best of `repeats`.
+        A stand-in for the engine's paged step; enough to rank short vs long verifications."""
+        sizes, secs = [], []
+        b = 1
+        while b <= max_tokens:
+            ids = torch.zeros(1, b, dtype=torch.long, device=device)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                model.forward_dense(ids)
+                best = min(best, time.perf_counter() - t0)
+            sizes.append(b)
+            secs.append(best)
+            b *= 2
+        return cls(sizes, secs)
