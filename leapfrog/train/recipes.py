@@ -33,7 +33,7 @@ def couplets() -> TrainConfig:
                          intermediate_size=704, max_position=256),
         tokenizer=TokenizerSpec(vocab_size=8000, specials=["<mask>", "<sep>"], max_piece_length=1,
                                 character_coverage=0.9995, add_dummy_prefix=False),
-        seq_len=128, batch_size=16, max_steps=2800, lr=2e-3, min_lr=1e-4, warmup_steps=100,
+        seq_len=128, batch_size=16, max_steps=3600, lr=2e-3, min_lr=1e-4, warmup_steps=100,
         align_to_bos=True,
         eval_interval=250, eval_batches=16, ckpt_interval=50,
     )
