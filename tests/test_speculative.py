@@ -315,3 +315,25 @@ def test_drafter_forward_matches_the_formulas(drafters):
     for i in range(2):
         want = reference_block(w, cfg, feats[i], embeds[i], anchor_pos=feats[i].shape[0])
         torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+
+
+def test_fallback_to_ar_when_the_drafter_is_missing_or_useless(llama_dir, drafters, ar_greedy):
+    with pytest.warns(UserWarning, match="no drafter"):
+        llm = LLM(str(llama_dir), method="dflash", fallback="ar", **ENGINE)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    llm = _llm(llama_dir, "dflash", drafters["dflash"], fallback="ar")   # random: τ ~ 1
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_greedy
+    assert llm.engine.method.stats()["num_fallbacks"] >= 1
+
+
+def test_a_model_folder_with_a_drafter_defaults_to_its_method(llama_dir, drafters, tmp_path, ar_greedy):
+    import shutil
+    from leapfrog.methods import default_method
+    folder = tmp_path / "with_drafter"
+    shutil.copytree(llama_dir, folder)
+    assert default_method(str(folder)) == "ar"
+    shutil.copytree(drafters["dspark"], folder / "drafter")
+    assert default_method(str(folder)) == "dspark"
+    llm = LLM(str(folder), method="dspark", **ENGINE)      # finds drafter/ with no draft_model
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy

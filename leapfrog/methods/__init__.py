@@ -34,4 +34,11 @@ def default_method(model: str) -> str:
         method = json.loads(meta.read_text()).get("default_method")
         if method in METHODS:
             return method
+    drafter = Path(folder) / "drafter" / "config.json"
+    if drafter.is_file():      # the drafter's own layout says which method it was trained for
+        from leapfrog.models.dflash import DrafterConfig
+        try:
+            return DrafterConfig.from_hf(json.loads(drafter.read_text())).kind
+        except (ValueError, KeyError, json.JSONDecodeError):
+            return "ar"
     return "ar"

@@ -10,6 +10,7 @@ Markov/RNN stage and confidence scores; `verify` chooses how many drafts to chec
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,27 +89,40 @@ class DFlashMethod(SpeculativeMethod):
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int | None = None,
                  draft_sampling: str = "argmax", verify: str = "fixed", threshold: float = 0.7,
-                 step_costs: dict | None = None, drafter: DFlashDraftModel | None = None,
-                 **options: object) -> None:
+                 step_costs: dict | None = None, fallback: str = "none",
+                 drafter: DFlashDraftModel | None = None, **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(sorted(options))}")
         if draft_sampling not in ("argmax", "sample"):
             raise ValueError(f"draft_sampling={draft_sampling!r}: expected argmax or sample")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
-        self.drafter = drafter or load_drafter(find_drafter(ctx), ctx.device, ctx.dtype)
+        self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
+        self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
+        self.drafter = drafter or self._load(ctx, fallback)
+        if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
+            super().__init__(ctx, 0, fallback)
+            return
         cfg = self.drafter.drafter
         gamma = cfg.num_draft_tokens if num_speculative_tokens is None else \
             min(int(num_speculative_tokens), cfg.num_draft_tokens)
-        super().__init__(ctx, gamma)
+        super().__init__(ctx, gamma, fallback)
         self._check_target(ctx.model)
         self.target = ctx.model
         self.capture_layers = tuple(sorted(set(cfg.target_layer_ids)))
         self._tap_order = [self.capture_layers.index(t) for t in cfg.target_layer_ids]
-        self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         if verify != "fixed" and self.drafter.confidence_head is None:
             raise ValueError(f"verify={verify!r} needs a drafter with a confidence head (dspark)")
-        self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
+
+    @staticmethod
+    def _load(ctx: "MethodContext", fallback: str) -> DFlashDraftModel | None:
+        try:
+            return load_drafter(find_drafter(ctx), ctx.device, ctx.dtype)
+        except (ValueError, FileNotFoundError) as e:
+            if fallback != "ar":
+                raise
+            warnings.warn(f"{e}; decoding with ar (fallback='ar')", stacklevel=3)
+            return None
 
     def _check_target(self, model: torch.nn.Module) -> None:
         tcfg, dcfg = model.config, self.drafter.config
@@ -121,6 +135,8 @@ class DFlashMethod(SpeculativeMethod):
     # --- drafter hooks --------------------------------------------------------------------
     @torch.inference_mode()
     def observe(self, batch: Batch, out: StepOutput, commits: list[Commit]) -> None:
+        if self.drafter is None:
+            return
         feats = torch.cat([out.captured[j] for j in self._tap_order], dim=-1)
         row = 0
         for s, c in zip(batch.seqs, commits):

@@ -55,6 +55,7 @@ class SeqSpecStats:
     """Kept in seq.method_state across preemption so τ survives on_finished()."""
     num_verify_steps: int = 0
     num_emitted_tokens: int = 0                # accepted + bonus over all verify steps
+    drafting_off: bool = False                 # fallback: acceptance collapsed, decode as ar
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -103,6 +104,7 @@ class SpecCounters:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_fallbacks: int = 0                                  # requests that stopped drafting
     drafted_at: list[int] = field(default_factory=list)    # per draft position (0-based)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -121,7 +123,8 @@ class SpecCounters:
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {"num_drafted_tokens": self.num_drafted_tokens,
                                  "num_accepted_tokens": self.num_accepted_tokens,
-                                 "num_verify_steps": self.num_verify_steps}
+                                 "num_verify_steps": self.num_verify_steps,
+                                 "num_fallbacks": self.num_fallbacks}
         if self.num_verify_steps:
             out["acceptance_length"] = 1 + self.num_accepted_tokens / self.num_verify_steps
         for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):
@@ -135,9 +138,18 @@ class SpeculativeMethod:
     attn_block_size = 1
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4) -> None:
+    # fallback="ar": a request whose τ stays below fallback_tau after fallback_min_steps verify
+    # steps stops drafting (issue 5: acceptance collapse must not cost more than ar).
+    fallback_min_steps = 8
+    fallback_tau = 1.2
+
+    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4,
+                 fallback: str = "none") -> None:
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
+        if fallback not in ("none", "ar"):
+            raise ValueError(f"fallback={fallback!r}: expected none or ar")
+        self.fallback = fallback
         self.ctx = ctx
         self.sampler: Sampler = ctx.sampler
         self.num_speculative_tokens = int(num_speculative_tokens)
@@ -173,10 +185,16 @@ class SpeculativeMethod:
         commits = self._verify(batch, out)
         self.observe(batch, out, commits)
         anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
-                   for s, c in zip(batch.seqs, commits) if c.token_ids]
+                   for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
         for a, prop in zip(anchors, self.propose(anchors) if anchors else []):
             a.seq.method_state["proposal"] = prop
         return commits
+
+    def _wants_drafts(self, seq: Sequence, commit: Commit) -> bool:
+        """Skip drafting for a request this commit finishes by length or whose drafts stopped paying."""
+        left = seq.params.max_tokens - seq.num_output_tokens - len(commit.token_ids)
+        st: SeqSpecStats | None = seq.method_state.get("spec")
+        return left >= 2 and self.num_speculative_tokens > 0 and not (st and st.drafting_off)
 
     def on_finished(self, seq: Sequence) -> None:
         # Drop drafter state (its context cache); keep the small τ counters for metrics.
@@ -234,3 +252,7 @@ class SpeculativeMethod:
         st = seq.method_state.setdefault("spec", SeqSpecStats())
         st.num_verify_steps += 1
         st.num_emitted_tokens += num_accepted + 1
+        if (self.fallback == "ar" and st.num_verify_steps >= self.fallback_min_steps
+                and st.num_emitted_tokens < self.fallback_tau * st.num_verify_steps):
+            st.drafting_off = True
+            self.counters.num_fallbacks += 1
