@@ -140,13 +140,16 @@ class DFlashMethod(SpeculativeMethod):
         feats = torch.cat([out.captured[j] for j in self._tap_order], dim=-1)
         row = 0
         for s, c in zip(batch.seqs, commits):
+            row += s.num_query
+            if getattr(s.seq.method_state.get("spec"), "drafting_off", False):
+                continue                  # fallback: this request decodes as ar from now on
             ctx: DraftContext | None = s.seq.method_state.get("draft_ctx")
             if ctx is None or ctx.start + ctx.num_positions != s.start_pos:
                 # First chunk (maybe after a prefix-cache hit: the drafter then sees no
                 # features for the cached prefix, which costs acceptance, never correctness).
                 ctx = s.seq.method_state["draft_ctx"] = DraftContext(s.start_pos)
-            self.drafter.extend_context(ctx, feats[row:row + c.num_kv_keep])
-            row += s.num_query
+            first = row - s.num_query
+            self.drafter.extend_context(ctx, feats[first:first + c.num_kv_keep])
 
     @torch.inference_mode()
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
