@@ -193,20 +193,24 @@ def test_seeded_sampling_runs_and_frees_every_block(llama_dir, drafters):
 
 
 class OracleMethod(SpeculativeMethod):
-    """Drafts the target's own greedy continuation (a drafter identical to the target)."""
+    """A drafter identical to the target: greedy requests get its argmax continuation, sampled
+    ones a draw from its own (filtered, tempered) distribution, with that distribution as q."""
     name = "oracle"
 
     def propose(self, anchors):
-        out = []
-        for a in anchors:
-            ids = a.seq.token_ids + a.new_token_ids
-            drafts = []
-            for _ in range(self.num_speculative_tokens):
-                logits = self.ctx.model.forward_dense(torch.tensor([ids]))[0, -1]
+        return [self._one(a) for a in anchors]
+
+    def _one(self, a):
+        ids, probs = a.seq.token_ids + a.new_token_ids, []
+        for _ in range(self.num_speculative_tokens):
+            logits = self.ctx.model.forward_dense(torch.tensor([ids]))[0, -1:]
+            if a.seq.params.greedy:
                 ids.append(int(logits.argmax()))
-                drafts.append(ids[-1])
-            out.append(Proposal(a.pos, drafts))
-        return out
+                continue
+            probs.append(self.sampler.probs(logits, [a.seq])[0])
+            ids.append(int(torch.multinomial(probs[-1], 1, generator=a.seq.generator)))
+        drafts = ids[len(ids) - self.num_speculative_tokens:]
+        return Proposal(a.pos, drafts, torch.stack(probs) if probs else None)
 
 
 def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, monkeypatch):
@@ -337,3 +341,14 @@ def test_a_model_folder_with_a_drafter_defaults_to_its_method(llama_dir, drafter
     assert default_method(str(folder)) == "dspark"
     llm = LLM(str(folder), method="dspark", **ENGINE)      # finds drafter/ with no draft_model
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+
+
+def test_sampled_drafts_from_the_target_itself_are_all_accepted(llama_dir, monkeypatch):
+    """q == p: min(1, p/q) = 1, so every draft survives; checks that q is paired with the right
+    draft and target rows in the engine (the rule itself is tested above)."""
+    import leapfrog.engine
+    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: OracleMethod)
+    llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=3, **ENGINE)
+    params = SamplingParams(max_tokens=13, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert [(o.metrics.acceptance_length, len(o.token_ids)) for o in outs] == [(4.0, 13)] * len(PROMPTS)
