@@ -352,3 +352,22 @@ def test_sampled_drafts_from_the_target_itself_are_all_accepted(llama_dir, monke
     params = SamplingParams(max_tokens=13, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     assert [(o.metrics.acceptance_length, len(o.token_ids)) for o in outs] == [(4.0, 13)] * len(PROMPTS)
+
+
+def test_drafter_context_tracks_the_target_kv_after_every_rollback(llama_dir, drafters):
+    """The drafter caches K/V only for kept positions: after each step its context ends exactly
+    where the target's KV does (nothing of a rejected draft survives in either cache)."""
+    llm = _llm(llama_dir, "dspark", drafters["dspark_rnn"])
+    engine = llm.engine
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+    num_checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            ctx = seq.method_state.get("draft_ctx")
+            if ctx is not None:
+                assert ctx.start + ctx.num_positions == seq.num_computed
+                num_checked += 1
+    assert num_checked > 10 and engine.method.stats()["num_verify_steps"] > 0
+    assert engine.block_manager.num_used_blocks == 0
