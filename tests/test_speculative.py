@@ -371,3 +371,13 @@ def test_drafter_context_tracks_the_target_kv_after_every_rollback(llama_dir, dr
                 num_checked += 1
     assert num_checked > 10 and engine.method.stats()["num_verify_steps"] > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_greedy_and_sampled_requests_share_a_batch(llama_dir, drafters, ar_greedy):
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], draft_sampling="sample")
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True, logprobs=1)
+    params = [GREEDY, sampled, GREEDY, sampled]
+    outs = llm.generate(PROMPTS, params)
+    assert [outs[0].token_ids, outs[2].token_ids] == [ar_greedy[0], ar_greedy[2]]
+    assert all(len(o.logprobs) == 16 and o.logprobs[0]["token_id"] == o.token_ids[0] for o in outs[1::2])
+    assert llm.engine.block_manager.num_used_blocks == 0
