@@ -94,3 +94,28 @@ def test_a_few_teacher_forced_dspark_steps_reduce_the_loss(toy):
     assert losses[-1] < 0.8 * losses[0], losses
     assert drafter.markov_head.joint_proj.weight.grad is not None
     assert drafter.confidence_head.proj.weight.grad is not None and drafter.fc.weight.grad is not None
+
+
+def test_sequential_temperature_scaling_recovers_the_true_temperature():
+    from leapfrog.train.drafter_objectives import expected_calibration_error, fit_sequential_temperatures
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6000, 3, generator=g) * 2.5            # overconfident head: true c = σ(z / 2)
+    accepted = torch.rand(6000, 3, generator=g) < torch.sigmoid(z / 2)
+    survived = accepted.to(torch.int64).cumprod(1).bool()
+    temps = fit_sequential_temperatures(z, survived)
+    assert all(1.5 < t < 2.7 for t in temps), temps
+    raw = expected_calibration_error(torch.sigmoid(z).cumprod(1)[:, 2], survived[:, 2])
+    fitted = torch.sigmoid(z / torch.tensor(temps)).cumprod(1)[:, 2]
+    assert expected_calibration_error(fitted, survived[:, 2]) < raw / 3
+
+
+def test_fitted_temperatures_load_with_the_drafter(llama_dir, tmp_path):
+    import json
+    folder = write_drafter(tmp_path / "d", llama_dir, "dspark", block_size=3)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["confidence_temperatures"] = [1.5, 2.0, 3.0]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    head = load_drafter(folder).confidence_head
+    h, e = torch.randn(2, 64), torch.randn(2, 8)
+    logit = head.proj.forward(torch.cat([h, e], -1)).squeeze(-1)
+    torch.testing.assert_close(head.forward(h, e, 1), torch.sigmoid(logit / 2.0))

@@ -44,6 +44,7 @@ class DrafterConfig:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None   # leapfrog's key for fitted STS temperatures
 
     @property
     def num_draft_tokens(self) -> int:
@@ -67,7 +68,8 @@ class DrafterConfig:
         return cls(kind, int(block), int(mask), [int(t) for t in taps],
                    int(cfg.get("markov_rank", 0) or 0), str(cfg.get("markov_head_type", "vanilla")),
                    bool(cfg.get("enable_confidence_head", False)),
-                   bool(cfg.get("confidence_head_with_markov", True)))
+                   bool(cfg.get("confidence_head_with_markov", True)),
+                   cfg.get("confidence_temperatures"))
 
 
 @dataclass(slots=True)

@@ -60,13 +60,16 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """c_k = sigmoid(w^T [h_k; W1[x_{k-1}]] + b) (Eq. 7): P(position k survives | k-1 did)."""
 
-    def __init__(self, hidden: int, rank: int) -> None:
+    def __init__(self, hidden: int, rank: int, temperatures: list[float] | None = None) -> None:
         super().__init__()
         self.proj = _Bias(hidden + rank, 1)
+        # Per-position STS temperatures (brief §2.3) from config key `confidence_temperatures`.
+        self.temperatures = list(temperatures or [])
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, e: torch.Tensor | None, position: int = 0) -> torch.Tensor:
         z = h if e is None else torch.cat([h, e], dim=-1)
-        return torch.sigmoid(self.proj.forward(z)).squeeze(-1)
+        t = self.temperatures[position] if position < len(self.temperatures) else 1.0
+        return torch.sigmoid(self.proj.forward(z) / t).squeeze(-1)
 
 
 def build_heads(drafter, hidden: int, vocab: int) -> tuple[MarkovHead | None, ConfidenceHead | None]:
@@ -75,7 +78,8 @@ def build_heads(drafter, hidden: int, vocab: int) -> tuple[MarkovHead | None, Co
     conf = None
     if drafter.enable_confidence_head:
         with_markov = drafter.confidence_head_with_markov and markov is not None
-        conf = ConfidenceHead(hidden, drafter.markov_rank if with_markov else 0)
+        conf = ConfidenceHead(hidden, drafter.markov_rank if with_markov else 0,
+                              drafter.confidence_temperatures)
     return markov, conf
 
 
@@ -95,7 +99,7 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: to
             bias, e, state = markov.step(prev, h, state)
             row = row + bias.float()
         if conf is not None:
-            confs.append(conf.forward(h, e if conf.proj.in_features > h.shape[-1] else None))
+            confs.append(conf.forward(h, e if conf.proj.in_features > h.shape[-1] else None, k))
         prev = choose(row)
         ids.append(prev)
         logits.append(row)

@@ -106,3 +106,32 @@ def forward_blocks(model: DFlashDraftModel, features: torch.Tensor, embed: torch
     ids[:, 0] = token_ids[anchors]
     hidden = model.forward(F.embedding(ids, embed), anchors, contexts)
     return hidden[:, cfg.block_size - cfg.num_draft_tokens:]
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, num_bins: int = 10) -> float:
+    """ECE with equal-width bins: Σ_b |B_b|/N · |mean(p) - mean(label)| over bin b."""
+    bins = (probs.clamp(0, 1 - 1e-9) * num_bins).long()
+    total, n = 0.0, probs.numel()
+    for b in range(num_bins):
+        sel = bins == b
+        if bool(sel.any()):
+            total += float(sel.sum()) / n * abs(float(probs[sel].mean() - labels[sel].float().mean()))
+    return total
+
+
+def fit_sequential_temperatures(conf_logits: torch.Tensor, survived: torch.Tensor,
+                                grid: torch.Tensor | None = None) -> list[float]:
+    """Sequential Temperature Scaling (DSpark §3.2.1, brief §2.3): for k = 1..γ left to right,
+    pick T_k minimising the ECE of the survival Π_{i<=k} σ(z_i / T_i) against the realised
+    prefix label survived[:, k] (all drafts 1..k accepted), earlier T_i held fixed.
+    conf_logits [N, γ] pre-sigmoid; returns γ temperatures (order-preserving per position)."""
+    grid = grid if grid is not None else torch.logspace(-1, 1, 41)
+    temps: list[float] = []
+    prefix = torch.ones(conf_logits.shape[0])
+    for k in range(conf_logits.shape[1]):
+        errors = [expected_calibration_error(prefix * torch.sigmoid(conf_logits[:, k] / t), survived[:, k])
+                  for t in grid.tolist()]
+        best = grid[int(torch.tensor(errors).argmin())].item()
+        temps.append(best)
+        prefix = prefix * torch.sigmoid(conf_logits[:, k] / best)
+    return temps
