@@ -215,7 +215,7 @@ class SpeculativeMethod:
     def _verify(self, batch: Batch, out: StepOutput) -> list[Commit]:
         rows = out.split(batch)
         todo = [(i, s) for i, s in enumerate(batch.seqs) if s.num_logits]
-        tokens = self._target_tokens(todo, rows)
+        tokens = self._target_tokens(todo, rows, out.logits)
         commits = []
         for i, s in enumerate(batch.seqs):
             if not s.num_logits:      # a prefill chunk short of the end: keep its KV only
@@ -230,15 +230,19 @@ class SpeculativeMethod:
             commits.append(Commit(toks, s.num_known + len(toks) - 1, logprobs))
         return commits
 
-    def _target_tokens(self, todo: list[tuple[int, ScheduledSeq]], rows: list[torch.Tensor]
-                       ) -> dict[int, list[int]]:
+    def _target_tokens(self, todo: list[tuple[int, ScheduledSeq]], rows: list[torch.Tensor],
+                       logits: torch.Tensor) -> dict[int, list[int]]:
         """Committed tokens per batch index: accepted drafts + residual/bonus token."""
         result: dict[int, list[int]] = {}
+        argmax = logits.argmax(-1).tolist()        # one host sync for every greedy row of the batch
+        offsets = [0]
+        for r in rows:
+            offsets.append(offsets[-1] + r.shape[0])
         for i, s in todo:
             seq = s.seq
             drafts = seq.method_state["proposal"].token_ids[:s.num_extra] if s.num_extra else []
             if seq.params.greedy and not seq.params.needs_penalties:
-                result[i] = greedy_accept(rows[i].argmax(-1).tolist(), drafts)
+                result[i] = greedy_accept(argmax[offsets[i]:offsets[i + 1]], drafts)
                 continue
             p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0])
             q = seq.method_state["proposal"].probs if s.num_extra else None

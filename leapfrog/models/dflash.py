@@ -141,8 +141,8 @@ class DFlashDraftModel(nn.Module):
         pos = (anchor_pos.unsqueeze(1) + torch.arange(length, device=embeds.device)).clamp(max=self.max_positions - 1)
         rope = self.rotary_emb.table(pos, embeds.dtype)
         ctx_len = max(c.num_positions for c in contexts)
-        valid = torch.tensor([[j < c.num_positions for j in range(ctx_len)] for c in contexts],
-                             dtype=torch.bool, device=embeds.device).view(b, 1, 1, ctx_len)
+        lens = torch.tensor([c.num_positions for c in contexts], device=embeds.device)
+        valid = (torch.arange(ctx_len, device=embeds.device) < lens.unsqueeze(1)).view(b, 1, 1, ctx_len)
         # Block queries see every context key before the anchor and their whole block (§1.1).
         mask = torch.cat([valid.expand(b, 1, length, ctx_len),
                           torch.ones(b, 1, length, length, dtype=torch.bool, device=embeds.device)], dim=-1)
