@@ -181,13 +181,14 @@ def test_greedy_speculative_equals_ar(llama_dir, drafters, ar_greedy, method, dr
 
 
 def test_seeded_sampling_runs_and_frees_every_block(llama_dir, drafters):
-    # Without prefix caching: a cache hit leaves the drafter without the prefix's features, so
-    # its drafts (and hence the random draws a seed drives) would differ on the second run.
-    llm = _llm(llama_dir, "dspark", drafters["dspark"], draft_sampling="sample", enable_prefix_caching=False)
+    # The second run hits the prefix cache: the drafter must get the same context back (from
+    # its ContextCache), else its drafts and hence the seeded draws would differ.
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], draft_sampling="sample")
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     first = llm.generate(PROMPTS, params)
     again = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]   # per-request generators
+    assert sum(o.metrics.num_cached_prompt_tokens for o in again) > 0
     assert all(len(o.token_ids) == 12 for o in first)
     assert llm.engine.block_manager.num_used_blocks == 0
 

@@ -23,7 +23,7 @@ from leapfrog.layers.linear import default_weight_loader
 from leapfrog.methods.base import Batch, Commit, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable, schedule_prefix, survival
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, _draw
-from leapfrog.models.dflash import DFlashDraftModel, DraftContext
+from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block
 from leapfrog.sequence import Sequence
 
@@ -98,6 +98,7 @@ class DFlashMethod(SpeculativeMethod):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
+        self.context_cache = ContextCache()
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
         self.drafter = drafter or self._load(ctx, fallback)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
@@ -132,6 +133,10 @@ class DFlashMethod(SpeculativeMethod):
         if bad:
             raise ValueError(f"drafter taps target layers {bad}; the target has {tcfg['num_hidden_layers']}")
 
+    def on_finished(self, seq: Sequence) -> None:
+        self.context_cache.put(seq.token_ids, seq.method_state.get("draft_ctx"))
+        super().on_finished(seq)
+
     # --- drafter hooks --------------------------------------------------------------------
     @torch.inference_mode()
     def observe(self, batch: Batch, out: StepOutput, commits: list[Commit]) -> None:
@@ -145,9 +150,11 @@ class DFlashMethod(SpeculativeMethod):
                 continue                  # fallback: this request decodes as ar from now on
             ctx: DraftContext | None = s.seq.method_state.get("draft_ctx")
             if ctx is None or ctx.start + ctx.num_positions != s.start_pos:
-                # First chunk (maybe after a prefix-cache hit: the drafter then sees no
-                # features for the cached prefix, which costs acceptance, never correctness).
-                ctx = s.seq.method_state["draft_ctx"] = DraftContext(s.start_pos)
+                # First chunk. After a prefix-cache hit the target computes no features for the
+                # cached prefix: reuse an earlier sequence's draft K/V for it when there is one
+                # (else the drafter sees less context: lower acceptance, never wrong output).
+                ctx = self.context_cache.get(s.seq.token_ids, s.start_pos) if s.start_pos else None
+                ctx = s.seq.method_state["draft_ctx"] = ctx or DraftContext(s.start_pos)
             first = row - s.num_query
             self.drafter.extend_context(ctx, feats[first:first + c.num_kv_keep])
 

@@ -12,6 +12,7 @@ models/llama.py. The DSpark heads live in models/dflash_heads.py.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,35 @@ class DraftContext:
     @property
     def num_positions(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
+
+
+class ContextCache:
+    """Draft K/V of finished (or preempted) sequences, reused when a new sequence starts after
+    a prefix-cache hit: the target then skips the cached prefix and produces no features for
+    it, but the features of position i depend only on tokens[:i+1], so any earlier sequence
+    with the same prefix has them. LRU, bounded by total cached positions."""
+
+    def __init__(self, max_positions: int = 1 << 15) -> None:
+        self.max_positions = max_positions
+        self.entries: OrderedDict[int, tuple[list[int], DraftContext]] = OrderedDict()
+        self._next = 0
+
+    def put(self, token_ids: list[int], ctx: DraftContext | None) -> None:
+        if ctx is None or ctx.start != 0 or ctx.num_positions == 0:
+            return
+        self.entries[self._next] = (list(token_ids[:ctx.num_positions]), ctx)
+        self._next += 1
+        while sum(c.num_positions for _, c in self.entries.values()) > self.max_positions:
+            self.entries.popitem(last=False)
+
+    def get(self, token_ids: list[int], n: int) -> DraftContext | None:
+        """A context for positions 0..n-1 of `token_ids`, or None."""
+        for key in reversed(self.entries):
+            toks, ctx = self.entries[key]
+            if len(toks) >= n and toks[:n] == token_ids[:n]:
+                self.entries.move_to_end(key)
+                return DraftContext(0, [k[:n] for k in ctx.keys], [v[:n] for v in ctx.values])
+        return None
 
 
 class DFlashDraftModel(nn.Module):
