@@ -240,12 +240,13 @@ class SpeculativeMethod:
             offsets.append(offsets[-1] + r.shape[0])
         for i, s in todo:
             seq = s.seq
-            drafts = seq.method_state["proposal"].token_ids[:s.num_extra] if s.num_extra else []
+            drafts = s.query_ids[s.num_known:]          # what the target actually verified
             if seq.params.greedy and not seq.params.needs_penalties:
                 result[i] = greedy_accept(argmax[offsets[i]:offsets[i + 1]], drafts)
                 continue
             p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0])
-            q = seq.method_state["proposal"].probs if s.num_extra else None
+            prop: Proposal | None = seq.method_state.get("proposal")   # gone if aborted mid-step
+            q = prop.probs if s.num_extra and prop is not None else None
             q = q[:s.num_extra] if q is not None else None
             ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
             result[i] = verify_drafts(p, ids, q, seq.generator or self.sampler.generator)
