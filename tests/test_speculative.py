@@ -159,6 +159,21 @@ def test_drafter_loader_names_the_problem(drafters, tmp_path):
         load_drafter(folder)
 
 
+def assert_greedy_match(model, outs, want: list[list[int]], tie: float = 1e-3) -> None:
+    """Token-for-token equality with ar greedy. Different kernels (a k+1-token verify vs a
+    1-token decode) may round differently, so a divergence is accepted only where the target's
+    top two logits are within `tie` of each other (then both continuations are greedy)."""
+    for out, ref in zip(outs, want):
+        got = out.token_ids
+        i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if i is None:
+            assert len(got) == len(ref)
+            continue
+        logits = model.forward_dense(torch.tensor([out.prompt_token_ids + ref[:i]]))[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < tie, f"diverged at output token {i}: {got} != {ref}"
+
+
 # --- the engine -----------------------------------------------------------------------------
 def _llm(llama_dir: Path, method: str, draft: Path, **options) -> LLM:
     return LLM(str(llama_dir), method=method, draft_model=str(draft), **ENGINE, **options)
@@ -173,7 +188,7 @@ def _llm(llama_dir: Path, method: str, draft: Path, **options) -> LLM:
 def test_greedy_speculative_equals_ar(llama_dir, drafters, ar_greedy, method, drafter, options):
     llm = _llm(llama_dir, method, drafters[drafter], **options)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == ar_greedy
+    assert_greedy_match(llm.engine.model, outs, ar_greedy)
     stats = llm.engine.method.stats()
     assert stats["num_verify_steps"] > 0 and stats["num_drafted_tokens"] > 0
     assert all(o.metrics.acceptance_length is not None and o.metrics.acceptance_length >= 1 for o in outs)
@@ -219,7 +234,7 @@ def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, mon
     monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: OracleMethod)
     llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=4, **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == ar_greedy
+    assert_greedy_match(llm.engine.model, outs, ar_greedy)
     # 16 tokens = 1 from the prefill + 3 verify steps of 4 drafts + 1 bonus each.
     assert [(o.metrics.acceptance_length, o.metrics.num_forwards) for o in outs] == [(5.0, 4)] * len(PROMPTS)
     stats = llm.engine.method.stats()
@@ -254,13 +269,13 @@ def test_prefix_scheduler_verifies_more_when_idle_and_less_under_load():
 def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     costs = {1: 0.01, 8: 0.012, 64: 0.05}
     llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_preemption_restarts_the_drafter_context(llama_dir, drafters, ar_greedy):
     llm = _llm(llama_dir, "dflash", drafters["dflash"], kv_cache_tokens=44)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_used_blocks == 0
 
@@ -325,10 +340,10 @@ def test_drafter_forward_matches_the_formulas(drafters):
 def test_fallback_to_ar_when_the_drafter_is_missing_or_useless(llama_dir, drafters, ar_greedy):
     with pytest.warns(UserWarning, match="no drafter"):
         llm = LLM(str(llama_dir), method="dflash", fallback="ar", **ENGINE)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
     llm = _llm(llama_dir, "dflash", drafters["dflash"], fallback="ar")   # random: τ ~ 1
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == ar_greedy
+    assert_greedy_match(llm.engine.model, outs, ar_greedy)
     assert llm.engine.method.stats()["num_fallbacks"] >= 1
 
 
@@ -341,7 +356,7 @@ def test_a_model_folder_with_a_drafter_defaults_to_its_method(llama_dir, drafter
     shutil.copytree(drafters["dspark"], folder / "drafter")
     assert default_method(str(folder)) == "dspark"
     llm = LLM(str(folder), method="dspark", **ENGINE)      # finds drafter/ with no draft_model
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
 
 
 def test_sampled_drafts_from_the_target_itself_are_all_accepted(llama_dir, monkeypatch):
@@ -379,6 +394,6 @@ def test_greedy_and_sampled_requests_share_a_batch(llama_dir, drafters, ar_greed
     sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True, logprobs=1)
     params = [GREEDY, sampled, GREEDY, sampled]
     outs = llm.generate(PROMPTS, params)
-    assert [outs[0].token_ids, outs[2].token_ids] == [ar_greedy[0], ar_greedy[2]]
+    assert_greedy_match(llm.engine.model, outs[0::2], ar_greedy[0::2])
     assert all(len(o.logprobs) == 16 and o.logprobs[0]["token_id"] == o.token_ids[0] for o in outs[1::2])
     assert llm.engine.block_manager.num_used_blocks == 0
