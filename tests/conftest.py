@@ -7,11 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-# Passive OpenMP wait must be chosen before torch loads (see leapfrog/__init__.py); this file
-# imports torch first, so it sets it too. On a shared 2-core box an autograd step ran 50x slower.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))

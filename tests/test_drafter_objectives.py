@@ -14,6 +14,16 @@ from leapfrog.models.dflash import DraftContext
 from leapfrog.train.drafter_objectives import (block_labels, dflash_loss, dspark_loss, forward_blocks,
                                                 position_weights, sample_anchors, teacher_forced_heads)
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (active wait, as
+    torch loads before leapfrog sets OMP_WAIT_POLICY) these tests ran 2-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 LR, STEPS = 0.5, 20
 sys.path.insert(0, str(Path(__file__).parent))
 from test_speculative import write_drafter  # noqa: E402
@@ -76,6 +86,13 @@ def test_a_few_teacher_forced_dspark_steps_reduce_the_loss(toy):
     t_logits = target_logits[rows]                          # target's distribution of token a + j
     prev = torch.cat([ids[anchors].unsqueeze(1), labels[:, :-1]], 1)
     weights = position_weights(gamma, 4.0)
+    losses = _train(target, drafter, ids, feats, anchors, labels, valid, t_logits, prev, weights)
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert drafter.markov_head.joint_proj.weight.grad is not None
+    assert drafter.confidence_head.proj.weight.grad is not None and drafter.fc.weight.grad is not None
+
+
+def _train(target, drafter, ids, feats, anchors, labels, valid, t_logits, prev, weights) -> list[float]:
     params = [p for p in drafter.parameters() if p.requires_grad]
     losses = []
     for _ in range(STEPS):
@@ -91,9 +108,7 @@ def test_a_few_teacher_forced_dspark_steps_reduce_the_loss(toy):
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)
         losses.append(float(parts["loss"].detach()))
-    assert losses[-1] < 0.8 * losses[0], losses
-    assert drafter.markov_head.joint_proj.weight.grad is not None
-    assert drafter.confidence_head.proj.weight.grad is not None and drafter.fc.weight.grad is not None
+    return losses
 
 
 def test_sequential_temperature_scaling_recovers_the_true_temperature():
