@@ -163,12 +163,12 @@ class LLMEngine:
         new_tokens = seq.output_ids[req.sent_tokens:]
         if req.stream:
             req.text += req.detok.add(new_tokens)
-        elif seq.is_finished:    # offline request: one decode at the end is much cheaper
-            req.text = self.tokenizer.decode(seq.output_ids, seq.params.skip_special_tokens)
+        elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
+            req.text = req.detok.add(seq.output_ids)
         self.stats.num_generation_tokens += len(new_tokens)
         self._check_stop_strings(req)
         if seq.is_finished:
-            if req.stream and seq.finish_reason == "length":
+            if seq.finish_reason == "length":
                 req.text += req.detok.flush()
             self._check_stop_strings(req)
             self._finish_request(req)

@@ -45,3 +45,17 @@ def test_generate_with_no_model_argument_tells_a_story():
     assert len(words) >= 15                                    # English words, not byte soup
     common = {"the", "a", "and", "was", "to", "she", "he", "they", "it", "her", "his"}
     assert sum(w.lower() in common for w in words) >= 3
+
+
+@pytest.mark.skipif(not any(p.name == "stories" for p in BUILTIN), reason="stories not trained yet")
+def test_offline_text_equals_streamed_text_with_sentencepiece():
+    from leapfrog import LLM, SamplingParams
+    llm = LLM("stories")
+    params = SamplingParams(max_tokens=24, temperature=0)
+    offline = llm.generate(["Once upon a time, there was"], params)[0].text
+    engine = llm.engine
+    engine.add_request("Once upon a time, there was", params, request_id="streamed")
+    streamed = ""
+    while engine.has_unfinished():
+        streamed += "".join(o.delta_text for o in engine.step())
+    assert streamed == offline and offline.startswith(" ")   # the first word keeps its space
