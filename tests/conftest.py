@@ -70,6 +70,45 @@ def build_model(root: Path, family: str, **overrides) -> Path:
     return folder
 
 
+WORDS = "the cat dog girl boy sun tree ball happy sad ran jumped saw played with a big small red".split()
+HAN = "天地山水风月花鸟春秋日月云雨江河金玉龙凤福寿喜乐东西南北"
+
+
+def write_mini_data(root: Path) -> Path:
+    """A miniature, synthetic copy of the ../shared/data layout (stories and couplets)."""
+    import random
+    rng = random.Random(0)
+    (root / "stories").mkdir(parents=True, exist_ok=True)
+    for fname, n in (("tinystories_cased.txt", 300), ("tinystories_valid.txt", 60)):
+        stories = []
+        for i in range(n):
+            lines = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "."
+                     for _ in range(rng.randint(1, 3))]
+            stories.append(f"Story {fname[:4]} {i}.\n" + "\n".join(lines) + "\n<|endoftext|>\n")
+        (root / "stories" / fname).write_text("".join(stories))
+    (root / "couplets").mkdir(exist_ok=True)
+    side = lambda n: "".join(rng.choice(HAN) for _ in range(n))  # noqa: E731
+    pairs = [f"{side(n)}\t{side(n)}\n" for n in (rng.choice((5, 7)) for _ in range(400))]
+    (root / "couplets" / "couplets.tsv").write_text("".join(pairs))
+    (root / "couplets" / "spring_festival.tsv").write_text(
+        "".join(f"{side(7)}\t{side(7)}\t{side(4)}\n" for _ in range(20)))
+    return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_folder(tmp_path_factory) -> Path:
+    """Tests never read the real ../shared/data: code that looks for it by default
+    ($LEAPFROG_DATA_DIR) gets the miniature copy, so a clone anywhere runs the suite."""
+    root = write_mini_data(tmp_path_factory.mktemp("shared_data"))
+    old = os.environ.get("LEAPFROG_DATA_DIR")
+    os.environ["LEAPFROG_DATA_DIR"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("LEAPFROG_DATA_DIR", None)
+    else:
+        os.environ["LEAPFROG_DATA_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -9,36 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import write_mini_data
+
 from leapfrog.train import couplets as fmt
 from leapfrog.train import data
 from leapfrog.train.export import verify_sha256sums
 from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer, train
 from leapfrog.train.recipes import tiny
 
-WORDS = "the cat dog girl boy sun tree ball happy sad ran jumped saw played with a big small red".split()
-HAN = "天地山水风月花鸟春秋日月云雨江河金玉龙凤福寿喜乐东西南北"
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A miniature copy of the shared data layout."""
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    (root / "stories").mkdir()
-    for fname, n in (("tinystories_cased.txt", 150), ("tinystories_valid.txt", 30)):
-        stories = []
-        for i in range(n):
-            lines = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "."
-                     for _ in range(rng.randint(1, 3))]
-            stories.append(f"Story {fname[:4]} {i}.\n" + "\n".join(lines) + "\n<|endoftext|>\n")
-        (root / "stories" / fname).write_text("".join(stories))
-    (root / "couplets").mkdir()
-    side = lambda n: "".join(rng.choice(HAN) for _ in range(n))  # noqa: E731
-    pairs = [f"{side(n)}\t{side(n)}\n" for n in (rng.choice((5, 7)) for _ in range(400))]
-    (root / "couplets" / "couplets.tsv").write_text("".join(pairs))
-    (root / "couplets" / "spring_festival.tsv").write_text(
-        "".join(f"{side(7)}\t{side(7)}\t{side(4)}\n" for _ in range(20)))
-    return root
+    return write_mini_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(autouse=True)
