@@ -109,6 +109,16 @@ def data_folder(tmp_path_factory) -> Path:
         os.environ["LEAPFROG_DATA_DIR"] = old
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (active wait, as
+    torch loads before leapfrog sets OMP_WAIT_POLICY) these tests ran 2-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

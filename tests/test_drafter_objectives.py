@@ -14,14 +14,7 @@ from leapfrog.models.dflash import DraftContext
 from leapfrog.train.drafter_objectives import (block_labels, dflash_loss, dspark_loss, forward_blocks,
                                                 position_weights, sample_anchors, teacher_forced_heads)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (active wait, as
-    torch loads before leapfrog sets OMP_WAIT_POLICY) these tests ran 2-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 LR, STEPS = 0.5, 20

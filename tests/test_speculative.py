@@ -19,14 +19,7 @@ from leapfrog.loader import CheckpointError
 from leapfrog.methods.drafters import load_drafter
 from leapfrog.methods.speculative import Proposal, SpeculativeMethod, greedy_accept, verify_drafts
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (active wait, as
-    torch loads before leapfrog sets OMP_WAIT_POLICY) these tests ran 2-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
