@@ -244,33 +244,30 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    # Completions and chat differ only in their request type, prompt preparation and
+    # response shapes; one handler body serves both.
+    async def handle(request: Request, kind: type, prepare: Callable, stream: Callable,
+                     body: Callable, id_prefix: str) -> Any:
         arrival = time.perf_counter()
         state.admit(request)
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await request.body(), kind)
         tok = state.engine.tokenizer
-        prep = prepare_completion(req, state.limits(), tok)
+        prep = prepare(req, state.limits(), tok)
         gen = state.open(prep, req.priority, arrival, req.stream)
-        rid, created, model = new_id("cmpl"), now(), state.cfg.model_id
+        rid, created, model = new_id(id_prefix), now(), state.cfg.model_id
         if req.stream:
-            return sse_response(_stream_completion(gen, req, prep, tok, rid, created, model), gen)
+            return sse_response(stream(gen, req, prep, tok, rid, created, model), gen)
         final = await run_to_end(gen, request)
-        return completion_body(final, req, prep, tok, rid, created, model)
+        return body(final, req, prep, tok, rid, created, model)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, CompletionRequest, prepare_completion, _stream_completion,
+                            completion_body, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        arrival = time.perf_counter()
-        state.admit(request)
-        req = parse_body(await request.body(), ChatRequest)
-        tok = state.engine.tokenizer
-        prep = prepare_chat(req, state.limits(), tok)
-        gen = state.open(prep, req.priority, arrival, req.stream)
-        rid, created, model = new_id("chatcmpl"), now(), state.cfg.model_id
-        if req.stream:
-            return sse_response(_stream_chat(gen, req, prep, tok, rid, created, model), gen)
-        final = await run_to_end(gen, request)
-        return chat_body(final, req, prep, tok, rid, created, model)
+        return await handle(request, ChatRequest, prepare_chat, _stream_chat, chat_body, "chatcmpl")
 
 
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
