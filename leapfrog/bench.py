@@ -4,6 +4,9 @@ Suites:
   peers   the same checkpoint and prompts through leapfrog and through transformers
           `generate` (and llama.cpp's llama-bench when a build is found): single-request decode
           tokens/s and total output tokens/s at several concurrencies, reported as ratios.
+  speculative  decoding methods against `ar` on one engine (bench_methods.py): batch-1 speed-up,
+          τ and tokens per target forward for every shipped drafter, and throughput at several
+          concurrencies with and without confidence-scheduled verification.
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.
@@ -175,6 +178,9 @@ def run_peers(args: argparse.Namespace) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
 
 
+run = run_peers      # every suite module offers run / markdown / plot
+
+
 def markdown(result: dict) -> str:
     has_cpp = any("llama.cpp" in r for r in result["rows"])
     head = "| requests | leapfrog tok/s | transformers tok/s | leapfrog / transformers |" + \
@@ -211,10 +217,12 @@ def plot(result: dict, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="peers", choices=["peers"], help="what to measure (default peers)")
+    p.add_argument("--suite", default="peers", choices=["peers", "speculative"],
+                   help="what to measure (default peers)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="concurrent requests (default: 1 4 16 64 for peers, 1 8 32 for speculative)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept")
     p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
@@ -223,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
     p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
+    from leapfrog import bench_methods
+    bench_methods.add_arguments(p)
     return p
 
 
@@ -232,13 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         from leapfrog import bench_serve
         return bench_serve.main(argv)
     args = build_parser().parse_args(argv)
-    result = run_peers(args)
+    if args.suite == "speculative":
+        from leapfrog import bench_methods as suite
+        args.concurrency = args.concurrency or [1, 8, 32]
+    else:
+        suite = sys.modules[__name__]
+        args.concurrency = args.concurrency or [1, 4, 16, 64]
+    result = suite.run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
-    table = markdown(result)
+    table = suite.markdown(result)
     (out / f"{args.suite}.md").write_text(table + "\n")
-    plot(result, out / f"{args.suite}.png")
+    suite.plot(result, out / f"{args.suite}.png")
     print(table)
     log(f"wrote {out}/{args.suite}.json, .md, .png")
     return 0

@@ -36,16 +36,29 @@ SHARED_TENSORS = {"embed_tokens.weight", "lm_head.weight", "model.embed_tokens.w
 VERIFY_MODES = ("fixed", "threshold", "confidence")
 
 
-def find_drafter(ctx: "MethodContext") -> Path:
-    """`draft_model` (a folder or built-in name), else the model folder's `drafter/`."""
+def find_drafter(ctx: "MethodContext", method: str = "") -> Path:
+    """Where the drafter is: `draft_model` (a folder, a built-in model name, or a variant name
+    under the model folder's `drafters/`); else the drafter the model folder's `leapfrog.json`
+    names for this method ({"drafters": {"dspark": "drafters/..."}}); else `drafter/`."""
+    import json
+
+    model_dir = Path(ctx.model_path)
     if ctx.draft_model:
+        variant = model_dir / "drafters" / str(ctx.draft_model)
+        if variant.is_dir():
+            return variant
         from leapfrog.config import resolve_model
         return resolve_model(ctx.draft_model)
-    folder = Path(ctx.model_path) / "drafter"
+    meta = model_dir / "leapfrog.json"
+    if meta.is_file():
+        named = (json.loads(meta.read_text()).get("drafters") or {}).get(method)
+        if named:
+            return model_dir / named
+    folder = model_dir / "drafter"
     if folder.is_dir():
         return folder
-    raise ValueError(f"{ctx.model_path}: no drafter; pass draft_model=<folder> or ship one "
-                     f"in {folder}")
+    raise ValueError(f"{ctx.model_path}: no drafter for method {method!r}; pass draft_model=<folder> "
+                     f"or ship one in {folder}")
 
 
 def load_drafter(folder: str | Path, device: torch.device | str = "cpu",
@@ -100,7 +113,7 @@ class DFlashMethod(SpeculativeMethod):
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         self.context_cache = ContextCache()
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
-        self.drafter = drafter or self._load(ctx, fallback)
+        self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
             super().__init__(ctx, 0, fallback)
             return
@@ -116,9 +129,9 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"verify={verify!r} needs a drafter with a confidence head (dspark)")
 
     @staticmethod
-    def _load(ctx: "MethodContext", fallback: str) -> DFlashDraftModel | None:
+    def _load(ctx: "MethodContext", fallback: str, method: str) -> DFlashDraftModel | None:
         try:
-            return load_drafter(find_drafter(ctx), ctx.device, ctx.dtype)
+            return load_drafter(find_drafter(ctx, method), ctx.device, ctx.dtype)
         except (ValueError, FileNotFoundError) as e:
             if fallback != "ar":
                 raise

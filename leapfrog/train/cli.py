@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                "Token caches go to data_cache/.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("recipe", choices=sorted(RECIPES), help="which model to train")
+    p.add_argument("recipe", choices=sorted(RECIPES),
+                   help="which model to train (`leapfrog train drafter --help` for drafters)")
     p.add_argument("--data-dir", default=None,
                    help="folder holding stories/ and couplets/ (default: ../shared/data next to "
                         "the repository, or $LEAPFROG_DATA_DIR)")
@@ -69,6 +70,10 @@ OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "st
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "drafter":      # drafters have their own recipe and loop
+        from leapfrog.train.drafter import main as drafter_main
+        return drafter_main(argv[1:])
     args = build_parser().parse_args(argv)
     cfg = RECIPES[args.recipe]()
     for arg_name, field_name in OVERRIDES.items():

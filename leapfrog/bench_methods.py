@@ -1,0 +1,214 @@
+"""`leapfrog bench --suite speculative`: decoding methods against `ar` in one process, one run.
+
+Part 1, latency (batch 1, greedy, held-out story openings): every method decodes the same
+prompts one request at a time; methods take turns prompt by prompt, so a machine that slows
+down mid-run slows every method alike. Reported per method: output tokens/s, wall-clock
+speed-up over `ar`, τ (tokens committed per verify step: accepted drafts + the bonus),
+tokens per target forward, acceptance rate per draft position, and whether the output equals
+`ar` token for token (greedy speculative decoding is lossless, so anything but "all" is a bug).
+
+Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, the DSpark drafter verifying all
+γ drafts (fixed), and the same drafter with confidence-scheduled verification (Algorithm 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from leapfrog.config import resolve_model
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class Contender:
+    label: str
+    method: str
+    options: dict = field(default_factory=dict)
+
+
+def latency_contenders(model_dir: Path, gamma: int | None) -> list[Contender]:
+    """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification)."""
+    out = [Contender("ar", "ar")]
+    for folder in sorted((model_dir / "drafters").glob("*/config.json")):
+        cfg = json.loads(folder.read_text())
+        method = "dspark" if "Qwen3DSparkModel" in (cfg.get("architectures") or []) else "dflash"
+        opts = {"draft_model": str(folder.parent)}
+        if gamma:
+            opts["num_speculative_tokens"] = gamma
+        out.append(Contender(folder.parent.name, method, opts))
+    return out
+
+
+def _engine(model_dir: Path, c: Contender, max_batch: int):
+    from leapfrog import LLM
+    opts = dict(c.options)
+    draft = opts.pop("draft_model", None)
+    return LLM(str(model_dir), method=c.method, draft_model=draft, max_batch_size=max_batch, **opts)
+
+
+def _reset_counters(llm) -> None:
+    from leapfrog.methods.speculative import SpecCounters
+    if hasattr(llm.engine.method, "counters"):
+        llm.engine.method.counters = SpecCounters()
+
+
+def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None) -> list[dict]:
+    from leapfrog import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    contenders = latency_contenders(model_dir, gamma)
+    engines = [_engine(model_dir, c, 1) for c in contenders]
+    for llm in engines:                       # warm-up (and the drafters' first-call costs)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        _reset_counters(llm)
+    wall = [0.0] * len(engines)
+    tokens = [0] * len(engines)
+    forwards = [0] * len(engines)
+    same = [0] * len(engines)
+    for i, p in enumerate(prompts):
+        log(f"latency: prompt {i + 1}/{len(prompts)}")
+        ref = None
+        for j, llm in enumerate(engines):
+            t0 = time.perf_counter()
+            out = llm.generate([p], params)[0]
+            wall[j] += time.perf_counter() - t0
+            tokens[j] += out.metrics.num_output_tokens
+            forwards[j] += out.metrics.num_forwards
+            ref = out.token_ids if j == 0 else ref
+            same[j] += out.token_ids == ref
+    rows = []
+    for c, llm, w, n, f, s in zip(contenders, engines, wall, tokens, forwards, same):
+        stats = llm.engine.method.stats()
+        row = {"method": c.label, "kind": c.method, "tokens_per_s": n / w, "output_tokens": n,
+               "tokens_per_forward": n / max(1, f), "tau": stats.get("acceptance_length"),
+               "identical_to_ar": f"{s}/{len(prompts)}",
+               "acceptance_rate": [round(stats[k], 3) for k in sorted(stats, key=_pos_key)
+                                   if k.startswith("acceptance_rate_pos")]}
+        drafter = getattr(llm.engine.method, "drafter", None)
+        if drafter is not None:
+            row["drafter_layers"] = drafter.config["num_hidden_layers"]
+            row["gamma"] = llm.engine.method.num_speculative_tokens
+        rows.append(row)
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base
+    return rows
+
+
+def _pos_key(k: str) -> int:
+    return int(k.removeprefix("acceptance_rate_pos")) if k.startswith("acceptance_rate_pos") else 0
+
+
+def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
+                   drafter: str | None, repeats: int) -> list[dict]:
+    from leapfrog import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    contenders = [Contender("ar", "ar")]
+    if drafter:
+        contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter}),
+                       Contender("dspark, confidence-scheduled", "dspark",
+                                 {"draft_model": drafter, "verify": "confidence"})]
+    engines = [_engine(model_dir, c, max(concurrency)) for c in contenders]
+    for llm in engines:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    rows = []
+    for conc in concurrency:
+        best = [0.0] * len(engines)
+        taus: list[float | None] = [None] * len(engines)
+        for rep in range(repeats):
+            log(f"throughput: {conc} concurrent requests, run {rep + 1}/{repeats}")
+            for j, llm in enumerate(engines):
+                _reset_counters(llm)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:conc], params)
+                rate = sum(o.metrics.num_output_tokens for o in outs) / (time.perf_counter() - t0)
+                if rate > best[j]:
+                    best[j] = rate
+                    taus[j] = llm.engine.method.stats().get("acceptance_length")
+        for c, b, t in zip(contenders, best, taus):
+            rows.append({"concurrency": conc, "method": c.label, "tokens_per_s": b, "tau": t,
+                         "vs_ar": b / best[0]})
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    from leapfrog import LLM
+    from leapfrog.bench import story_prompts
+
+    model_dir = resolve_model(args.model)
+    torch.set_num_threads(args.threads)
+    tok = LLM(str(model_dir), max_batch_size=1).tokenizer
+    prompts = story_prompts(max(args.num_prompts, max(args.concurrency)), tok)
+    log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
+        f"{args.num_prompts} prompts at batch 1")
+    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma)
+    drafter = args.throughput_drafter or _best_dspark(latency, model_dir)
+    throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats)
+    return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
+            "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
+            "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
+
+
+def _best_dspark(rows: list[dict], model_dir: Path) -> str | None:
+    cands = [r for r in rows if r["kind"] == "dspark"]
+    if not cands:
+        return None
+    return str(model_dir / "drafters" / max(cands, key=lambda r: r["tokens_per_s"])["method"])
+
+
+def markdown(result: dict) -> str:
+    lines = ["| method | drafter layers | γ | tok/s | speed-up vs ar | τ | tokens / target forward | "
+             "same output as ar |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["latency"]:
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
+        lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {r.get('gamma', '—')} | "
+                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['identical_to_ar']} |")
+    lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ |", "|---|---|---|---|---|"]
+    for r in result["throughput"]:
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_ar']:.2f}x | {tau} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lat = result["latency"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = [r["method"] for r in lat]
+    a1.bar(names, [r["speedup"] for r in lat], color="tab:blue")
+    a1.axhline(1.0, color="gray", lw=0.8)
+    a1.set_ylabel("wall-clock speed-up over ar (batch 1)")
+    a1.tick_params(axis="x", rotation=30)
+    for i, r in enumerate(lat):
+        if r.get("tau"):
+            a1.text(i, r["speedup"], f"τ={r['tau']:.2f}", ha="center", va="bottom", fontsize=8)
+    for label in dict.fromkeys(r["method"] for r in result["throughput"]):
+        rows = [r for r in result["throughput"] if r["method"] == label]
+        a2.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=label)
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("concurrent requests")
+    a2.set_ylabel("output tokens/s")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"{Path(result['model']).name}: speculative decoding, {result['threads']} CPU threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative suite")
+    g.add_argument("--num-prompts", type=int, default=16, help="held-out openings decoded at batch 1")
+    g.add_argument("--gamma", type=int, default=None, help="drafts per step (default: each drafter's block)")
+    g.add_argument("--throughput-drafter", default=None,
+                   help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")
