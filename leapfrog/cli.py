@@ -1,4 +1,4 @@
-"""`leapfrog` console script: serve, generate, bench, train, eval.
+"""`leapfrog` console script: serve, generate, bench, train, eval, info.
 
 Each subcommand owns its argument parser in its own module; this file only dispatches, so
 `leapfrog --help` stays fast (no torch import).
@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("leapfrog.bench", "benchmark leapfrog against peers and decoding methods"),
     "train": ("leapfrog.train.cli", "train a built-in model or drafter from a recipe"),
     "eval": ("leapfrog.evaluate", "quality metrics for a model and decoding method"),
+    "info": ("leapfrog.model_info", "total and active parameters of a model, from its config.json"),
 }
 
 

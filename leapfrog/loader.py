@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from leapfrog.layers.linear import default_weight_loader
+from leapfrog.layers.moe import expert_target
 from leapfrog.models import model_class
 
 
@@ -94,11 +95,7 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     for f, name, tensor in iter_tensors(files):
         if "rotary_emb" in name:
             continue
-        target, shard = name, None
-        for src, (dst, shard_id) in packed.items():
-            if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                break
+        target, shard = checkpoint_target(model, name)
         if target not in params:
             if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                 continue
@@ -113,9 +110,30 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     _check_complete(model, packed, loaded, files)
 
 
+def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:
+    """The parameter and shard id that checkpoint tensor `name` loads into: after the model's
+    `renamed_modules` (checkpoint names of other layouts), stacked MoE experts, then packed
+    linears (q/k/v, gate/up)."""
+    for src, dst in getattr(model, "renamed_modules", {}).items():
+        name = name.replace(src, dst)
+    expert = expert_target(name)
+    if expert is not None:
+        return expert
+    for src, (dst, shard_id) in getattr(model, "packed_modules", {}).items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard_id
+    return name, None
+
+
 def _check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list[Path]) -> None:
     missing = []
     for pname, p in model.named_parameters():
+        if hasattr(p, "missing_parts"):      # stacked experts know which expert tensors arrived
+            stem = pname.rsplit(".", 1)[0]
+            missing += [f"{stem}.{part}" for part in p.missing_parts()]
+            continue
+        if f"{pname}:None" in loaded:        # a packed matrix stored whole (LLaDA2's query_key_value)
+            continue
         shards = {s for (dst, s) in packed.values() if f".{dst}." in pname}
         needed = {f"{pname}:{s}" for s in shards} or {f"{pname}:None"}
         if not needed <= loaded:

@@ -37,6 +37,8 @@ class PackedLinear(nn.Linear):
             p.weight_loader = self._load_shard
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:      # stored already packed in our order (LLaDA2's query_key_value)
+            return default_weight_loader(param, tensor)
         start, size = self.offsets[str(shard_id)]
         target = param.data.narrow(0, start, size)
         if target.shape != tensor.shape:

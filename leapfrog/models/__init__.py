@@ -10,6 +10,12 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("leapfrog.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
+    # Block-diffusion layouts (research/diffusion.md §1.7): Qwen3 / Qwen2 weights, own config keys.
+    "SDARForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
+    "Fast_dLLM_QwenForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),   # MoE layers from config
+    "Qwen3MoeForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
+    "LLaDA2MoeModelLM": ("leapfrog.models.llada2_moe", "LLaDA2MoeModelLM"),
 }
 
 

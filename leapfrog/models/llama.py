@@ -1,4 +1,6 @@
-"""The Llama decoder family: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""The Llama decoder family: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), and
+their mixture-of-experts versions (Qwen2-MoE, Qwen3-MoE): a layer whose config.json names experts
+gets a sparse feed-forward (layers/moe.py) instead of the dense MLP.
 
 Module names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...),
 except that q/k/v and gate/up are packed; `packed_modules` tells the loader where they go.
@@ -11,6 +13,7 @@ from torch import nn
 
 from leapfrog.layers.attention import Attention, AttnMetadata
 from leapfrog.layers.linear import Linear, PackedLinear
+from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
 
@@ -23,11 +26,11 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = cfg.get("attention_bias", flavour == "qwen2")
+        bias = cfg.get("attention_bias", cfg.get("qkv_bias", flavour == "qwen2"))
         self.qkv_proj = PackedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
         o_bias = cfg.get("attention_bias", False) and flavour != "qwen2"
         self.o_proj = Linear(q_size, hidden, bias=o_bias)
-        self.qk_norm = flavour == "qwen3"
+        self.qk_norm = cfg.get("use_qk_norm", flavour == "qwen3")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
@@ -62,11 +65,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, flavour: str) -> None:
+    def __init__(self, cfg: dict, flavour: str, layer_idx: int = 0) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = DecoderAttention(cfg, flavour)
-        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
+        if is_moe_layer(cfg, layer_idx):
+            self.mlp = SparseMoE(cfg["hidden_size"], moe_spec(cfg))
+        else:
+            self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -79,7 +85,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: dict, flavour: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour, i) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.get("max_position_embeddings", 2048))
