@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +73,24 @@ class LLMEngine:
                             self.device, self.dtype, draft_model)
         self.method = method_class(method)(ctx, **method_options)
         self.method_name = method
+        # KV blocks hold whole attention blocks, so prefix-cache hits and rollbacks end on the
+        # block-causal grid, where a block's KV no longer depends on tokens after it.
+        if self.config.block_size % self.method.attn_block_size:
+            self.config = self.config.replace(
+                block_size=math.lcm(self.config.block_size, self.method.attn_block_size))
+        step = getattr(self.method, "max_step_tokens", 1)   # query tokens one decode step needs
+        if step > self.config.max_num_batched_tokens:
+            raise ValueError(f"engine option max_num_batched_tokens={self.config.max_num_batched_tokens}: "
+                             f"method {method!r} feeds {step} query tokens per sequence and step")
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(self.config.max_batch_size, self.config.max_num_batched_tokens,
                                     self.max_model_len, self.config.chunked_prefill)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, self.tokenizer.eos_token_ids)
+        # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).
+        eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + list(getattr(self.method, "eos_token_ids", ()))))
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, eos)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

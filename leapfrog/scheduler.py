@@ -73,14 +73,22 @@ class Scheduler:
         return Batch(scheduled, self.method.attn_block_size, self.method.capture_layers)
 
     def _share(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
-        """(known, extra) query tokens for `seq` under the budget, or None if none fit."""
+        """(known, extra) query tokens for `seq` under the budget, or None if none fit.
+
+        The method's extra slots come whole, after every known token; a method asks for them
+        once at most `max_known_with_extra` known tokens are left (default 1: the last sampled
+        token). Otherwise the known tokens are chunked, and a chunk ends on the
+        attention-block grid, where its KV no longer depends on later tokens of its block."""
         known = seq.num_uncomputed
-        extra = self.method.num_extra_tokens(seq) if known <= 1 else 0
+        ask = known <= getattr(self.method, "max_known_with_extra", 1)
+        extra = self.method.num_extra_tokens(seq) if ask else 0
         if known + extra <= budget:
             return known, extra
-        if self.config.chunked_prefill and not extra and budget > 0:
-            return budget, 0
-        return None
+        if not self.config.chunked_prefill or budget <= 0 or (extra and known <= 1):
+            return None
+        end = seq.num_computed + min(known, budget)
+        end -= end % self.method.attn_block_size
+        return (end - seq.num_computed, 0) if end > seq.num_computed else None
 
     def _fit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Reserve KV for `seq`'s share of this step; None if the budget or cache is short."""

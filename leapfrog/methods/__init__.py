@@ -7,6 +7,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "ar": ("leapfrog.methods.autoregressive", "AutoregressiveMethod"),
     "dflash": ("leapfrog.methods.drafters", "DFlashMethod"),
     "dspark": ("leapfrog.methods.drafters", "DSparkMethod"),
+    "diffusion": ("leapfrog.methods.diffusion", "DiffusionMethod"),
 }
 
 

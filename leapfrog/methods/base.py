@@ -70,7 +70,10 @@ class Method(Protocol):
     capture_layers: tuple[int, ...]
 
     def num_extra_tokens(self, seq: Sequence) -> int:
-        """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""
+        """Query slots beyond the known tokens, for a sequence whose known tokens all fit.
+        Asked when at most `max_known_with_extra` known tokens are left (an optional method
+        attribute, default 1: drafts follow the last token; a diffusion canvas follows the
+        prompt's partial block and any committed blocks whose KV is not stored yet)."""
 
     def prepare(self, batch: Batch) -> None:
         """Fill query_ids and num_logits of every ScheduledSeq."""

@@ -1,0 +1,278 @@
+"""`diffusion`: block-diffusion decoding over the paged KV cache (research/diffusion.md §1.2, §2.3).
+
+The sequence is cut into blocks of B tokens on the absolute position grid; attention is
+bidirectional inside a block and causal across blocks (Batch.attn_block_size = B), so the
+prompt's last partial block is simply the first block generation fills. Each step predicts
+every masked position of the active blocks, accepts those whose confidence (probability of the
+chosen token: max prob when greedy, the sampled token's probability otherwise) exceeds
+`threshold`, and, when a block accepted nothing, forces its most confident position (progress
+floor; threshold 1.0 thus decodes one token per block and step). Decided tokens join the sequence in order, as soon as every earlier position is
+decided, so the engine streams committed prefixes.
+
+Block Buffer (MBD-LMs §3.3), num_blocks = N: a sequence decodes a window of N block slots
+starting at its first unfinished block (static N*B query slots). Slot 0 is always active; the
+next slot becomes active once the last active block's progress (fraction decided) exceeds
+`add_threshold` (τ_add), and stays active until its block is committed; slots not yet active
+are fed as mask tokens, which block-causal attention keeps from changing anything before them.
+The floor applies to slot 0 and to a later block only while its predecessor's progress (as the
+step saw it) is at least `semi_threshold` (τ_semi), so a block is not forced on an immature
+prefix. N = 1 is single-block decoding (SDAR / Fast-dLLM v2). Defaults τ = 0.9, τ_add = 0.1,
+τ_semi = 0.9 are Diffulex's (research/diffusion.md §2.3).
+
+Exact KV: a block's KV is kept only when it was computed with the whole block known. A block
+finished in step s is fed again in step s+1 with its final tokens, in front of the window
+("to-cache"), and that step keeps its KV: the store pass rides along with the next denoising
+step (MBD overlaps it with later blocks, Fast-dLLM v2 reuses it), so no forward stores alone.
+Under the block-causal mask the window cannot tell the difference, so tokens equal those of a
+separate store pass.
+
+Logit shift (Fast-dLLM v2 §1.4): position i is predicted from the row of position i-1. The
+first position of a block then needs the last row of the previous block; once that block is
+cached its row is no longer fed, so the row is carried from the step that stored it.
+
+End of text: a decided end token (EOS unless ignore_eos, or a stop token) caps the canvas:
+nothing after it is decoded, no later block is activated, and the text ends once every
+position before it is decided. Positions past max_tokens are never decoded either.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
+from leapfrog.models.diffusion_families import diffusion_spec
+from leapfrog.sampling import Sampler, apply_penalties, token_logprobs
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.engine import MethodContext
+
+
+@dataclass(slots=True)
+class Canvas:
+    """A sequence's undecided future; survives preemption, so recompute keeps the text."""
+    decided: dict[int, int] = field(default_factory=dict)     # position -> token, past the committed text
+    logprobs: dict[int, dict] = field(default_factory=dict)   # position -> entry, when the request asks
+    num_active: int = 1                                       # active slots from the first unfinished block
+    carry: torch.Tensor | None = None                         # shift: logits row predicting carry_pos
+    carry_pos: int = -1
+
+
+@dataclass(slots=True)
+class DiffusionCounters:
+    num_steps: int = 0              # sequence-steps that denoised (one forward of the sequence each)
+    num_committed_tokens: int = 0
+    num_decided_tokens: int = 0
+    num_active_blocks: int = 0      # summed over steps
+    num_stored_blocks: int = 0      # blocks holding generated tokens whose exact KV was kept
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {"num_denoise_steps": self.num_steps,
+                                 "num_committed_tokens": self.num_committed_tokens,
+                                 "num_decided_tokens": self.num_decided_tokens,
+                                 "num_stored_blocks": self.num_stored_blocks}
+        if self.num_steps:
+            out["committed_tokens_per_step"] = self.num_committed_tokens / self.num_steps
+            out["decided_tokens_per_step"] = self.num_decided_tokens / self.num_steps
+            out["active_blocks_per_step"] = self.num_active_blocks / self.num_steps
+        return out
+
+
+def _fraction(name: str, value: object, low_open: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not ((0 < value <= 1) if low_open else (0 <= value <= 1)):
+        raise ValueError(f"method 'diffusion': {name}={value!r}: must be in {'(0, 1]' if low_open else '[0, 1]'}")
+    return float(value)
+
+
+class DiffusionMethod:
+    name = "diffusion"
+    capture_layers: tuple[int, ...] = ()
+    # The canvas follows any number of known tokens: the prompt (prefill and first step share a
+    # forward when the budget allows) and committed blocks whose KV is not stored yet.
+    max_known_with_extra = 1 << 62
+
+    def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float = 0.9,
+                 add_threshold: float = 0.1, semi_threshold: float = 0.9, **options: object) -> None:
+        if options:
+            raise ValueError(f"unknown option(s) for method 'diffusion': {', '.join(sorted(options))}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"method 'diffusion': num_blocks={num_blocks!r}: must be an integer >= 1")
+        self.num_blocks = num_blocks
+        self.threshold = _fraction("threshold", threshold, low_open=True)
+        self.add_threshold = _fraction("add_threshold", add_threshold, low_open=False)
+        self.semi_threshold = _fraction("semi_threshold", semi_threshold, low_open=False)
+        config = getattr(ctx.model, "config", {})
+        spec = diffusion_spec(config, ctx.tokenizer)
+        self.family = spec.family
+        self.block_size = self.attn_block_size = spec.block_size
+        self.mask_token_id = spec.mask_token_id
+        self.logit_shift = int(spec.logit_shift)
+        self.eos_token_ids = list(spec.eos_token_ids)     # the engine stops on these too
+        self._eos = set(spec.eos_token_ids)
+        self.max_positions = int(config.get("max_position_embeddings", 1 << 30))
+        self.max_step_tokens = num_blocks * self.block_size      # the engine checks its token budget
+        self.sampler: Sampler = ctx.sampler
+        self.counters = DiffusionCounters()
+
+    # --- the window ---------------------------------------------------------------------------
+    def _canvas(self, seq: Sequence) -> Canvas:
+        return seq.method_state.setdefault("diffusion", Canvas())
+
+    def num_extra_tokens(self, seq: Sequence) -> int:
+        n = len(seq.token_ids)
+        end = min((n // self.block_size + self.num_blocks) * self.block_size, self.max_positions)
+        return max(0, end - n)
+
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self._eos)
+
+    def _limit(self, seq: Sequence, canvas: Canvas) -> int:
+        """First position never to decode: past max_tokens, the context, or a decided end token."""
+        limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_positions)
+        ends = [p + 1 for p, t in canvas.decided.items() if self._ends(seq, t)]
+        return min([limit, *ends])
+
+    def _progress(self, canvas: Canvas, num_committed: int, block: int) -> float:
+        lo, hi = block * self.block_size, (block + 1) * self.block_size
+        done = max(0, min(hi, num_committed) - lo) + sum(lo <= p < hi for p in canvas.decided)
+        return done / self.block_size
+
+    # --- Method protocol ------------------------------------------------------------------------
+    def prepare(self, batch: Batch) -> None:
+        for s in batch.seqs:
+            seq, end = s.seq, s.start_pos + s.num_query
+            s.query_ids = seq.token_ids[s.start_pos:s.start_pos + s.num_known]
+            if not s.num_extra:        # a prefill chunk on the block grid; its last row may be carried
+                s.num_logits = self.logit_shift
+                continue
+            canvas, n = self._canvas(seq), len(seq.token_ids)
+            s.query_ids = s.query_ids + [canvas.decided.get(p, self.mask_token_id) for p in range(n, end)]
+            # Rows that predict the undecided positions (>= n); with the shift, from row n-1 when fed.
+            s.num_logits = end - max(s.start_pos, n - self.logit_shift)
+
+    def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
+        commits = []
+        for s, rows in zip(batch.seqs, out.split(batch)):
+            if s.seq.is_finished:      # aborted during the step
+                commits.append(Commit([], 0, counted_forward=False))
+            elif not s.num_extra:
+                commits.append(self._store_chunk(s, rows))
+            else:
+                commits.append(self._denoise(s, rows))
+        return commits
+
+    def on_finished(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            seq.method_state.pop("diffusion", None)
+        elif "diffusion" in seq.method_state:   # preempted: decided tokens stay, the carry is recomputed
+            seq.method_state["diffusion"].carry = None
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.as_dict()
+
+    # --- one step -------------------------------------------------------------------------------
+    def _store_chunk(self, s: ScheduledSeq, rows: torch.Tensor) -> Commit:
+        """Known tokens only (a prefill chunk): keep the KV of its whole blocks."""
+        end = s.start_pos + s.num_known
+        keep = end - end % self.block_size - s.start_pos   # the scheduler chunks on the grid already
+        if self.logit_shift and keep == s.num_known:
+            canvas = self._canvas(s.seq)
+            canvas.carry, canvas.carry_pos = rows[-1].clone(), end
+        return Commit([], keep, counted_forward=end > s.seq.num_prompt_tokens)
+
+    def _denoise(self, s: ScheduledSeq, rows: torch.Tensor) -> Commit:
+        seq, bs, start = s.seq, self.block_size, s.start_pos
+        canvas, n = self._canvas(seq), len(seq.token_ids)
+        front = n // bs
+        limit = self._limit(seq, canvas)
+        top = min(limit, (front + canvas.num_active) * bs)
+        need = [p for p in range(n, top) if p not in canvas.decided]
+        progress = [self._progress(canvas, n, front + j) for j in range(canvas.num_active)]
+        logits = self._rows_for(s, rows, canvas, need, n)
+        tokens, conf = self._candidates(seq, logits)
+        cand = {p: (t, c, i) for i, (p, t, c) in enumerate(zip(need, tokens, conf))}
+        picked = self._decide(seq, canvas, front, n, cand, limit, progress)
+        if seq.params.logprobs is not None and picked:
+            rows_of = torch.tensor([cand[p][2] for p in picked], device=logits.device)
+            for p, entry in zip(picked, token_logprobs(logits[rows_of], [cand[p][0] for p in picked],
+                                                       [seq] * len(picked))):
+                canvas.logprobs[p] = entry
+        if self.logit_shift and start < n:    # row n-1 (rows[0]) is fed: carry it for position n
+            canvas.carry, canvas.carry_pos = rows[0].clone(), n
+        committed, limit = self._commit_prefix(seq, canvas, n)
+        self._activate(canvas, front, n + len(committed), limit)
+        c = self.counters
+        c.num_steps += 1
+        c.num_committed_tokens += len(committed)
+        c.num_decided_tokens += len(picked)
+        c.num_active_blocks += len(progress)
+        c.num_stored_blocks += max(0, front - max(start, seq.num_prompt_tokens) // bs)
+        logprobs = [canvas.logprobs.pop(p, {}) for p in range(n, n + len(committed))]
+        return Commit(committed, front * bs - start, logprobs if seq.params.logprobs is not None else None)
+
+    def _rows_for(self, s: ScheduledSeq, rows: torch.Tensor, canvas: Canvas, need: list[int],
+                  n: int) -> torch.Tensor:
+        """Logits predicting each needed position: row p - shift, or the carried row."""
+        first = s.start_pos + s.num_query - s.num_logits      # position of rows[0]
+        if first > n - self.logit_shift:                      # row n-1 is cached: use the carry
+            if canvas.carry is None or canvas.carry_pos != n:
+                raise RuntimeError(f"diffusion: no carried logits for position {n} of {s.seq.request_id}")
+            rows, first = torch.cat([canvas.carry[None].to(rows.device), rows]), first - 1
+        index = torch.tensor([p - self.logit_shift - first for p in need], device=rows.device)
+        logits = rows.index_select(0, index)
+        logits[:, self.mask_token_id] = float("-inf")         # the mask is never a prediction
+        return logits
+
+    def _candidates(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Per needed position: the candidate token and its confidence."""
+        seqs, p = [seq] * logits.shape[0], seq.params
+        if p.greedy:
+            x = apply_penalties(logits.clone(), seqs) if p.needs_penalties else logits
+            conf, tokens = x.softmax(-1).max(-1)
+        else:
+            probs = self.sampler.probs(logits, seqs)
+            tokens = self.sampler.draw(probs, seqs)
+            conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens.tolist(), conf.tolist()
+
+    def _decide(self, seq: Sequence, canvas: Canvas, front: int, n: int, cand: dict,
+                limit: int, progress: list[float]) -> list[int]:
+        """Threshold acceptance with the progress floor, block by block from the front."""
+        bs, picked = self.block_size, []
+        for j in range(canvas.num_active):
+            block = front + j
+            masked = [p for p in range(max(block * bs, n), min((block + 1) * bs, limit)) if p in cand]
+            if not masked:
+                continue
+            pick = [p for p in masked if cand[p][1] > self.threshold]
+            if not pick and (j == 0 or progress[j - 1] >= self.semi_threshold):
+                pick = [max(masked, key=lambda p: cand[p][1])]    # ties: the leftmost
+            for p in pick:
+                canvas.decided[p] = cand[p][0]
+                if self._ends(seq, cand[p][0]):
+                    limit = min(limit, p + 1)                     # nothing after the end is decoded
+            picked += pick
+        return picked
+
+    def _commit_prefix(self, seq: Sequence, canvas: Canvas, n: int) -> tuple[list[int], int]:
+        """Pop the decided run that starts at the committed text; stop after an end token."""
+        limit = self._limit(seq, canvas)
+        out, p = [], n
+        while p < limit and p in canvas.decided:
+            out.append(canvas.decided.pop(p))
+            p += 1
+        return out, limit
+
+    def _activate(self, canvas: Canvas, front: int, n: int, limit: int) -> None:
+        """Slide the window past committed blocks; admit the next block while the last active
+        one's progress exceeds add_threshold (MBD τ_add)."""
+        bs, new_front = self.block_size, n // self.block_size
+        active = max(1, front + canvas.num_active - new_front)
+        while (active < self.num_blocks and (new_front + active) * bs < limit
+               and self._progress(canvas, n, new_front + active - 1) > self.add_threshold):
+            active += 1
+        canvas.num_active = active
