@@ -32,6 +32,12 @@ class ModelShape:
     max_position: int = 512
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    # Mixture of experts (num_experts > 0): a Qwen3-MoE whose every MLP is num_experts SwiGLU
+    # experts of width moe_intermediate_size, num_experts_per_tok of them per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.01
 
 
 @dataclass(slots=True)
@@ -87,18 +93,23 @@ def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.
 
 
 def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=shape.max_position, rope_theta=shape.rope_theta,
         tie_word_embeddings=shape.tie_embeddings, bos_token_id=bos_id, eos_token_id=eos_id,
-        pad_token_id=eos_id, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
+        pad_token_id=eos_id, rms_norm_eps=1e-5, attention_bias=False,
     )
-    model = LlamaForCausalLM(config)
-    return model
+    if shape.num_experts:
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=shape.hidden_size // shape.num_heads, num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok, moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=True, router_aux_loss_coef=shape.router_aux_loss_coef)
+        return transformers.Qwen3MoeForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, mlp_bias=False))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -112,9 +123,14 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Next-token cross-entropy. While an MoE trains, plus its router's load-balancing loss
+    (Switch Transformer eq. 4, weighted by router_aux_loss_coef), so experts share the tokens;
+    validation (eval mode) reports the cross-entropy alone."""
+    balance = model.training and getattr(model.config, "num_experts", 0) > 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        out = model(input_ids=x, output_router_logits=True) if balance else model(input_ids=x)
+    loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1))
+    return loss + model.config.router_aux_loss_coef * out.aux_loss if balance else loss
 
 
 @torch.no_grad()

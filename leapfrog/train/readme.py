@@ -52,15 +52,13 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
     lines = [
         f"# {summary['recipe']} — a built-in leapfrog model",
         "",
-        f"A {summary['num_params'] / 1e6:.2f}M-parameter Llama (`LlamaForCausalLM`: hidden "
+        f"A {summary['num_params'] / 1e6:.2f}M-parameter {_architecture(m)}: hidden "
         f"{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads / "
-        f"{m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}, context "
+        f"{m['num_kv_heads']} KV heads, {_mlp(m, folder)}, context "
         f"{m['max_position']}, tied embeddings, vocabulary {cfg['tokenizer']['vocab_size']} asked) "
         f"trained from scratch by `leapfrog train {summary['recipe']}`. Weights are stored as "
         f"**{summary['save_dtype']}** safetensors (trained in fp32; load with `dtype=torch.float32` "
-        "for CPU inference). transformers loads the folder as is, and llama.cpp's "
-        "`convert_hf_to_gguf.py` (checked with the copy in the llama-cpp-python 0.3.36 sources) "
-        "converts it to GGUF. `SHA256SUMS` lists every file "
+        f"for CPU inference). {_loaders(m)} `SHA256SUMS` lists every file "
         "(`sha256sum -c SHA256SUMS`).",
         "",
         "## Data",
@@ -103,6 +101,30 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _architecture(m: dict) -> str:
+    if m.get("num_experts"):
+        return "mixture-of-experts Qwen3-MoE (`Qwen3MoeForCausalLM`"
+    return "Llama (`LlamaForCausalLM`"
+
+
+def _mlp(m: dict, folder: Path) -> str:
+    if not m.get("num_experts"):
+        return f"MLP {m['intermediate_size']}"
+    from leapfrog.model_info import param_report
+
+    active = param_report(json.loads((Path(folder) / "config.json").read_text())).active
+    return (f"MLP: {m['num_experts']} SwiGLU experts of width {m['moe_intermediate_size']}, "
+            f"{m['num_experts_per_tok']} per token, so {active / 1e6:.2f}M parameters active per token")
+
+
+def _loaders(m: dict) -> str:
+    if m.get("num_experts"):
+        return ("transformers and leapfrog load the folder as is (llama.cpp's converter was not "
+                "checked on it).")
+    return ("transformers loads the folder as is, and llama.cpp's `convert_hf_to_gguf.py` (checked "
+            "with the copy in the llama-cpp-python 0.3.36 sources) converts it to GGUF.")
 
 
 def _samples(check: CheckResult, limit: int = 18) -> list[str]:
