@@ -26,8 +26,10 @@ def decoder_config(cfg: dict) -> dict:
     out = dict(cfg)
     out["attention_bias"] = bool(cfg.get("use_qkv_bias", False))
     out["use_qk_norm"] = bool(cfg.get("use_qk_norm", True))
-    # The reference code registers expert_bias whatever the flag says, so checkpoints carry it.
-    out["moe_router_enable_expert_bias"] = cfg.get("moe_router_enable_expert_bias", True)
+    # The reference code registers expert_bias whatever the flag says, so checkpoints carry it,
+    # and renormalises the chosen weights whenever it picks more than one expert.
+    out["moe_router_enable_expert_bias"] = True
+    out["norm_topk_prob"] = cfg.get("num_experts_per_tok", 1) > 1
     out["score_function"] = cfg.get("score_function") or "sigmoid"
     return out
 
