@@ -61,6 +61,18 @@ class Canvas:
 
 
 @dataclass(slots=True)
+class _Step:
+    """One sequence's denoising step between the forward and its commit."""
+    s: ScheduledSeq
+    index: int                      # in the batch
+    canvas: Canvas
+    n: int                          # committed tokens before the step
+    limit: int
+    need: list[int]                 # undecided positions of the active blocks
+    rows: list[int]                 # their rows in the logits table
+
+
+@dataclass(slots=True)
 class DiffusionCounters:
     num_steps: int = 0              # sequence-steps that denoised (one forward of the sequence each)
     num_committed_tokens: int = 0
@@ -155,14 +167,20 @@ class DiffusionMethod:
             s.num_logits = end - max(s.start_pos, n - self.logit_shift)
 
     def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
-        commits = []
-        for s, rows in zip(batch.seqs, out.split(batch)):
+        rows, commits, steps, carried = out.split(batch), [], [], []
+        offset = 0
+        for i, (s, r) in enumerate(zip(batch.seqs, rows)):
             if s.seq.is_finished:      # aborted during the step
                 commits.append(Commit([], 0, counted_forward=False))
             elif not s.num_extra:
-                commits.append(self._store_chunk(s, rows))
+                commits.append(self._store_chunk(s, r))
             else:
-                commits.append(self._denoise(s, rows))
+                commits.append(None)
+                steps.append(self._plan(i, s, offset, out.logits.shape[0], carried))
+            offset += s.num_logits
+        table = torch.cat([out.logits, torch.stack(carried)]) if carried else out.logits
+        for st, cand in zip(steps, self._candidates(table, steps)):
+            commits[st.index] = self._denoise(st, cand, rows[st.index])
         return commits
 
     def on_finished(self, seq: Sequence) -> None:
@@ -184,22 +202,70 @@ class DiffusionMethod:
             canvas.carry, canvas.carry_pos = rows[-1].clone(), end
         return Commit([], keep, counted_forward=end > s.seq.num_prompt_tokens)
 
-    def _denoise(self, s: ScheduledSeq, rows: torch.Tensor) -> Commit:
-        seq, bs, start = s.seq, self.block_size, s.start_pos
+    def _plan(self, index: int, s: ScheduledSeq, offset: int, num_rows: int,
+              carried: list[torch.Tensor]) -> _Step:
+        """The positions this step predicts and their rows in the logits table (logits, then
+        carried rows): row p - shift, or the carried row when row n-1 is already cached."""
+        seq, bs = s.seq, self.block_size
         canvas, n = self._canvas(seq), len(seq.token_ids)
-        front = n // bs
         limit = self._limit(seq, canvas)
-        top = min(limit, (front + canvas.num_active) * bs)
+        top = min(limit, (n // bs + canvas.num_active) * bs)
         need = [p for p in range(n, top) if p not in canvas.decided]
+        first = s.start_pos + s.num_query - s.num_logits      # position of this sequence's first row
+        rows = [offset + p - self.logit_shift - first for p in need]
+        if first > n - self.logit_shift:
+            if canvas.carry is None or canvas.carry_pos != n:
+                raise RuntimeError(f"diffusion: no carried logits for position {n} of {seq.request_id}")
+            rows[0] = num_rows + len(carried)
+            carried.append(canvas.carry)
+        return _Step(s, index, canvas, n, limit, need, rows)
+
+    def _candidates(self, table: torch.Tensor, steps: list[_Step]) -> list[tuple]:
+        """(tokens, confidences, logits) per step. Greedy requests share one softmax; the
+        mask token is never a candidate."""
+        out: list[tuple | None] = [None] * len(steps)
+        fast = [k for k, st in enumerate(steps) if st.s.seq.params.greedy and not st.s.seq.params.needs_penalties]
+        if fast:
+            x = self._gather(table, [r for k in fast for r in steps[k].rows])
+            conf, tokens = x.softmax(-1).max(-1)
+            conf, tokens, at = conf.tolist(), tokens.tolist(), 0
+            for k in fast:
+                m = len(steps[k].rows)
+                out[k], at = (tokens[at:at + m], conf[at:at + m], x[at:at + m]), at + m
+        for k, st in enumerate(steps):
+            if out[k] is None:
+                x = self._gather(table, st.rows)
+                out[k] = (*self._sample(st.s.seq, x), x)
+        return out
+
+    def _gather(self, table: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        x = table.index_select(0, torch.tensor(rows, device=table.device))
+        x[:, self.mask_token_id] = float("-inf")
+        return x
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Greedy with penalties, or a draw from the request's filtered distribution with its
+        own generator; the confidence is the chosen token's probability."""
+        seqs = [seq] * logits.shape[0]
+        if seq.params.greedy:
+            conf, tokens = apply_penalties(logits.clone(), seqs).softmax(-1).max(-1)
+        else:
+            probs = self.sampler.probs(logits, seqs)
+            tokens = self.sampler.draw(probs, seqs)
+            conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens.tolist(), conf.tolist()
+
+    def _denoise(self, st: _Step, cand: tuple, rows: torch.Tensor) -> Commit:
+        seq, bs, start, n, canvas = st.s.seq, self.block_size, st.s.start_pos, st.n, st.canvas
+        front = n // bs
+        tokens, conf, logits = cand
         progress = [self._progress(canvas, n, front + j) for j in range(canvas.num_active)]
-        logits = self._rows_for(s, rows, canvas, need, n)
-        tokens, conf = self._candidates(seq, logits)
-        cand = {p: (t, c, i) for i, (p, t, c) in enumerate(zip(need, tokens, conf))}
-        picked = self._decide(seq, canvas, front, n, cand, limit, progress)
+        table = {p: (t, c) for p, t, c in zip(st.need, tokens, conf)}
+        picked = self._decide(seq, canvas, front, n, table, st.limit, progress)
         if seq.params.logprobs is not None and picked:
-            rows_of = torch.tensor([cand[p][2] for p in picked], device=logits.device)
-            for p, entry in zip(picked, token_logprobs(logits[rows_of], [cand[p][0] for p in picked],
-                                                       [seq] * len(picked))):
+            at = {p: i for i, p in enumerate(st.need)}
+            chosen = logits[torch.tensor([at[p] for p in picked], device=logits.device)]
+            for p, entry in zip(picked, token_logprobs(chosen, [table[p][0] for p in picked], [seq] * len(picked))):
                 canvas.logprobs[p] = entry
         if self.logit_shift and start < n:    # row n-1 (rows[0]) is fed: carry it for position n
             canvas.carry, canvas.carry_pos = rows[0].clone(), n
@@ -213,31 +279,6 @@ class DiffusionMethod:
         c.num_stored_blocks += max(0, front - max(start, seq.num_prompt_tokens) // bs)
         logprobs = [canvas.logprobs.pop(p, {}) for p in range(n, n + len(committed))]
         return Commit(committed, front * bs - start, logprobs if seq.params.logprobs is not None else None)
-
-    def _rows_for(self, s: ScheduledSeq, rows: torch.Tensor, canvas: Canvas, need: list[int],
-                  n: int) -> torch.Tensor:
-        """Logits predicting each needed position: row p - shift, or the carried row."""
-        first = s.start_pos + s.num_query - s.num_logits      # position of rows[0]
-        if first > n - self.logit_shift:                      # row n-1 is cached: use the carry
-            if canvas.carry is None or canvas.carry_pos != n:
-                raise RuntimeError(f"diffusion: no carried logits for position {n} of {s.seq.request_id}")
-            rows, first = torch.cat([canvas.carry[None].to(rows.device), rows]), first - 1
-        index = torch.tensor([p - self.logit_shift - first for p in need], device=rows.device)
-        logits = rows.index_select(0, index)
-        logits[:, self.mask_token_id] = float("-inf")         # the mask is never a prediction
-        return logits
-
-    def _candidates(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Per needed position: the candidate token and its confidence."""
-        seqs, p = [seq] * logits.shape[0], seq.params
-        if p.greedy:
-            x = apply_penalties(logits.clone(), seqs) if p.needs_penalties else logits
-            conf, tokens = x.softmax(-1).max(-1)
-        else:
-            probs = self.sampler.probs(logits, seqs)
-            tokens = self.sampler.draw(probs, seqs)
-            conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens.tolist(), conf.tolist()
 
     def _decide(self, seq: Sequence, canvas: Canvas, front: int, n: int, cand: dict,
                 limit: int, progress: list[float]) -> list[int]:
