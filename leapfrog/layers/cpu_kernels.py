@@ -1,4 +1,4 @@
-"""Optional C++ kernels for CPU inference, compiled on first use with torch's extension
+"""Optional C++ kernels for CPU inference (paged decode attention, few-row matmul, RMSNorm), compiled on first use with torch's extension
 builder (gcc). Anything that fails to build simply leaves the portable SDPA path in charge.
 Set LEAPFROG_CPU_KERNELS=0 to disable them."""
 from __future__ import annotations
@@ -7,8 +7,16 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 _module = None
 _tried = False
+
+
+def cpu_inference(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when a float32 CPU op needs no autograd: the C++ kernels may run it."""
+    return (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
 def paged_attention_module():

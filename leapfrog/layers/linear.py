@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+
 
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
     if param.shape != tensor.shape:
@@ -16,11 +18,37 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: o
     param.data.copy_(tensor)
 
 
+def _skinny_rows_max() -> int:
+    """Largest row count sent to the CPU skinny-matmul kernel: with one thread it matches the
+    BLAS kernel up to ~16 rows, with two or more it is 1.5-2x faster up to ~32 (it reads each
+    weight row once; the BLAS kernel re-streams the weights from L3 for every few rows and
+    parallelises small products poorly)."""
+    return 32 if torch.get_num_threads() > 1 else 16
+
+
+def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """F.linear, except few-row float32 inference on a CPU, which goes to the C++ kernel
+    (layers/cpu_kernels.py; decode and draft verification are exactly this shape)."""
+    w = layer.weight
+    if x.numel() <= _skinny_rows_max() * x.shape[-1] and cpu_inference(x, w):
+        mod = cpu_kernels()
+        if mod is not None:
+            b = layer.bias if layer.bias is not None else _EMPTY
+            return mod.skinny_linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+    return torch.nn.functional.linear(x, w, layer.bias)
+
+
+_EMPTY = torch.empty(0)
+
+
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         for p in self.parameters():
             p.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_forward(self, x)
 
 
 class PackedLinear(nn.Linear):
@@ -45,6 +73,9 @@ class PackedLinear(nn.Linear):
             raise ValueError(f"shape mismatch for shard {shard_id}: parameter "
                              f"{tuple(target.shape)} vs checkpoint {tuple(tensor.shape)}")
         target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_forward(self, x)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([size for _, size in self.offsets.values()], dim=-1))

@@ -1,0 +1,47 @@
+"""The optional C++ CPU kernels equal the torch ops they replace (oracle: torch itself)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leapfrog.layers.cpu_kernels import paged_attention_module
+from leapfrog.layers.linear import Linear, PackedLinear
+from leapfrog.layers.norm import RMSNorm
+
+mod = paged_attention_module()
+pytestmark = pytest.mark.skipif(mod is None, reason="no C++ compiler: the kernels are optional")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 17, 33])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (6, 8), (5, 300)])
+def test_skinny_linear_equals_torch(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(mod.skinny_linear(x, w, torch.empty(0)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(mod.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_linear_reads_strided_inputs():
+    x = torch.randn(16, 64)[::2]                    # non-contiguous rows
+    w = torch.randn(64, 40).t()                     # a transposed view
+    torch.testing.assert_close(mod.skinny_linear(x, w, torch.empty(0)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (9, 4, 64), (300, 96), (2, 3, 7)])
+def test_rms_norm_equals_torch(shape):
+    x, w = torch.randn(*shape), torch.randn(shape[-1])
+    torch.testing.assert_close(mod.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_use_the_kernels_only_where_autograd_is_not_needed():
+    lin, packed, norm = Linear(32, 32, bias=True), PackedLinear(32, {"a": 8, "b": 16}), RMSNorm(32)
+    x = torch.randn(3, 5, 32)
+    with torch.inference_mode():
+        for layer in (lin, packed):
+            torch.testing.assert_close(layer.forward(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(norm.forward(x), F.rms_norm(x, (32,), norm.weight, norm.eps))
+    # Training: gradients must flow (the kernels have no backward).
+    y = norm.forward(lin.forward(x.requires_grad_()))
+    y.sum().backward()
+    assert lin.weight.grad is not None and norm.weight.grad is not None and x.grad is not None
