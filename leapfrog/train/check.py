@@ -5,6 +5,9 @@ stories:  continue held-out story openings (temperature 0.7, top-p 0.9) and meas
           "Neural Text Generation with Unlikelihood Training", §6), on words and on tokens.
 couplets: greedy 下联 for held-out 上联 sent as the raw prompt; the share whose length equals the
           上联's; and keyword mode: the share of completions with all three parts well formed.
+block-diffusion folders (config.json with mask_token_id and block_size): continue the same story
+          openings with a slow single-block reference decoder (full recompute, confidence
+          threshold 0.9, greedy) and report rep-4 and tokens per forward.
 
     python -m leapfrog.train.check checkpoints/stories [--num 64]
 """
@@ -16,6 +19,7 @@ import random
 import re
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -141,7 +145,41 @@ def _check_keywords(model, tok, pairs, seed: int, samples: list[dict]) -> dict:
     return {"num_keyword_prompts": len(prompts), "keyword_well_formed": round(good / len(prompts), 4)}
 
 
+def is_diffusion_folder(folder: str) -> bool:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return "mask_token_id" in cfg and "block_size" in cfg
+
+
+def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 128,
+                            threshold: float = 0.9, data_dir: str | None = None) -> CheckResult:
+    from leapfrog.train.diffusion import reference_decode
+
+    model, tok = load(folder)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    prompts = [story_opening(s) for s in heldout("stories", data_dir)[:num]]
+    res = CheckResult("stories-diffusion")
+    word_reps, token_reps, new_tokens, forwards = [], [], 0, 0
+    for prompt in prompts:
+        ids, n = reference_decode(model, tok(prompt).input_ids, cfg, max_new_tokens, threshold,
+                                  tok.eos_token_id)
+        new_tokens, forwards = new_tokens + len(ids), forwards + n
+        ids = _strip_eos(ids, tok.eos_token_id)
+        text = tok.decode(ids, skip_special_tokens=True)
+        word_reps.append(rep_n(text.split()))
+        token_reps.append(rep_n(ids))
+        res.samples.append({"prompt": prompt, "completion": text})
+    res.metrics = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                   "decoder": "single-block reference (full recompute), greedy",
+                   "threshold": threshold,
+                   "tokens_per_forward": round(new_tokens / max(forwards, 1), 3),
+                   "rep4_words": round(sum(word_reps) / len(word_reps), 4),
+                   "rep4_tokens": round(sum(token_reps) / len(token_reps), 4)}
+    return res
+
+
 def run_check(name: str, folder: str, data_dir: str | None = None) -> CheckResult:
+    if name.startswith("stories") and is_diffusion_folder(folder):
+        return check_stories_diffusion(folder, data_dir=data_dir)
     if name == "stories":
         return check_stories(folder, data_dir=data_dir)
     if name == "couplets":

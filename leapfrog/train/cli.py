@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _recipe_table() -> str:
     about = {"stories": "English TinyStories continuations",
              "couplets": "Chinese couplets: 上联 -> 下联, and 关键词 -> 上联/下联/横批",
-             "tiny": "seconds-long smoke test (stories data)"}
+             "tiny": "seconds-long smoke test (stories data)",
+             "stories-diffusion": "stage 1: stories -> block diffusion (block 4, token shift), "
+                                  "written to runs/stories-diffusion/model",
+             "stories-diffusion-mb": "stage 2: multi-block (MultiTF) post-training of stage 1, "
+                                     "written to checkpoints/stories-diffusion"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()

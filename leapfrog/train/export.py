@@ -1,5 +1,9 @@
 """Write a trained model as a Hugging Face folder: weights, config, tokenizer, loss curve, README,
-SHA256SUMS. The folder is what ``transformers`` and llama.cpp's converter load unchanged."""
+SHA256SUMS. The folder is what ``transformers`` and llama.cpp's converter load unchanged.
+
+A block-diffusion model is the same folder plus its decoding contract: config.json carries
+``block_size``, ``mask_token_id`` and ``diffusion_logit_shift`` (set by the loop), and
+``leapfrog.json`` names ``diffusion`` as the model's default method."""
 from __future__ import annotations
 
 import copy
@@ -13,6 +17,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 GENERATION_DEFAULTS = {
     "stories": {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 256},
     "couplets": {"do_sample": False, "max_new_tokens": 64},
@@ -32,18 +37,25 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
                                    pad_token_id=tok.eos_token_id,
                                    **GENERATION_DEFAULTS.get(cfg.name, {}))
     small.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
+    if cfg.init_from:      # the tokenizer the weights were trained with, byte for byte
+        for name in TOKENIZER_FILES:
+            if (Path(cfg.init_from) / name).is_file():
+                shutil.copy(Path(cfg.init_from) / name, out / name)
+    else:
+        tok.save_pretrained(out)
+        shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
+    if cfg.diffusion is not None:
+        (out / "leapfrog.json").write_text(json.dumps({"default_method": "diffusion"}, indent=2) + "\n")
     summary = summarize(model, cfg, history, prep)
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot_loss(history, out / "loss.png", cfg.name)
+    plot_loss(history, out / "loss.png", cfg.recipe or cfg.name)
     return summary
 
 
 def summarize(model, cfg, history: dict, prep) -> dict:
     val = history["val"][-1][1] if history["val"] else float("nan")
     return {
-        "recipe": cfg.name,
+        "recipe": cfg.recipe or cfg.name,
         "num_params": sum(p.numel() for p in model.parameters()),
         "steps": history["train"][-1][0] if history["train"] else 0,
         "tokens_seen": history["tokens"],
@@ -55,8 +67,25 @@ def summarize(model, cfg, history: dict, prep) -> dict:
         "num_train_items": prep.num_train_items,
         "num_val_items": prep.num_val_items,
         "save_dtype": cfg.save_dtype,
+        "val_parts": history["val_parts"][-1][1] if history.get("val_parts") else {},
+        "init": _init_summary(cfg.init_from),
         "config": asdict(cfg),
     }
+
+
+def _init_summary(folder: str | None) -> dict | None:
+    """What the run started from: the folder and, when it has one, its own training summary."""
+    if not folder:
+        return None
+    path = Path(folder) / "training.json"
+    past = json.loads(path.read_text()) if path.is_file() else {}
+    keep = ("recipe", "steps", "tokens_seen", "wall_s", "val_loss", "val_parts")
+    from leapfrog.train.data import REPO_ROOT
+    try:
+        folder = str(Path(folder).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        pass
+    return {"folder": str(folder), **{k: past[k] for k in keep if k in past}}
 
 
 def plot_loss(history: dict, path: Path, title: str) -> None:

@@ -1,9 +1,12 @@
-"""One training loop for every built-in model: next-token cross-entropy on packed token windows.
+"""One training loop for every built-in model: an objective (next-token cross-entropy, or the
+block-diffusion losses of ``diffusion.py``) on packed token windows.
 
 AdamW, linear warm-up then cosine decay, gradient accumulation and clipping, optional bf16
 autocast, periodic validation, resumable state in a run folder (ignored by git), and a final
-Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` depends only on
-(seed, s), so a resumed run sees exactly the batches an uninterrupted one would have.
+Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` (windows and any
+noise the objective draws) depends only on (seed, s), so a resumed run sees exactly the batches an
+uninterrupted one would have. A run either builds a fresh model from ``model`` or continues the
+weights of the checkpoint folder ``init_from`` (with its tokenizer).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from leapfrog.train.diffusion import DiffusionSpec
 from leapfrog.train.tokenizer import TokenizerSpec
 
 
@@ -69,6 +73,9 @@ class TrainConfig:
     seed: int = 1234
     threads: int = 1
     command: str = ""                           # the command line, for the README
+    recipe: str = ""                            # recipe name where it differs from the dataset name
+    init_from: str | None = None                # HF folder to start from (its shape and tokenizer)
+    diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -112,6 +119,20 @@ def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, mlp_bias=False))
 
 
+def load_pretrained(folder: str):
+    """An HF Llama folder as an fp32 transformers model, and its shape as a ModelShape."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    c = model.config
+    shape = ModelShape(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                       num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                       intermediate_size=c.intermediate_size, max_position=c.max_position_embeddings,
+                       rope_theta=(c.rope_parameters or {}).get("rope_theta", 10000.0),
+                       tie_embeddings=c.tie_word_embeddings)
+    return model, shape
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     # Decay matrices only: decaying norms' gains pulls them towards zero for no benefit.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -133,16 +154,43 @@ def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor
     return loss + model.config.router_aux_loss_coef * out.aux_loss if balance else loss
 
 
+class NextToken:
+    """The AR objective: next-token cross-entropy. An objective turns the loop's windows into a
+    batch (drawing any noise from the step's generator) and a batch into (loss, parts)."""
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator, train: bool = True):
+        return x, y
+
+    def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
+        return loss_on(model, *batch, dtype), {}
+
+
+def make_objective(cfg: TrainConfig, tok):
+    if cfg.diffusion is None:
+        return NextToken()
+    from leapfrog.train.diffusion import DiffusionObjective
+    return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
+
+
 @torch.no_grad()
-def evaluate(model, stream: np.ndarray, cfg: TrainConfig) -> float:
-    """Mean loss on fixed validation windows (same windows every time, so curves compare)."""
+def evaluate(model, stream: np.ndarray, cfg: TrainConfig, objective=None) -> tuple[float, dict]:
+    """Mean loss (and mean parts) on fixed validation windows and noise (the same every time, so
+    curves compare)."""
+    objective = objective or NextToken()
     model.eval()
     rng = np.random.default_rng(0)
     seq_len = min(cfg.seq_len, len(stream) - 2)
-    losses = [loss_on(model, *get_batch(stream, cfg.batch_size, seq_len, rng), cfg.dtype).item()
-              for _ in range(cfg.eval_batches)]
+    if cfg.diffusion is not None:
+        seq_len -= seq_len % cfg.diffusion.block_size
+    losses, parts = [], {}
+    for _ in range(cfg.eval_batches):
+        batch = objective.batch(*get_batch(stream, cfg.batch_size, seq_len, rng), rng, train=False)
+        loss, p = objective.loss(model, batch, cfg.dtype)
+        losses.append(loss.item())
+        for k, v in p.items():
+            parts.setdefault(k, []).append(v)
     model.train()
-    return float(np.mean(losses))
+    return float(np.mean(losses)), {k: round(float(np.mean(v)), 4) for k, v in parts.items()}
 
 
 def save_state(run_dir: Path, model, opt, step: int, history: dict) -> None:
@@ -167,25 +215,51 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
 
     torch.set_num_threads(cfg.threads)  # leave the other cores to whoever shares the machine
     torch.manual_seed(cfg.seed)
+    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
+        raise FileNotFoundError(f"{cfg.init_from}: no checkpoint to start {cfg.recipe or cfg.name} "
+                                "from (train that model first)")
     prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
-    model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)
+    model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)
-    step, history = 0, {"train": [], "val": [], "wall_s": 0.0, "tokens": 0}
+    step, history = 0, {"train": [], "val": [], "val_parts": [], "wall_s": 0.0, "tokens": 0}
     if resume and (run_dir / "state.pt").exists():
         step, history = load_state(run_dir, model, opt)
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir)
+    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir, make_objective(cfg, tok))
     summary = export.save_checkpoint(model, tok, prep, cfg, history)
     export.write_sha256sums(cfg.out_dir)
     return summary
 
 
-def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run_dir: Path):
+def _model_and_tokenizer(cfg: TrainConfig, prep):
+    """A fresh model for the data's tokenizer, or the init_from folder's weights and tokenizer."""
+    from transformers import AutoTokenizer
+    if cfg.init_from:
+        tok = AutoTokenizer.from_pretrained(cfg.init_from)
+        _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), cfg.init_from)
+        model, cfg.model = load_pretrained(cfg.init_from)
+    else:
+        tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
+        model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)
+    if cfg.diffusion is not None:        # the decoder's contract, saved with config.json
+        from leapfrog.train.diffusion import contract
+        model.config.update(contract(cfg.diffusion, tok.convert_tokens_to_ids("<mask>")))
+    return model, tok
+
+
+def _check_same_vocab(tok, data_tok, folder: str) -> None:
+    """The token streams are encoded by the data's tokenizer: refuse a model with another one."""
+    if tok.get_vocab() != data_tok.get_vocab():
+        raise ValueError(f"{folder}: tokenizer differs from the one the data was encoded with "
+                         "(train with the same dataset, tokenizer spec and seed as that model)")
+
+
+def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run_dir: Path,
+               objective=None):
+    objective = objective or NextToken()
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     start_ids = None
     if cfg.align_to_bos:
@@ -201,8 +275,8 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         rng = np.random.default_rng([cfg.seed, step])
         total = 0.0
         for _ in range(cfg.grad_accum):
-            x, y = get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng, start_ids)
-            loss = loss_on(model, x, y, cfg.dtype)
+            batch = objective.batch(*get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng, start_ids), rng)
+            loss, _ = objective.loss(model, batch, cfg.dtype)
             (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -217,10 +291,12 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens_per_step / max(now - t_last, 1e-9):.0f}")
         t_last = now
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            val = evaluate(model, prep.val, cfg)
+            val, parts = evaluate(model, prep.val, cfg, objective)
             history["val"].append((step, val))
+            history.setdefault("val_parts", []).append((step, parts))
             rate = history["tokens"] / max(history["wall_s"], 1e-9)
-            print(f"step {step} train {total:.4f} val {val:.4f} lr {lr_at(step, cfg):.2e} "
+            extra = "".join(f" val_{k} {v:.4f}" for k, v in parts.items() if not k.endswith("_targets"))
+            print(f"step {step} train {total:.4f} val {val:.4f}{extra} lr {lr_at(step, cfg):.2e} "
                   f"tokens {history['tokens']} tok/s {rate:.0f} wall {history['wall_s']:.0f}s",
                   flush=True)
             t_last = time.time()  # evaluation time is not training time

@@ -56,14 +56,14 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         f"{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads / "
         f"{m['num_kv_heads']} KV heads, {_mlp(m, folder)}, context "
         f"{m['max_position']}, tied embeddings, vocabulary {cfg['tokenizer']['vocab_size']} asked) "
-        f"trained from scratch by `leapfrog train {summary['recipe']}`. Weights are stored as "
+        f"{_origin(summary)}. Weights are stored as "
         f"**{summary['save_dtype']}** safetensors (trained in fp32; load with `dtype=torch.float32` "
         f"for CPU inference). {_loaders(m)} `SHA256SUMS` lists every file "
         "(`sha256sum -c SHA256SUMS`).",
         "",
         "## Data",
         "",
-        DATA_NOTES.get(summary["recipe"], ""),
+        DATA_NOTES.get(cfg["name"], ""),
         "",
         "## Training",
         "",
@@ -76,14 +76,16 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         f"| optimiser | AdamW (betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}), "
         f"lr {cfg['lr']} cosine to {cfg['min_lr']} after {cfg['warmup_steps']} warm-up steps, "
         f"clip {cfg['grad_clip']}, {cfg['dtype']} |",
-        f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |",
+        *_loss_rows(summary),
         f"| validation set | {summary['num_val_items']:,} held-out items, {summary['val_tokens']:,} tokens |",
         "",
         *[f"Note: {note}" for note in summary.get("notes", [])],
         "",
         "![loss](loss.png)",
         "",
-        "## Measured (transformers `generate`, `python -m leapfrog.train.check`)",
+        *(_diffusion_section(summary, folder) if cfg.get("diffusion") else []),
+        "## Measured (" + ("slow reference decoder" if cfg.get("diffusion") else "transformers `generate`")
+        + ", `python -m leapfrog.train.check`)",
         "",
         "```json",
         json.dumps(check.metrics, ensure_ascii=False, indent=2),
@@ -101,6 +103,64 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _origin(summary: dict) -> str:
+    init = summary.get("init")
+    if not init:
+        return f"trained from scratch by `leapfrog train {summary['recipe']}`"
+    return (f"initialised from `{init['folder']}` and trained by `leapfrog train {summary['recipe']}`"
+            + (" into a block-diffusion model" if summary["config"].get("diffusion") else ""))
+
+
+def _loss_rows(summary: dict) -> list[str]:
+    if not summary["config"].get("diffusion"):
+        return [f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |"]
+    rows = [f"| final validation loss | {summary['val_loss']} nats per masked token (the training mix) |"]
+    labels = {"single": "single-block (complementary masks)", "multi": "multi-block (MultiTF groups)"}
+    for key, label in labels.items():
+        if key in summary.get("val_parts", {}):
+            before = (summary.get("init") or {}).get("val_parts", {}).get(key)
+            rows.append(f"| validation, {label} | {summary['val_parts'][key]}"
+                        + (f" (initial model: {before})" if before is not None else "") + " |")
+    init = summary.get("init") or {}
+    if "steps" in init:
+        rows.append(f"| initial model | `{init['folder']}`: recipe {init.get('recipe')}, {init['steps']:,} "
+                    f"steps, {init.get('wall_s', 0) / 60:.1f} min, validation loss {init.get('val_loss')} |")
+    return rows
+
+
+def _diffusion_section(summary: dict, folder: Path) -> list[str]:
+    from leapfrog.train.diffusion import DiffusionSpec, notes
+
+    spec = DiffusionSpec(**summary["config"]["diffusion"])
+    init = summary.get("init") or {}
+    stages = ([f"Made in two stages: `leapfrog train {init['recipe']}` wrote `{init['folder']}`, "
+               f"then `leapfrog train {summary['recipe']}` continued it into this folder.", ""]
+              if init.get("val_parts") else [])
+    return ["## Block diffusion", "", *notes(spec), "", *stages,
+            "Decoding contract: `config.json` carries `block_size`, `mask_token_id` and "
+            "`diffusion_logit_shift`; `leapfrog.json` makes `diffusion` the default method. "
+            "Validation uses fixed windows and noise: the single-block loss over a complementary "
+            "pair (every token a target once), the multi-block loss over MultiTF views. "
+            "Tokens/s in the log count window tokens; the model processes each window "
+            "(views + clean copy) several times over.", "",
+            "```python", "from leapfrog import LLM, SamplingParams",
+            f'llm = LLM("{_model_name(folder)}", method="diffusion", num_blocks=3, threshold=0.9)',
+            "```", ""]
+
+
+def _model_name(folder: Path) -> str:
+    """The built-in name of a folder under checkpoints/, else its path from the repository root."""
+    from leapfrog.train.data import REPO_ROOT
+
+    folder = Path(folder).resolve()
+    if folder.parent.name == "checkpoints":
+        return folder.name
+    try:
+        return str(folder.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(folder)
 
 
 def _architecture(m: dict) -> str:

@@ -1,10 +1,12 @@
-"""Recipes: the TrainConfig of each built-in model, sized for ~40 minutes on one CPU thread."""
+"""Recipes: the TrainConfig of each built-in model, sized for ~40 minutes on one CPU thread (the
+block-diffusion stages for ~15 minutes each)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
 from leapfrog.train.data import REPO_ROOT
+from leapfrog.train.diffusion import DiffusionSpec
 from leapfrog.train.loop import ModelShape, TrainConfig
 from leapfrog.train.tokenizer import TokenizerSpec
 
@@ -39,6 +41,50 @@ def couplets() -> TrainConfig:
     )
 
 
+def stories_diffusion() -> TrainConfig:
+    """Stage 1: the `stories` AR model -> a block-diffusion model (block 4, token shift, since it
+    starts from an AR head; complementary masks). Its result stays in runs/ as the single-block
+    baseline and is stage 2's starting point; the shipped `stories-diffusion` is stage 2's.
+
+    Cost: each 256-token window runs as 3 x 256 tokens (two complementary views + the clean copy),
+    2.7 s per step of 4 windows on one quiet thread (~380 window tokens/s; 4-5 s while another
+    job shares the CPU): 300 steps, ~14 min plus ~1 min of validation and the README check."""
+    cfg = stories()
+    return _diffusion_stage(
+        cfg, "stories-diffusion", init_from=cfg.out_dir,
+        out_dir=REPO_ROOT / "runs" / "stories-diffusion" / "model",
+        spec=DiffusionSpec(block_size=4, shift=True, complementary=True),
+        max_steps=300, lr=1e-3, min_lr=1e-4, warmup_steps=30)
+
+
+def stories_diffusion_mb() -> TrainConfig:
+    """Stage 2: multi-block post-training (MBD-LMs MultiTF) of stage 1's model, written to
+    checkpoints/stories-diffusion. A window runs as [single-block view ; MultiTF view (groups of
+    2-4 blocks) ; clean] with loss 0.5 single + 0.5 multi: the same 3 x 256 tokens per window as
+    stage 1 (the single-block view drops its complement to pay for the MultiTF view), so the same
+    ~15 min for 300 steps. Run `leapfrog train stories-diffusion` first."""
+    return _diffusion_stage(
+        stories(), "stories-diffusion-mb", init_from=stories_diffusion().out_dir,
+        out_dir=REPO_ROOT / "checkpoints" / "stories-diffusion",
+        spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
+                           multi_weight=0.5, max_group=4),
+        max_steps=300, lr=5e-4, min_lr=5e-5, warmup_steps=20)
+
+
+def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
+                     spec: DiffusionSpec, **schedule) -> TrainConfig:
+    """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
+    `stories` (so the token streams match the initial model's tokenizer), windows starting at a
+    story's <s> (so the block grid is the one decoding uses), shape taken from `init_from`."""
+    base.recipe, base.init_from, base.diffusion = recipe, str(init_from), spec
+    base.out_dir, base.run_dir = str(out_dir), str(REPO_ROOT / "runs" / recipe)
+    base.seq_len, base.batch_size, base.align_to_bos = 256, 4, True
+    base.eval_interval, base.eval_batches, base.ckpt_interval = 75, 4, 25
+    for key, value in schedule.items():
+        setattr(base, key, value)
+    return base
+
+
 def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
          run_dir: str | Path = "runs/tiny/run") -> TrainConfig:
     """A seconds-long smoke recipe for tests and trying the pipeline."""
@@ -55,4 +101,7 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
     )
 
 
-RECIPES: dict[str, Callable[[], TrainConfig]] = {"stories": stories, "couplets": couplets, "tiny": tiny}
+RECIPES: dict[str, Callable[[], TrainConfig]] = {
+    "stories": stories, "couplets": couplets, "tiny": tiny,
+    "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
+}

@@ -1,0 +1,303 @@
+"""Block-diffusion objectives: turn an AR Llama into a block-diffusion LM, then post-train it for
+multi-block decoding (research/diffusion.md §1.1, §1.4, §2.2).
+
+The sequence is cut on the absolute grid into blocks of B tokens (B = 4 here). A *view* is a noisy
+copy of the window: some tokens replaced by the mask token, and a partition of its blocks into
+*groups*. Single-block teacher forcing (TF, §1.1) is the view whose groups are single blocks;
+MultiTF (§2.2) groups 2..G_max consecutive blocks, the training analogue of the running set that
+multi-block decoding keeps in its buffer.
+
+One training row packs V views and one clean copy, each L tokens with position ids 0..L-1:
+
+    [view_1 ; ... ; view_V ; clean]
+
+This is BD3-LM's vectorised ``[x_t ; x_0]`` trick (§1.1) with the clean copy shared by all views:
+the clean copy never attends to a noisy one, so one clean copy serves every view and a pair of
+complementary views costs 3L tokens instead of 4L. Attention (``attention_mask``), with the MBD
+group-aware dual-stream rule (§2.2, MBD §B.3):
+  - noisy -> same view: same group and the same or an earlier block (bidirectional in a block);
+  - noisy -> clean: clean blocks strictly before the first block of the query's group;
+  - clean -> clean: block-causal;  clean -> noisy and view -> other view: never.
+With single-block groups this is exactly BD3-LM / SDAR / Fast-dLLM v2's three-part mask.
+
+Noise. Single-block views: per block t ~ U(0,1), each token masked with p = (1-eps) t + eps
+(SDAR / Fast-dLLM v2), and each view is paired with its complement, so every token is masked in
+exactly one copy (Fast-dLLM v2's complementary masks, §1.4). MultiTF views: MBD's chain-uniform
+scheduler (§2.2): per group a floor l ~ U(t_low, t_eff), then block by block t_j ~ U(l, t_eff),
+l <- t_j, so later blocks of a group are noisier, as in the decoding buffer; block j gets
+ceil(B t_j) masked positions. (MBD masks floor(B t_j); with B = 4 that never yields the fully
+masked block that enters the buffer, and can leave a block without any target.) MultiTF views
+get no complement: it would reverse the noise order the scheduler is built to match.
+
+Token shift (Fast-dLLM v2, §1.4): with ``shift`` the token at position i is predicted from the
+hidden state at i-1, so the AR model's head keeps its meaning. Inside a block i-1 is the same
+noisy view; for the first token of a block, i-1 belongs to the previous block, and its hidden is
+taken from the noisy view when that block is in the same group (MultiTF: a still-noisy block
+earlier in the buffer) and from the clean copy otherwise (the committed prefix, as a decoder reads
+it from the last position of the prefix). Position 0 has no predictor. Without shift (SDAR),
+position i predicts token i.
+
+Loss: cross-entropy on masked positions only, the plain mean over them (MBD's default
+normalisation, §2.2; Fast-dLLM v2's causal-LM mean) rather than the 1/t weighting of MDLM: with
+complementary pairs every token is a target exactly once, so the number reads as nats per token
+over a spread of noise levels, and its variance does not blow up at small t. Stage two mixes
+(1 - w) * single-block loss + w * MultiTF loss so single-block quality is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SINGLE, MULTI = 0, 1      # view kinds
+
+
+@dataclass(slots=True)
+class DiffusionSpec:
+    block_size: int = 4
+    shift: bool = True              # Fast-dLLM v2 token shift (see module doc)
+    eps: float = 1e-3               # p = (1 - eps) t + eps for single-block views
+    complementary: bool = True      # pair each training single-block view with its complement
+    multi_views: int = 0            # MultiTF views per training row (0: single-block TF only)
+    multi_weight: float = 0.0       # loss = (1 - w) single + w multi
+    max_group: int = 4              # G_max: blocks per MultiTF group, 2..G_max
+    t_low: float = 1e-3             # chain-uniform range (MBD Table 5)
+    t_high: float = 1.0
+    margin: float = 0.01            # rho in t_eff = t_high - rho (t_high - t_low)
+    eval_multi_views: int = 2       # validation measures both losses, whatever the training mix
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts and noise (numpy, drawn from the loop's per-step generator, so a resume is exact)
+
+
+def group_layout(num_blocks: int, max_group: int, rng: np.random.Generator) -> np.ndarray:
+    """Group id per block for one MultiTF view (MBD §B.1): half the time a systematic layout
+    (boundaries every g blocks, shifted by h), else consecutive groups of sizes ~ U{2..G_max}."""
+    if rng.random() < 0.5:
+        g = int(rng.integers(2, max_group + 1))
+        h = int(rng.integers(0, g))
+        return (np.arange(num_blocks) + g - h) // g
+    sizes = rng.integers(2, max_group + 1, size=num_blocks)
+    return np.repeat(np.arange(num_blocks), sizes)[:num_blocks]
+
+
+def single_masks(num_blocks: int, block_size: int, eps: float, rng: np.random.Generator) -> np.ndarray:
+    """[L] bool: per block t ~ U(0,1), each token masked with p = (1-eps) t + eps."""
+    p = (1 - eps) * rng.random(num_blocks) + eps
+    return (rng.random((num_blocks, block_size)) < p[:, None]).reshape(-1)
+
+
+def chain_masks(groups: np.ndarray, block_size: int, spec: DiffusionSpec,
+                rng: np.random.Generator) -> np.ndarray:
+    """[L] bool: MBD's chain-uniform noise, ceil(B t_j) masked positions in block j."""
+    t_eff = spec.t_high - spec.margin * (spec.t_high - spec.t_low)
+    ratios = np.empty(len(groups))
+    floor = 0.0
+    for k in range(len(groups)):
+        if k == 0 or groups[k] != groups[k - 1]:
+            floor = rng.uniform(spec.t_low, t_eff)
+        floor = rng.uniform(floor, t_eff)
+        ratios[k] = floor
+    counts = np.ceil(block_size * ratios).clip(1, block_size)
+    rank = rng.random((len(groups), block_size)).argsort(1).argsort(1)   # a random order per block
+    return (rank < counts[:, None]).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# One packed row: ids, attention mask, which hidden state predicts which masked token
+
+
+def attention_mask(groups: list[np.ndarray], block_size: int) -> torch.Tensor:
+    """[S, S] bool (True = may attend) for ``[view_1 ; ... ; view_V ; clean]``, S = (V+1) L;
+    ``groups[v]`` is view v's group id per block (non-decreasing)."""
+    num_views, num_blocks = len(groups), len(groups[0])
+    view = torch.arange(num_views + 1).repeat_interleave(num_blocks * block_size)
+    block = torch.arange(num_blocks).repeat_interleave(block_size).repeat(num_views + 1)
+    own = [torch.as_tensor(np.asarray(g)) for g in groups] + [torch.arange(num_blocks)]
+    group = torch.cat([g.repeat_interleave(block_size) for g in own])
+    # First block of each position's group: groups are runs, so it is where the id first occurs.
+    first = torch.cat([torch.searchsorted(g, g).repeat_interleave(block_size) for g in own])
+    clean_q, clean_k = (view == num_views)[:, None], (view == num_views)[None, :]
+    earlier_or_same = block[None, :] <= block[:, None]
+    noisy_noisy = ~clean_q & (view[:, None] == view[None, :]) & (group[:, None] == group[None, :]) & earlier_or_same
+    noisy_clean = ~clean_q & clean_k & (block[None, :] < first[:, None])
+    return noisy_noisy | noisy_clean | (clean_q & clean_k & earlier_or_same)
+
+
+def predictor_rows(groups: list[np.ndarray], block_size: int, shift: bool) -> np.ndarray:
+    """[V, L]: the row of the packed sequence whose hidden state predicts token i of view v
+    (-1: none). See the module doc for the shift rule."""
+    num_views, length = len(groups), len(groups[0]) * block_size
+    i = np.arange(length)
+    rows = np.empty((num_views, length), dtype=np.int64)
+    for v, g in enumerate(groups):
+        if not shift:
+            rows[v] = v * length + i
+            continue
+        g = np.asarray(g)
+        same_group = g[np.maximum(i - 1, 0) // block_size] == g[i // block_size]
+        rows[v] = np.where(same_group, v * length + i - 1, num_views * length + i - 1)
+        rows[v, 0] = -1
+    return rows
+
+
+@dataclass(slots=True)
+class DiffusionBatch:
+    input_ids: torch.Tensor      # [R, S] views then the clean copy
+    position_ids: torch.Tensor   # [R, S] 0..L-1 in every part
+    attn_mask: torch.Tensor      # [R, 1, S, S] bool
+    src: torch.Tensor            # [N] flat index r * S + s of the hidden state predicting a target
+    targets: torch.Tensor        # [N] the clean token at that masked position
+    kinds: torch.Tensor          # [N] SINGLE or MULTI
+
+
+def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list[np.ndarray]],
+         kinds: list[int], spec: DiffusionSpec, mask_id: int) -> DiffusionBatch:
+    """Rows from windows [R, L] and, per row, each view's mask [L] and groups [K]."""
+    rows, length = windows.shape
+    size = (len(kinds) + 1) * length
+    ids, attn, src, tgt, kind = [], [], [], [], []
+    for r in range(rows):
+        x0 = windows[r]
+        m = torch.as_tensor(np.stack(masks[r]))                                  # [V, L]
+        ids.append(torch.cat([torch.where(m, mask_id, x0).reshape(-1), x0]))
+        attn.append(attention_mask(groups[r], spec.block_size))
+        pred = torch.as_tensor(predictor_rows(groups[r], spec.block_size, spec.shift))
+        keep = m & (pred >= 0)
+        src.append(r * size + pred[keep])
+        tgt.append(x0.expand_as(m)[keep])
+        kind.append(torch.tensor(kinds).unsqueeze(1).expand_as(m)[keep])
+    pos = torch.arange(length).repeat(len(kinds) + 1).expand(rows, size)
+    return DiffusionBatch(torch.stack(ids), pos, torch.stack(attn).unsqueeze(1),
+                          torch.cat(src), torch.cat(tgt), torch.cat(kind))
+
+
+def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np.random.Generator,
+               multi_views: int, complementary: bool = True) -> DiffusionBatch:
+    """Draw noise for every row: one single-block view (plus its complement) and `multi_views`
+    MultiTF views."""
+    num_blocks = windows.shape[1] // spec.block_size
+    assert num_blocks * spec.block_size == windows.shape[1], "seq_len must be a multiple of block_size"
+    num_single = 2 if complementary else 1
+    kinds = [SINGLE] * num_single + [MULTI] * multi_views
+    masks, groups = [], []
+    for _ in range(windows.shape[0]):
+        m = single_masks(num_blocks, spec.block_size, spec.eps, rng)
+        row_m, row_g = [m, ~m][:num_single], [np.arange(num_blocks)] * num_single
+        for _ in range(multi_views):
+            g = group_layout(num_blocks, spec.max_group, rng)
+            row_m.append(chain_masks(g, spec.block_size, spec, rng))
+            row_g.append(g)
+        masks.append(row_m)
+        groups.append(row_g)
+    return pack(windows, masks, groups, kinds, spec, mask_id)
+
+
+def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weight: float = 0.0
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Masked-token CE of a transformers Llama on a packed batch: (loss, parts). Parts hold the
+    mean CE of each view kind and the number of targets it had (a kind with none is left out)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                             attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
+        logits = model.lm_head(hidden.flatten(0, 1)[batch.src])   # only rows that predict a target
+    ce = F.cross_entropy(logits.float(), batch.targets, reduction="none")
+    terms, parts = {}, {}
+    for name, kind in (("single", SINGLE), ("multi", MULTI)):
+        sel = batch.kinds == kind
+        if sel.any():
+            terms[name] = ce[sel].mean()
+            parts[name], parts[f"{name}_targets"] = terms[name].item(), int(sel.sum())
+    if not terms:                                   # nothing masked: zero, still in the graph
+        return hidden.sum() * 0.0, parts
+    if len(terms) == 1:
+        return next(iter(terms.values())), parts
+    return (1 - multi_weight) * terms["single"] + multi_weight * terms["multi"], parts
+
+
+class DiffusionObjective:
+    """The loop's objective (see loop.NextToken): windows -> noisy packed batch -> masked CE."""
+
+    def __init__(self, spec: DiffusionSpec, mask_id: int) -> None:
+        self.spec, self.mask_id = spec, mask_id
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator, train: bool = True):
+        """Training follows the spec; validation always draws a complementary pair and
+        `eval_multi_views` MultiTF views, so every recipe's numbers compare."""
+        if train:
+            return make_batch(x, self.spec, self.mask_id, rng, self.spec.multi_views, self.spec.complementary)
+        return make_batch(x, self.spec, self.mask_id, rng, self.spec.eval_multi_views, True)
+
+    def loss(self, model, batch: DiffusionBatch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
+        return diffusion_loss(model, batch, dtype, self.spec.multi_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export contract and a slow reference decoder (READMEs; the engine's `diffusion` method is the
+# fast one)
+
+
+def contract(spec: DiffusionSpec, mask_id: int) -> dict:
+    """config.json keys that tell a decoder how this model was trained."""
+    return {"block_size": spec.block_size, "mask_token_id": mask_id, "diffusion_logit_shift": spec.shift}
+
+
+def block_causal_mask(length: int, block_size: int) -> torch.Tensor:
+    """[1, 1, T, T] bool: bidirectional inside a block, causal across blocks (absolute grid)."""
+    block = torch.arange(length) // block_size
+    return (block[None, :] <= block[:, None])[None, None]
+
+
+@torch.no_grad()
+def reference_decode(model, prompt_ids: list[int], cfg: dict, max_new_tokens: int,
+                     threshold: float = 0.9, eos_id: int | None = None) -> tuple[list[int], int]:
+    """Single-block decoding by full recompute: (new token ids, forwards). Each forward runs the
+    whole canvas (prefix + current block, block-causal), predicts every masked position (shifted
+    per the config), commits those whose top probability exceeds `threshold` and always the most
+    confident one; a block ends when it has no mask, decoding when a block holds the eos."""
+    bs, mask_id, shift = cfg["block_size"], cfg["mask_token_id"], cfg["diffusion_logit_shift"]
+    ids, forwards, n0 = list(prompt_ids), 0, len(prompt_ids)
+    while len(ids) - n0 < max_new_tokens and (eos_id is None or eos_id not in ids[n0:]):
+        start = len(ids)
+        ids += [mask_id] * ((start // bs + 1) * bs - start)
+        while mask_id in ids[start:]:
+            x = torch.tensor([ids])
+            logits = model(input_ids=x, attention_mask=block_causal_mask(len(ids), bs)).logits[0]
+            forwards += 1
+            rows = torch.arange(start, len(ids)) - int(shift)
+            prob, tok = logits[rows].float().softmax(-1).max(-1)
+            masked = torch.tensor(ids[start:]) == mask_id
+            prob = torch.where(masked, prob, -1.0)
+            commit = masked & (prob > threshold)
+            commit[prob.argmax()] = True
+            for j in commit.nonzero().flatten().tolist():
+                ids[start + j] = int(tok[j])
+    new = ids[n0:n0 + max_new_tokens]
+    return (new[:new.index(eos_id) + 1] if eos_id in new else new), forwards
+
+
+def notes(spec: DiffusionSpec) -> list[str]:
+    """README lines that state the objective of a recipe."""
+    lines = [f"Block-wise masked diffusion (BD3-LM / SDAR / Fast-dLLM v2, research/diffusion.md "
+             f"§1.1, §1.4): blocks of {spec.block_size} on the absolute position grid, per block "
+             f"t ~ U(0,1) and each token masked with p = (1-{spec.eps}) t + {spec.eps}; "
+             f"{'each view paired with its complementary mask; ' if spec.complementary else ''}"
+             "a noisy block attends to itself (bidirectionally) and to the clean blocks before it "
+             "(`[x_t ; x_0]` in one pass); loss = mean cross-entropy over masked positions."]
+    if spec.shift:
+        lines.append("Token shift (Fast-dLLM v2): the token at position i is predicted from the "
+                     "hidden state at i-1; the first token of a block from the last position of "
+                     "the clean prefix (or, in multi-block decoding, of the still-noisy previous "
+                     "block of the same group).")
+    if spec.multi_views:
+        lines.append(f"Multi-block teacher forcing (MBD-LMs MultiTF, §2.2): {spec.multi_views} extra "
+                     f"views per window whose blocks form groups of 2..{spec.max_group} "
+                     "(systematic or random layouts), chain-uniform noise (later blocks of a group "
+                     "noisier), each group seeing the clean blocks before it and the same-or-earlier "
+                     f"noisy blocks of its group; loss = {1 - spec.multi_weight:g} x single-block + "
+                     f"{spec.multi_weight:g} x multi-block.")
+    return lines
+
