@@ -185,8 +185,10 @@ class DFlashMethod(SpeculativeMethod):
         base = self.target.compute_logits(hidden)                    # [B, γ, V] shared LM head
         seqs = [a.seq for a in anchors]
         temps = [self._draft_temperature(s) for s in seqs]
+        # Fixed verification never reads the confidences: skip the head (γ small ops per step).
+        conf_head = self.drafter.confidence_head if self.verify != "fixed" else None
         tokens, logits, conf = sample_block(base, hidden, ids[:, 0], self.drafter.markov_head,
-                                            self.drafter.confidence_head, self._chooser(seqs, temps))
+                                            conf_head, self._chooser(seqs, temps))
         props = [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
                  for i, a in enumerate(anchors)]
         if self.verify == "confidence":
@@ -209,6 +211,9 @@ class DFlashMethod(SpeculativeMethod):
         return seq.params.temperature
 
     def _chooser(self, seqs: list[Sequence], temps: list[float]):
+        if not any(t > 0 for t in temps):
+            return lambda logits: logits.argmax(-1)
+
         def choose(logits: torch.Tensor) -> torch.Tensor:
             ids = logits.argmax(-1)
             for i, (seq, t) in enumerate(zip(seqs, temps)):

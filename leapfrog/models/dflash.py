@@ -171,12 +171,16 @@ class DFlashDraftModel(nn.Module):
         pos = (anchor_pos.unsqueeze(1) + torch.arange(length, device=embeds.device)).clamp(max=self.max_positions - 1)
         rope = self.rotary_emb.table(pos, embeds.dtype)
         ctx_len = max(c.num_positions for c in contexts)
+        x = embeds
+        if b == 1 and ctx_len > 0:     # one sequence: its context as is, no padding, no mask
+            for i, layer in enumerate(self.layers):
+                x = self._layer(layer, x, rope, contexts[0].keys[i][None], contexts[0].values[i][None], None)
+            return self.norm.forward(x)
         lens = torch.tensor([c.num_positions for c in contexts], device=embeds.device)
         valid = (torch.arange(ctx_len, device=embeds.device) < lens.unsqueeze(1)).view(b, 1, 1, ctx_len)
         # Block queries see every context key before the anchor and their whole block (§1.1).
         mask = torch.cat([valid.expand(b, 1, length, ctx_len),
                           torch.ones(b, 1, length, length, dtype=torch.bool, device=embeds.device)], dim=-1)
-        x = embeds
         for i, layer in enumerate(self.layers):
             ck = _pad([c.keys[i] if c.keys else None for c in contexts], ctx_len, self.num_kv_heads, embeds)
             cv = _pad([c.values[i] if c.values else None for c in contexts], ctx_len, self.num_kv_heads, embeds)
@@ -184,7 +188,7 @@ class DFlashDraftModel(nn.Module):
         return self.norm.forward(x)
 
     def _layer(self, layer: DecoderLayer, x: torch.Tensor, rope: tuple, ck: torch.Tensor,
-               cv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+               cv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         a = layer.self_attn
         h = layer.input_layernorm.forward(x)
         q, k, v = a.qkv_proj.split(a.qkv_proj.forward(h))
