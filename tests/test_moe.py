@@ -413,3 +413,65 @@ def test_info_cli(moe_dirs, capsys):
     assert "active per token" in table and "8 experts, top 2, shared expert width 48" in table
     assert main(["info", "no-such-model"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- training an MoE
+
+MOE_SHAPE = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                 max_position=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def test_moe_training_lowers_the_loss_with_the_balancing_term():
+    from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer
+    from leapfrog.train.recipes import tiny
+    torch.manual_seed(0)
+    model = build_model(ModelShape(**MOE_SHAPE), vocab_size=64)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    opt = make_optimizer(model, tiny())
+    x = torch.randint(0, 64, (4, 17))
+    losses = []
+    for _ in range(20):
+        loss = loss_on(model, x[:, :-1], x[:, 1:], "fp32")
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0] - 1.0
+    with torch.no_grad():       # training adds the load-balancing term; evaluation does not
+        model.eval()
+        ce = loss_on(model, x[:, :-1], x[:, 1:], "fp32").item()
+        model.train()
+        assert loss_on(model, x[:, :-1], x[:, 1:], "fp32").item() > ce
+
+
+def test_moe_recipe_exports_a_folder_both_engines_read_alike(tmp_path, monkeypatch):
+    from leapfrog.train import data
+    from leapfrog.train.export import verify_sha256sums
+    from leapfrog.train.loop import ModelShape, train
+    from leapfrog.train.recipes import RECIPES, tiny
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    recipe = RECIPES["stories-moe"]()
+    assert (recipe.name, recipe.tokenizer) == ("stories", RECIPES["stories"]().tokenizer)
+    report = param_report({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                           "vocab_size": recipe.tokenizer.vocab_size, "hidden_size": 256,
+                           "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "head_dim": 64, "intermediate_size": 704, "num_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 192, "tie_word_embeddings": True})
+    assert 6e6 < report.total < 10e6 and 3e6 < report.active < 5e6
+
+    cfg = tiny("stories", tmp_path / "out", tmp_path / "run")
+    cfg.model, cfg.max_steps, cfg.recipe = ModelShape(**MOE_SHAPE), 4, "stories-moe"
+    summary = train(cfg)
+    folder = Path(cfg.out_dir)
+    from leapfrog.train.check import CheckResult
+    from leapfrog.train.readme import render
+    text = render(summary, CheckResult("stories"), folder)
+    assert "Qwen3MoeForCausalLM" in text and "4 SwiGLU experts of width 16, 2 per token" in text
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert verify_sha256sums(folder) == []
+    ours, ref = load_model(folder), hf_model(folder)
+    ids = torch.randint(0, 400, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_dense(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    out = LLM(str(folder)).generate([[1, 5, 9]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(ref, [1, 5, 9], 8)

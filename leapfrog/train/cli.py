@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _recipe_table() -> str:
     about = {"stories": "English TinyStories continuations",
              "couplets": "Chinese couplets: 上联 -> 下联, and 关键词 -> 上联/下联/横批",
+             "stories-moe": "stories as a mixture of experts (Qwen3-MoE, 8 experts, 2 per token)",
              "tiny": "seconds-long smoke test (stories data)",
              "stories-diffusion": "stage 1: stories -> block diffusion (block 4, token shift), "
                                   "written to runs/stories-diffusion/model",

@@ -25,6 +25,23 @@ def stories() -> TrainConfig:
     )
 
 
+def stories_moe() -> TrainConfig:
+    """`stories` as a mixture of experts: a Qwen3-MoE whose every MLP is 8 SwiGLU experts of width
+    192, 2 per token (9.3M parameters, 4.0M active per token, against the dense model's 5.5M).
+    Same data, tokenizer spec and seed as `stories`, hence the same tokenizer and token streams
+    and a comparable validation loss. The training loss includes the router's load-balancing term
+    (0.01 x ~2). ~2 s per step of 8 x 256 tokens on one thread: 600 steps, ~20 minutes."""
+    cfg = stories()
+    cfg.recipe = "stories-moe"
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-moe")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-moe")
+    cfg.model = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
+                           intermediate_size=704, max_position=512, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=192)
+    cfg.max_steps, cfg.warmup_steps, cfg.eval_interval = 600, 60, 100
+    return cfg
+
+
 def couplets() -> TrainConfig:
     """Chinese couplets: one token per character (max piece length 1), <sep> between the sides."""
     return TrainConfig(
@@ -102,6 +119,6 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
-    "stories": stories, "couplets": couplets, "tiny": tiny,
+    "stories": stories, "stories-moe": stories_moe, "couplets": couplets, "tiny": tiny,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
 }
