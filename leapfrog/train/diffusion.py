@@ -294,7 +294,7 @@ def notes(spec: DiffusionSpec) -> list[str]:
                      "block of the same group).")
     if spec.multi_views:
         lines.append(f"Multi-block teacher forcing (MBD-LMs MultiTF, §2.2): {spec.multi_views} extra "
-                     f"views per window whose blocks form groups of 2..{spec.max_group} "
+                     f"view{'s' if spec.multi_views > 1 else ''} per window whose blocks form groups of 2..{spec.max_group} "
                      "(systematic or random layouts), chain-uniform noise (later blocks of a group "
                      "noisier), each group seeing the clean blocks before it and the same-or-earlier "
                      f"noisy blocks of its group; loss = {1 - spec.multi_weight:g} x single-block + "
