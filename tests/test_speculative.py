@@ -400,3 +400,28 @@ def test_greedy_and_sampled_requests_share_a_batch(llama_dir, drafters, ar_greed
     assert_greedy_match(llm.engine.model, outs[0::2], ar_greedy[0::2])
     assert all(len(o.logprobs) == 16 and o.logprobs[0]["token_id"] == o.token_ids[0] for o in outs[1::2])
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_leapfrog_json_names_a_drafter_per_method_and_parallel_fallback(llama_dir, drafters, tmp_path, ar_greedy):
+    import shutil
+    folder = tmp_path / "with_drafters"
+    shutil.copytree(llama_dir, folder)
+    shutil.copytree(drafters["dflash"], folder / "drafters" / "flash")
+    shutil.copytree(drafters["dspark"], folder / "drafters" / "spark")
+    (folder / "leapfrog.json").write_text(json.dumps(
+        {"default_method": "dspark", "drafters": {"dspark": "drafters/spark", "dflash": "drafters/flash"}}))
+    from leapfrog.methods import default_method
+    assert default_method(str(folder)) == "dspark"
+    for method, layers in (("dspark", 2), ("dflash", 1)):
+        llm = LLM(str(folder), method=method, **ENGINE)
+        assert llm.engine.method.drafter.config["num_hidden_layers"] == layers
+    # A variant name under drafters/ works as draft_model.
+    assert LLM(str(folder), method="dflash", draft_model="flash", **ENGINE).engine.method.drafter is not None
+    # The DSpark drafter goes missing: "parallel" drafts with the DFlash one, "none" refuses.
+    shutil.rmtree(folder / "drafters" / "spark")
+    with pytest.raises(ValueError, match="leapfrog.json: drafter 'drafters/spark'"):
+        LLM(str(folder), method="dspark", **ENGINE)
+    with pytest.warns(UserWarning, match="parallel"):
+        llm = LLM(str(folder), method="dspark", fallback="parallel", **ENGINE)
+    assert llm.engine.method.drafter.drafter.kind == "dflash"
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)

@@ -53,6 +53,8 @@ def find_drafter(ctx: "MethodContext", method: str = "") -> Path:
     if meta.is_file():
         named = (json.loads(meta.read_text()).get("drafters") or {}).get(method)
         if named:
+            if not (model_dir / named).is_dir():
+                raise ValueError(f"{meta}: drafter {named!r} for method {method!r} is missing")
             return model_dir / named
     folder = model_dir / "drafter"
     if folder.is_dir():
@@ -130,12 +132,22 @@ class DFlashMethod(SpeculativeMethod):
 
     @staticmethod
     def _load(ctx: "MethodContext", fallback: str, method: str) -> DFlashDraftModel | None:
+        """The drafter; when it cannot be found or loaded: with fallback="parallel" the model's
+        pure parallel (DFlash) drafter, then with "ar" or "parallel" no drafter at all (ar)."""
         try:
             return load_drafter(find_drafter(ctx, method), ctx.device, ctx.dtype)
         except (ValueError, FileNotFoundError) as e:
-            if fallback != "ar":
+            if fallback == "none":
                 raise
-            warnings.warn(f"{e}; decoding with ar (fallback='ar')", stacklevel=3)
+            if fallback == "parallel" and method != "dflash" and not ctx.draft_model:
+                try:
+                    drafter = load_drafter(find_drafter(ctx, "dflash"), ctx.device, ctx.dtype)
+                    warnings.warn(f"{e}; drafting with the parallel (dflash) drafter (fallback='parallel')",
+                                  stacklevel=3)
+                    return drafter
+                except (ValueError, FileNotFoundError):
+                    pass
+            warnings.warn(f"{e}; decoding with ar (fallback={fallback!r})", stacklevel=3)
             return None
 
     def _check_target(self, model: torch.nn.Module) -> None:

@@ -138,7 +138,7 @@ class SpeculativeMethod:
     attn_block_size = 1
     capture_layers: tuple[int, ...] = ()
 
-    # fallback="ar": a request whose τ stays below fallback_tau after fallback_min_steps verify
+    # fallback="ar" or "parallel": a request whose τ stays below fallback_tau after fallback_min_steps verify
     # steps stops drafting (issue 5: acceptance collapse must not cost more than ar).
     fallback_min_steps = 8
     fallback_tau = 1.2
@@ -147,8 +147,8 @@ class SpeculativeMethod:
                  fallback: str = "none") -> None:
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
-        if fallback not in ("none", "ar"):
-            raise ValueError(f"fallback={fallback!r}: expected none or ar")
+        if fallback not in ("none", "ar", "parallel"):
+            raise ValueError(f"fallback={fallback!r}: expected none, ar or parallel")
         self.fallback = fallback
         self.ctx = ctx
         self.sampler: Sampler = ctx.sampler
@@ -257,7 +257,7 @@ class SpeculativeMethod:
         st = seq.method_state.setdefault("spec", SeqSpecStats())
         st.num_verify_steps += 1
         st.num_emitted_tokens += num_accepted + 1
-        if (self.fallback == "ar" and st.num_verify_steps >= self.fallback_min_steps
+        if (self.fallback != "none" and st.num_verify_steps >= self.fallback_min_steps
                 and st.num_emitted_tokens < self.fallback_tau * st.num_verify_steps):
             st.drafting_off = True
             self.counters.num_fallbacks += 1
