@@ -7,6 +7,8 @@ Suites:
   speculative  decoding methods against `ar` on one engine (bench_methods.py): batch-1 speed-up,
           τ and tokens per target forward for every shipped drafter, and throughput at several
           concurrencies with and without confidence-scheduled verification.
+  diffusion  block-diffusion decoding (bench_diffusion.py): `ar` against single- and multi-block
+          decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.
@@ -217,7 +219,7 @@ def plot(result: dict, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="peers", choices=["peers", "speculative"],
+    p.add_argument("--suite", default="peers", choices=["peers", "speculative", "diffusion"],
                    help="what to measure (default peers)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -231,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
     p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
-    from leapfrog import bench_methods
+    from leapfrog import bench_diffusion, bench_methods
     bench_methods.add_arguments(p)
+    bench_diffusion.add_arguments(p)
     return p
 
 
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "speculative":
         from leapfrog import bench_methods as suite
         args.concurrency = args.concurrency or [1, 8, 32]
+    elif args.suite == "diffusion":
+        from leapfrog import bench_diffusion as suite
     else:
         suite = sys.modules[__name__]
         args.concurrency = args.concurrency or [1, 4, 16, 64]

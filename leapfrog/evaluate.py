@@ -2,10 +2,13 @@
 
     leapfrog eval --model stories --method ar --num 64 --json out.json
     leapfrog eval --model couplets        # task inferred from the name; 300 held-out 上联
+    leapfrog eval --model stories-diffusion --option num_blocks=3 --option threshold=0.9
+                                          # its leapfrog.json makes `diffusion` the method
 
 stories:  validation loss / perplexity (teacher-forced on held-out stories); continuations of
           held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4, distinct-1/2, coherence
           (prompt vs continuation embeddings) and perplexity under a judge model.
+          A `diffusion` model gets no validation loss (it is no next-token predictor).
 couplets: validation loss / perplexity on held-out ``<s>上联<sep>下联</s>``; greedy 下联 for held-out
           上联 sent raw: share with the 上联's length and character BLEU-4 against the reference.
 Both:     tokens per forward, acceptance length and output tokens/s of the generation run.
@@ -172,9 +175,16 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
     from leapfrog.train.data import heldout
     device = llm.engine.device
     stories = heldout("stories", args.data_dir)
-    log(f"validation loss on {min(args.num_ppl, len(stories))} held-out stories")
-    scorer = load_scorer(args.model, device)
-    res.metrics.update(validation_loss(scorer, stories[:args.num_ppl], device))
+    scorer = None
+    if res.method == "diffusion":
+        # A block-diffusion model is trained to fill masked blocks, not to predict the next token
+        # under a causal mask: that loss would be a number about nothing. Judge ppl scores its text.
+        log("validation loss skipped: the model decodes by block diffusion")
+        res.metrics.update({"val_loss": None, "val_ppl": None, "val_tokens": 0})
+    else:
+        log(f"validation loss on {min(args.num_ppl, len(stories))} held-out stories")
+        scorer = load_scorer(args.model, device)
+        res.metrics.update(validation_loss(scorer, stories[:args.num_ppl], device))
     prompts = [story_opening(s) for s in stories[:args.num]]
     log(f"generating {len(prompts)} continuations with {res.method}")
     outs, res.speed = generate(llm, prompts, [sampling(args, i, args.max_tokens) for i in range(len(prompts))])
@@ -203,7 +213,7 @@ def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[st
     log(f"perplexity of the generated text under judge {args.judge}")
     try:
         same = resolve_model(args.judge).resolve() == resolve_model(args.model).resolve()
-        scorer = own_scorer if same else load_scorer(args.judge, device)
+        scorer = own_scorer if same and own_scorer else load_scorer(args.judge, device)
     except (FileNotFoundError, ValueError) as e:
         # The other metrics stay valid without a judge: report null rather than fail the run.
         log(f"judge unavailable, judge_ppl = null: {e}")
