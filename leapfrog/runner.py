@@ -81,10 +81,8 @@ class ModelRunner:
                                for _, s in members], dtype=torch.long, device=dev)
         rows0 = members[0][0]
         contiguous = all(r == rows0 + i * lq and s.num_query == lq for i, (r, s) in enumerate(members))
-        if lq == 1 and contiguous and self.cpu_decode_kernel:
-            ctx_lens = torch.tensor([s.start_pos + 1 for _, s in members], dtype=torch.long, device=dev)
-            return AttnGroup(None, None, None, None, None, row_start=rows0, block_tables=tables,
-                             ctx_lens=ctx_lens, block_size=self.block_size)
+        if self.cpu_decode_kernel:
+            return self._kernel_group(members, attn_block, tables)
         kpos = torch.arange(lk, device=dev)
         kv_slots = tables[:, kpos // self.block_size] * self.block_size + kpos % self.block_size
         qlen = torch.tensor([s.num_query for _, s in members], device=dev)
@@ -104,6 +102,28 @@ class ModelRunner:
                                dtype=torch.long, device=dev)
         out_rows = q_index[q_valid]
         return AttnGroup(q_index, kv_slots, mask, out_rows, q_valid)
+
+    def _kernel_group(self, members: list[tuple[int, ScheduledSeq]], attn_block: int,
+                      tables: torch.Tensor) -> AttnGroup:
+        """Few-token queries for the CPU paged kernel: every query row becomes a "sequence" of
+        its own whose context is a prefix of its sequence's keys. Causal: keys up to its own
+        position; block-causal: up to the end of its block (or of the known keys). Verification
+        and diffusion steps then read the paged cache directly, as decode steps do."""
+        rows, lens, owner = [], [], []
+        for i, (r, s) in enumerate(members):
+            end = s.start_pos + s.num_query
+            for j in range(s.num_query):
+                p = s.start_pos + j
+                rows.append(r + j)
+                lens.append(min(end, (p // attn_block + 1) * attn_block))
+                owner.append(i)
+        dev = self.device
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        if len(rows) != len(members):
+            tables = tables.index_select(0, t(owner))
+        contiguous = rows[-1] - rows[0] == len(rows) - 1
+        return AttnGroup(None, None, None, None if contiguous else t(rows), None, row_start=rows[0],
+                         block_tables=tables, ctx_lens=t(lens), block_size=self.block_size)
 
     # --- the forward ----------------------------------------------------------------------
     @torch.inference_mode()

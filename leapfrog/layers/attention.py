@@ -23,9 +23,10 @@ class AttnGroup:
     out_rows: torch.Tensor | None   # [N] flat rows receiving the valid outputs (None when q_index is None)
     q_valid: torch.Tensor | None    # [B, Lq] which padded query cells are real
     row_start: int = 0
-    # Decode groups (one query per sequence) on CPU read the paged cache directly:
-    block_tables: torch.Tensor | None = None   # [B, max_blocks]
-    ctx_lens: torch.Tensor | None = None       # [B]
+    # Few-token groups on CPU read the paged cache directly, one kernel row per query row
+    # (out_rows: their flat rows when not row_start.. in order):
+    block_tables: torch.Tensor | None = None   # [R, max_blocks]
+    ctx_lens: torch.Tensor | None = None       # [R] keys 0..ctx_len-1 visible to each row
     block_size: int = 0
 
 
@@ -50,11 +51,11 @@ class Attention(nn.Module):
             return self._dense_causal(q, k, v)
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
-        if len(meta.groups) == 1 and meta.groups[0].q_index is None:
+        if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
             return self._group(q, meta.groups[0])
         out = torch.empty_like(q)
         for g in meta.groups:
-            if g.q_index is None:
+            if g.out_rows is None:
                 o = self._group(q, g)
                 out[g.row_start:g.row_start + o.shape[0]] = o
             else:
@@ -85,7 +86,7 @@ class Attention(nn.Module):
     def _paged_decode(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
         from leapfrog.layers.cpu_kernels import paged_attention_module
         b = g.ctx_lens.shape[0]
-        qg = q[g.row_start:g.row_start + b]
+        qg = q[g.row_start:g.row_start + b] if g.out_rows is None else q.index_select(0, g.out_rows)
         o = paged_attention_module().paged_decode_attention(
             qg, self.k_cache, self.v_cache, g.block_tables, g.ctx_lens, g.block_size, self.scale)
         return o.to(q.dtype)

@@ -73,20 +73,22 @@ class StepCostTable:
         return cls([k for k, _ in items], [v for _, v in items])
 
     @classmethod
+    @torch.inference_mode()
     def profile(cls, model: torch.nn.Module, device: torch.device, max_tokens: int = 64,
                 repeats: int = 3) -> "StepCostTable":
-        """Time dense forwards of B tokens (B = 1, 2, 4, ... max_tokens), best of `repeats`.
-        A stand-in for the engine's paged step; enough to rank short vs long verifications."""
-        sizes, secs = [], []
-        b = 1
-        while b <= max_tokens:
+        """Time dense forwards of B tokens, best of `repeats`, at B = 1..4, 6, 8, 10, 12, 16, 24,
+        ... max_tokens (dense where verification lengths live). A stand-in for the engine's
+        paged step; enough to rank short vs long verifications."""
+        sizes = [b for b in (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+                 if b <= max_tokens]
+        secs = []
+        for b in sizes:
             ids = torch.zeros(1, b, dtype=torch.long, device=device)
+            model.forward_dense(ids)                       # warm-up: first-call allocations
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 model.forward_dense(ids)
                 best = min(best, time.perf_counter() - t0)
-            sizes.append(b)
             secs.append(best)
-            b *= 2
         return cls(sizes, secs)

@@ -10,6 +10,7 @@ Markov/RNN stage and confidence scores; `verify` chooses how many drafts to chec
 """
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,6 +115,7 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         self.context_cache = ContextCache()
+        self.draft_seconds = 0.0          # EMA of propose() wall time (confidence scheduling's cost model)
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
@@ -187,6 +189,7 @@ class DFlashMethod(SpeculativeMethod):
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.num_speculative_tokens == 0:
             return [Proposal(a.pos, []) for a in anchors]
+        t0 = time.perf_counter()
         cfg, dev = self.drafter.drafter, self.ctx.device
         ids = torch.tensor([[a.token_id] + [cfg.mask_token_id] * (cfg.block_size - 1) for a in anchors],
                            dtype=torch.long, device=dev)
@@ -204,15 +207,22 @@ class DFlashMethod(SpeculativeMethod):
         props = [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
                  for i, a in enumerate(anchors)]
         if self.verify == "confidence":
-            lengths = schedule_prefix([survival(p.confidence or []) for p in props], self._step_costs().sps)
+            # Seconds per step = profiled verify forward at B tokens + drafting, whose cost does
+            # not depend on how many drafts are verified (an EMA of this method's own timings).
+            table, overhead = self._step_costs(), self.draft_seconds
+            lengths = schedule_prefix([survival(p.confidence or []) for p in props],
+                                      lambda b: 1.0 / (table.cost(b) + overhead))
             for p, n in zip(props, lengths):
                 p.num_verify = n
+        spent = time.perf_counter() - t0
+        self.draft_seconds = spent if self.draft_seconds == 0 else 0.8 * self.draft_seconds + 0.2 * spent
         return props
 
     def _step_costs(self) -> StepCostTable:
         """The profiled cost curve (Algorithm 1's SPS), measured once on first use."""
         if self.step_costs is None:
-            self.step_costs = StepCostTable.profile(self.target, self.ctx.device)
+            self.step_costs = StepCostTable.profile(self.target, self.ctx.device,
+                                                    max_tokens=min(256, self.max_positions))
         return self.step_costs
 
     def _draft_temperature(self, seq: Sequence) -> float:
