@@ -6,11 +6,21 @@
 // together dominate batched decoding on a CPU. CUDA uses SDPA / flash-attn instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+// Work (multiply-adds) below which a kernel runs on the calling thread alone. Waking OpenMP
+// workers costs tens of microseconds with passive waiting (which leapfrog sets, because
+// spinning workers are ruinous on a shared CPU): more than a decode step's small products take.
+static constexpr int64_t kMinParallelWork = 1 << 21;
+
+static inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
+}
 
 // One task per (sequence, query head); online over the context: scores, softmax, weighted sum.
 template <typename scalar_t>
@@ -19,7 +29,10 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
                           int64_t block_size, float scale) {
   const int64_t group = H / KVH;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
+  const int64_t grain = grain_for(2 * D * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(D);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -99,7 +112,7 @@ static inline float hsum256(__m256 v) {
 
 static void skinny_kernel(const float* x, const float* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (N + 3) / 4, grain_for(4 * M * K), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * 4, rows = std::min<int64_t>(4, N - n);
       const float* wr[4];
@@ -166,7 +179,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, grain_for(2 * D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* a = xp + r * D;
       float ss = 0.f;
