@@ -77,8 +77,9 @@ def test_openai_client_sees_errors(server):
 def test_client_gone_while_waiting_frees_blocks(server):
     """A non-streaming client that times out is noticed and its request aborted."""
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 240, "ignore_eos": True},
-                   timeout=0.3)
+        # Four 240-token completions take well over 50 ms even with the CPU kernels.
+        httpx.post(server.url + "/v1/completions",
+                   json={"prompt": "Once", "max_tokens": 240, "ignore_eos": True, "n": 4}, timeout=0.05)
     assert server.wait_idle(timeout=5) == 0
     still_works(server.url)
 
@@ -157,9 +158,9 @@ def test_auth_and_rate_limit(llama_dir, tmp_path):
 
 
 def test_request_timeout(llama_dir):
-    s = ServerThread(llama_dir, request_timeout=0.3).start()
-    try:
-        r = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 240, "ignore_eos": True})
+    s = ServerThread(llama_dir, request_timeout=0.05).start()
+    try:   # four 240-token completions cannot finish in 50 ms, however fast decoding gets
+        r = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 240, "ignore_eos": True, "n": 4})
         assert_error(r, 504, "request_timeout")
         assert s.wait_idle() == 0
         assert 'finished_reason="timeout"' in httpx.get(s.url + "/metrics").text
