@@ -24,35 +24,25 @@ batch-1 speed with judge ppl at most 10% above `ar`'s.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from leapfrog.bench import log
+from leapfrog.bench_methods import Contender
 from leapfrog.config import DEFAULT_MODEL, resolve_model
 
 MB_TPF, MB_PPL, AR_SPEED, AR_PPL = 1.5, 0.05, 2.0, 0.10     # the issue's targets
 
 
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass(slots=True)
-class Config:
-    label: str
-    model: str
-    method: str
-    options: dict = field(default_factory=dict)
-
-
-def configs(args: argparse.Namespace) -> list[Config]:
-    out = [Config("ar", args.ar_model, "ar")]
+def configs(args: argparse.Namespace) -> list[Contender]:
+    out = [Contender("ar", "ar", model=args.ar_model)]
     for n in args.num_blocks:
         for t in args.thresholds:
-            out.append(Config(f"N={n} τ={t:g}", args.model, "diffusion", {"num_blocks": n, "threshold": t}))
+            out.append(Contender(f"N={n} τ={t:g}", "diffusion", {"num_blocks": n, "threshold": t}, args.model))
     return out
 
 

@@ -14,25 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from leapfrog.bench import log
 from leapfrog.config import resolve_model
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(slots=True)
 class Contender:
+    """One configuration of a method comparison (the bench suites share it)."""
     label: str
     method: str
     options: dict = field(default_factory=dict)
+    model: str | None = None           # None: the suite's model
 
 
 def latency_contenders(model_dir: Path, gamma: int | None) -> list[Contender]:
@@ -165,8 +163,9 @@ def _best_dspark(rows: list[dict], model_dir: Path) -> str | None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| method | drafter layers | γ | tok/s | speed-up vs ar | τ | tokens / target forward | "
-             "same output as ar |", "|---|---|---|---|---|---|---|---|"]
+    head = ("| method | drafter layers | γ | tok/s | speed-up vs ar | τ | tokens / target forward | "
+            "same output as ar |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
         lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {r.get('gamma', '—')} | "

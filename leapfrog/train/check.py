@@ -74,6 +74,15 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[:ids.index(eos)] if eos in ids else ids
 
 
+def _add_story(res: CheckResult, tok, prompt: str, ids: list[int], word_reps: list, token_reps: list) -> None:
+    """One continuation: cut at end of text, rep-4 over words and tokens, kept as a sample."""
+    ids = _strip_eos(ids, tok.eos_token_id)
+    text = tok.decode(ids, skip_special_tokens=True)
+    word_reps.append(rep_n(text.split()))
+    token_reps.append(rep_n(ids))
+    res.samples.append({"prompt": prompt, "completion": text})
+
+
 def check_stories(folder: str, num: int = 64, max_new_tokens: int = 128, seed: int = 0,
                   data_dir: str | None = None) -> CheckResult:
     model, tok = load(folder)
@@ -84,11 +93,7 @@ def check_stories(folder: str, num: int = 64, max_new_tokens: int = 128, seed: i
     res = CheckResult("stories")
     word_reps, token_reps = [], []
     for prompt, ids in zip(prompts, gens):
-        ids = _strip_eos(ids, tok.eos_token_id)
-        text = tok.decode(ids, skip_special_tokens=True)
-        word_reps.append(rep_n(text.split()))
-        token_reps.append(rep_n(ids))
-        res.samples.append({"prompt": prompt, "completion": text})
+        _add_story(res, tok, prompt, ids, word_reps, token_reps)
     res.metrics = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
                    "temperature": 0.7, "top_p": 0.9,
                    "rep4_words": round(sum(word_reps) / len(word_reps), 4),
@@ -163,11 +168,7 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
         ids, n = reference_decode(model, tok(prompt).input_ids, cfg, max_new_tokens, threshold,
                                   tok.eos_token_id)
         new_tokens, forwards = new_tokens + len(ids), forwards + n
-        ids = _strip_eos(ids, tok.eos_token_id)
-        text = tok.decode(ids, skip_special_tokens=True)
-        word_reps.append(rep_n(text.split()))
-        token_reps.append(rep_n(ids))
-        res.samples.append({"prompt": prompt, "completion": text})
+        _add_story(res, tok, prompt, ids, word_reps, token_reps)
     res.metrics = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
                    "decoder": "single-block reference (full recompute), greedy",
                    "threshold": threshold,
