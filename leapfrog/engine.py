@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from leapfrog.block_manager import BlockManager
 from leapfrog.config import EngineConfig, resolve_model
+from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
 from leapfrog.methods import method_class
 from leapfrog.outputs import RequestMetrics, RequestOutput
@@ -73,6 +75,9 @@ class LLMEngine:
                             self.device, self.dtype, draft_model)
         self.method = method_class(method)(ctx, **method_options)
         self.method_name = method
+        if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
+            for module in [self.model, *(v for v in vars(self.method).values() if isinstance(v, nn.Module))]:
+                compact_cpu_weights(module)
         # KV blocks hold whole attention blocks, so prefix-cache hits and rollbacks end on the
         # block-causal grid, where a block's KV no longer depends on tokens after it.
         if self.config.block_size % self.method.attn_block_size:

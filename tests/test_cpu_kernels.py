@@ -45,3 +45,34 @@ def test_layers_use_the_kernels_only_where_autograd_is_not_needed():
     y = norm.forward(lin.forward(x.requires_grad_()))
     y.sum().backward()
     assert lin.weight.grad is not None and norm.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (5, 300)])
+def test_skinny_linear_widens_float16_weights_exactly(m, n, k):
+    """A float16 weight gives the float32 kernel's result: widening is exact and the summation
+    order is the same (the scalar tail may round a multiply-add differently)."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    w16 = torch.randn(n, k, generator=g).half()
+    torch.testing.assert_close(mod.skinny_linear(x, w16, b), mod.skinny_linear(x, w16.float(), b),
+                               rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(mod.skinny_linear(x, w16, b), F.linear(x, w16.float(), b), rtol=1e-5, atol=1e-4)
+
+
+def test_compact_cpu_weights_only_copies_exact_weights_and_drops_stale_copies():
+    from leapfrog.layers.linear import compact_cpu_weights
+
+    exact, inexact = Linear(64, 48), Linear(64, 48)
+    with torch.no_grad():
+        exact.weight.copy_(exact.weight.half().float())
+    model = torch.nn.Sequential(exact, inexact)
+    assert compact_cpu_weights(model) == 1
+    assert "_half_weight" in exact.__dict__ and "_half_weight" not in inexact.__dict__
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        assert torch.equal(exact(x), mod.skinny_linear(x, exact.weight, torch.empty(0)))
+    with torch.no_grad():                             # an in-place update (an optimiser step)
+        exact.weight.add_(0.5)
+    with torch.inference_mode():                      # the float16 copy is stale: not used
+        torch.testing.assert_close(exact(x), F.linear(x, exact.weight, exact.bias), rtol=1e-5, atol=1e-4)

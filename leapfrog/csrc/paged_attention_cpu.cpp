@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -110,40 +111,74 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-static void skinny_kernel(const float* x, const float* w, const float* bias, float* y,
+// Eight consecutive weights widened to float32: plain loads for float32 weights, F16C
+// conversion for float16 ones (exact: every float16 is a float32).
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#define LEAPFROG_HAVE_F16_SIMD 1
+#endif
+#endif
+
+// One group of four weight rows against one or two rows of x (PAIR). A single row of x does
+// half the multiply-adds of a pair, so odd M (decode's M = 1 above all) is not padded.
+template <typename wt, bool PAIR>
+static inline void skinny_group(const float* x0, const float* x1, const wt* const* wr, int64_t K,
+                                float acc[2][4]) {
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool kSimd = std::is_same<wt, float>::value
+#if defined(LEAPFROG_HAVE_F16_SIMD)
+                         || std::is_same<wt, at::Half>::value
+#endif
+      ;
+  if constexpr (kSimd) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 u = _mm256_loadu_ps(x0 + k);
+      const __m256 w0 = load8(wr[0] + k), w1 = load8(wr[1] + k);
+      const __m256 w2 = load8(wr[2] + k), w3 = load8(wr[3] + k);
+      a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01);
+      a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
+      if constexpr (PAIR) {
+        const __m256 v = _mm256_loadu_ps(x1 + k);
+        a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11);
+        a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
+      }
+    }
+    acc[0][0] = hsum256(a00); acc[0][1] = hsum256(a01); acc[0][2] = hsum256(a02); acc[0][3] = hsum256(a03);
+    if constexpr (PAIR) {
+      acc[1][0] = hsum256(a10); acc[1][1] = hsum256(a11); acc[1][2] = hsum256(a12); acc[1][3] = hsum256(a13);
+    }
+  }
+#endif
+  for (; k < K; ++k)
+    for (int64_t r = 0; r < 4; ++r) {
+      const float wv = static_cast<float>(wr[r][k]);
+      acc[0][r] += x0[k] * wv;
+      if constexpr (PAIR) acc[1][r] += x1[k] * wv;
+    }
+}
+
+template <typename wt>
+static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, (N + 3) / 4, grain_for(4 * M * K), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * 4, rows = std::min<int64_t>(4, N - n);
-      const float* wr[4];
+      const wt* wr[4];
       for (int64_t r = 0; r < 4; ++r) wr[r] = w + (n + std::min<int64_t>(r, rows - 1)) * K;
       // Two rows of x at a time: 6 loads feed 8 FMAs (one row: 5 loads for 4).
       for (int64_t m = 0; m < M; m += 2) {
         const bool pair = m + 1 < M;
         const float* x0 = x + m * K;
-        const float* x1 = pair ? x0 + K : x0;
         float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-        for (; k + 8 <= K; k += 8) {
-          const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
-          const __m256 w0 = _mm256_loadu_ps(wr[0] + k), w1 = _mm256_loadu_ps(wr[1] + k);
-          const __m256 w2 = _mm256_loadu_ps(wr[2] + k), w3 = _mm256_loadu_ps(wr[3] + k);
-          a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01);
-          a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
-          a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11);
-          a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
-        }
-        acc[0][0] = hsum256(a00); acc[0][1] = hsum256(a01); acc[0][2] = hsum256(a02); acc[0][3] = hsum256(a03);
-        acc[1][0] = hsum256(a10); acc[1][1] = hsum256(a11); acc[1][2] = hsum256(a12); acc[1][3] = hsum256(a13);
-#endif
-        for (; k < K; ++k)
-          for (int64_t r = 0; r < 4; ++r) {
-            acc[0][r] += x0[k] * wr[r][k];
-            acc[1][r] += x1[k] * wr[r][k];
-          }
+        if (pair) skinny_group<wt, true>(x0, x0 + K, wr, K, acc);
+        else skinny_group<wt, false>(x0, x0, wr, K, acc);
         for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {
           float* ym = y + (m + i) * N + n;
           for (int64_t r = 0; r < rows; ++r) ym[r] = acc[i][r] + (bias ? bias[n + r] : 0.f);
@@ -153,18 +188,25 @@ static void skinny_kernel(const float* x, const float* w, const float* bias, flo
   });
 }
 
-// x: [M, K] float32, w: [N, K] float32, bias: [N] float32 or empty. Returns [M, N] float32.
+// x: [M, K] float32, w: [N, K] float32 or float16 (widened exactly in the kernel, so a
+// float16 checkpoint is computed as if loaded in float32 while half the bytes stream from
+// memory), bias: [N] float32 or empty. Returns [M, N] float32.
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M,K], w [N,K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "skinny_linear: x must be float32");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kHalf,
+              "skinny_linear: w must be float32 or float16");
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   auto y = torch::empty({M, N}, xc.options());
   const bool has_bias = bias.defined() && bias.numel() == N;
   auto bc = has_bias ? bias.to(torch::kFloat32).contiguous() : bias;
-  skinny_kernel(xc.data_ptr<float>(), wc.data_ptr<float>(), has_bias ? bc.data_ptr<float>() : nullptr,
-                y.data_ptr<float>(), M, N, K);
+  const float* bp = has_bias ? bc.data_ptr<float>() : nullptr;
+  if (wc.scalar_type() == torch::kHalf)
+    skinny_kernel<at::Half>(xc.data_ptr<float>(), wc.data_ptr<at::Half>(), bp, y.data_ptr<float>(), M, N, K);
+  else
+    skinny_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
   return y;
 }
 
