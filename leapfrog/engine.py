@@ -45,6 +45,7 @@ class _Request:
     text: str = ""
     sent_chars: int = 0
     sent_tokens: int = 0
+    counted_tokens: int = 0             # output tokens already added to the engine's stats
 
 
 @dataclass(slots=True)
@@ -173,7 +174,15 @@ class LLMEngine:
         elsewhere = [s for s in self.scheduler.finished_outside_step
                      if s.request_id in self.requests and s not in changed]
         self.scheduler.finished_outside_step.clear()
-        return [self._output(seq) for seq in changed + elsewhere]
+        outs = []
+        for seq in changed + elsewhere:
+            req = self.requests[seq.request_id]
+            if req.stream or seq.is_finished:
+                outs.append(self._output(seq))
+            else:   # offline request: nothing to report until it finishes
+                self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
+                req.counted_tokens = seq.num_output_tokens
+        return outs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -182,7 +191,8 @@ class LLMEngine:
             req.text += req.detok.add(new_tokens)
         elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
             req.text = req.detok.add(seq.output_ids)
-        self.stats.num_generation_tokens += len(new_tokens)
+        self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
+        req.counted_tokens = seq.num_output_tokens
         self._check_stop_strings(req)
         if seq.is_finished:
             if seq.finish_reason == "length":

@@ -74,6 +74,80 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum256_(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// Float32 caches with D a multiple of 8 (every model we serve): one task per sequence walks
+// its slots once, in order, and serves every query head from each key and value row (a
+// slot's rows for all KV heads are contiguous), with explicit FMA for both products. A large
+// batch's decode step reads far more KV than L3 holds, so reading each cache line once and
+// sequentially is what counts.
+static void decode_kernel_f32_gqa(const float* q, const float* k, const float* v,
+                                  const int64_t* tables, const int64_t* ctx_lens, float* out,
+                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                                  int64_t block_size, float scale) {
+  const int64_t group = H / KVH, nd = D / 8;
+  int64_t total_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
+  const int64_t grain = grain_for(2 * D * H * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
+  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(H * D), inv(H);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = ctx_lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const float* qb = q + b * H * D;
+      scores.resize(H * n);
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        const float* krow = k + slot * KVH * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qv = qb + h * D;
+          const float* kv = krow + (h / group) * D;
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kv));
+          for (int64_t d = 1; d < nd; ++d)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), _mm256_loadu_ps(kv + 8 * d), a);
+          scores[h * n + p] = hsum256_(a) * scale;
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* sc = scores.data() + h * n;
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
+        float denom = 0.f;
+        for (int64_t p = 0; p < n; ++p) {
+          sc[p] = std::exp(sc[p] - mx);
+          denom += sc[p];
+        }
+        inv[h] = 1.f / denom;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        const float* vrow = v + slot * KVH * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const __m256 w = _mm256_set1_ps(scores[h * n + p]);
+          const float* vv = vrow + (h / group) * D;
+          float* a = acc.data() + h * D;
+          for (int64_t d = 0; d < nd; ++d)
+            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* o = out + (b * H + h) * D;
+        const __m256 s = _mm256_set1_ps(inv[h]);
+        for (int64_t d = 0; d < nd; ++d)
+          _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + h * D + 8 * d), s));
+      }
+    }
+  });
+}
+#endif
+
 // q: [B, H, D] float32; k_cache, v_cache: [S, KVH, D]; block_tables: [B, MB] int64;
 // ctx_lens: [B] int64 (>= 1). Returns [B, H, D] float32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -86,6 +160,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t B = qf.size(0), H = qf.size(1), D = qf.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head layout mismatch");
   auto out = torch::empty({B, H, D}, qf.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  if (k_cache.scalar_type() == torch::kFloat32 && D % 8 == 0 && k_cache.is_contiguous() && v_cache.is_contiguous()) {
+    decode_kernel_f32_gqa(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                          B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(qf.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
