@@ -82,12 +82,45 @@ static inline float hsum256_(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// Float32 caches with D a multiple of 8 (every model we serve): one task per sequence walks
+// Float32 (or, with F16C, float16) caches with D a multiple of 8 (every model we serve): one task per sequence walks
 // its slots once, in order, and serves every query head from each key and value row (a
 // slot's rows for all KV heads are contiguous), with explicit FMA for both products. A large
 // batch's decode step reads far more KV than L3 holds, so reading each cache line once and
 // sequentially is what counts.
-static void decode_kernel_f32_gqa(const float* q, const float* k, const float* v,
+static constexpr int64_t kPrefetchSlots = 4;
+
+// exp(x) for x <= 0 (softmax after subtracting the max), within ~2 ulp of std::exp:
+// x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact r), exp(r) by its degree-6
+// Taylor polynomial (error < 2e-8 relative), scaled by 2^n through the exponent bits.
+// Inputs below -87.3 (where exp underflows to ~0) are flushed to 0.
+static inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.f / 720.f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(under, y);
+}
+static inline __m256 kv_load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+static inline __m256 kv_load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+template <typename kv_t>
+static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
                                   const int64_t* tables, const int64_t* ctx_lens, float* out,
                                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
                                   int64_t block_size, float scale) {
@@ -102,15 +135,25 @@ static void decode_kernel_f32_gqa(const float* q, const float* k, const float* v
       const int64_t* table = tables + b * max_blocks;
       const float* qb = q + b * H * D;
       scores.resize(H * n);
+      const int64_t row_bytes = KVH * D * static_cast<int64_t>(sizeof(kv_t));
+      // Blocks are scattered: prefetch a few slots ahead so the next rows are on their way
+      // while this one is used (the hardware prefetcher stops at page boundaries).
+      auto prefetch_row = [&](const kv_t* base, int64_t p) {
+        if (p >= n) return;
+        const char* r = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * KVH * D);
+        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+      };
+      for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(k, p);
       for (int64_t p = 0; p < n; ++p) {
+        prefetch_row(k, p + kPrefetchSlots);
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* krow = k + slot * KVH * D;
+        const kv_t* krow = k + slot * KVH * D;
         for (int64_t h = 0; h < H; ++h) {
           const float* qv = qb + h * D;
-          const float* kv = krow + (h / group) * D;
-          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kv));
+          const kv_t* kv = krow + (h / group) * D;
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), kv_load8(kv));
           for (int64_t d = 1; d < nd; ++d)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), _mm256_loadu_ps(kv + 8 * d), a);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), kv_load8(kv + 8 * d), a);
           scores[h * n + p] = hsum256_(a) * scale;
         }
       }
@@ -118,23 +161,33 @@ static void decode_kernel_f32_gqa(const float* q, const float* k, const float* v
         float* sc = scores.data() + h * n;
         float mx = -INFINITY;
         for (int64_t p = 0; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
-        float denom = 0.f;
-        for (int64_t p = 0; p < n; ++p) {
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t p = 0;
+        for (; p + 8 <= n; p += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
+          _mm256_storeu_ps(sc + p, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        float denom = hsum256_(vsum);
+        for (; p < n; ++p) {
           sc[p] = std::exp(sc[p] - mx);
           denom += sc[p];
         }
         inv[h] = 1.f / denom;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(v, p);
       for (int64_t p = 0; p < n; ++p) {
+        prefetch_row(v, p + kPrefetchSlots);
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* vrow = v + slot * KVH * D;
+        const kv_t* vrow = v + slot * KVH * D;
         for (int64_t h = 0; h < H; ++h) {
           const __m256 w = _mm256_set1_ps(scores[h * n + p]);
-          const float* vv = vrow + (h / group) * D;
+          const kv_t* vv = vrow + (h / group) * D;
           float* a = acc.data() + h * D;
           for (int64_t d = 0; d < nd; ++d)
-            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
+            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, kv_load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
         }
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -161,12 +214,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head layout mismatch");
   auto out = torch::empty({B, H, D}, qf.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  if (k_cache.scalar_type() == torch::kFloat32 && D % 8 == 0 && k_cache.is_contiguous() && v_cache.is_contiguous()) {
-    decode_kernel_f32_gqa(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                          B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+  const bool simd_ok = D % 8 == 0 && k_cache.is_contiguous() && v_cache.is_contiguous();
+  if (simd_ok && k_cache.scalar_type() == torch::kFloat32) {
+    decode_kernel_gqa<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                             B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
     return out;
   }
+#if defined(__F16C__)
+  if (simd_ok && k_cache.scalar_type() == torch::kHalf) {
+    decode_kernel_gqa<at::Half>(qf.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(),
+                                tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+    return out;
+  }
+#endif
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(qf.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
