@@ -121,6 +121,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
     for conc in concurrency:
         best = [0.0] * len(engines)
         taus: list[float | None] = [None] * len(engines)
+        drafted: list[float | None] = [None] * len(engines)
         for rep in range(repeats):
             log(f"throughput: {conc} concurrent requests, run {rep + 1}/{repeats}")
             for j, llm in enumerate(engines):
@@ -130,10 +131,14 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
                 rate = sum(o.metrics.num_output_tokens for o in outs) / (time.perf_counter() - t0)
                 if rate > best[j]:
                     best[j] = rate
-                    taus[j] = llm.engine.method.stats().get("acceptance_length")
-        for c, b, t in zip(contenders, best, taus):
+                    st = llm.engine.method.stats()
+                    taus[j] = st.get("acceptance_length")
+                    if "num_verify_steps" in st:   # request-steps that verified drafts vs skipped drafting
+                        steps = st["num_verify_steps"] + st.get("num_skipped_drafts", 0)
+                        drafted[j] = st["num_verify_steps"] / steps if steps else None
+        for c, b, t, d in zip(contenders, best, taus, drafted):
             rows.append({"concurrency": conc, "method": c.label, "tokens_per_s": b, "tau": t,
-                         "vs_ar": b / best[0]})
+                         "vs_ar": b / best[0], "drafted_share": d})
     return rows
 
 
@@ -171,10 +176,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {r.get('gamma', '—')} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
                      f"{r['identical_to_ar']} |")
-    lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ |", "|---|---|---|---|---|"]
+    lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
+              "|---|---|---|---|---|---|"]
     for r in result["throughput"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
-        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_ar']:.2f}x | {tau} |")
+        share = f"{r['drafted_share']:.0%}" if r.get("drafted_share") is not None else "—"
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_ar']:.2f}x | {tau} | {share} |")
     return "\n".join(lines)
 
 

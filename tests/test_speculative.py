@@ -276,6 +276,52 @@ def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("costs,drafts", [
+    ({1: 0.001, 64: 64.0}, False),           # a verified draft costs about a whole decode step: never worth it
+    ({1: 0.01, 64: 0.0100001}, True),          # verification is free: always worth drafting
+])
+def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_greedy, costs, drafts):
+    """Drafting costs time whether or not its tokens are verified: when the predicted schedule
+    (drafting time included) cannot beat a plain decode step, the step does not draft at all,
+    apart from a re-probe every reprobe_steps steps. The output stays ar's either way."""
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
+    method = llm.engine.method
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
+    stats = method.stats()
+    if drafts:
+        assert stats["num_skipped_drafts"] == 0 and stats["num_verify_steps"] > 0
+    else:
+        steps = sum(len(r) for r in ar_greedy)       # about one decode step per token
+        assert stats["num_skipped_drafts"] > 0.7 * steps
+        assert method._num_drafts <= 2 + steps / method.reprobe_steps
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_queued_drafter_context_equals_immediate_extension(drafters):
+    """Requests that skip drafting only queue their target features; projecting the queue of
+    several contexts in one pass gives the K/V that extending each context step by step does."""
+    from leapfrog.models.dflash import DraftContext
+    model = load_drafter(drafters["dspark"])
+    width = len(model.drafter.target_layer_ids) * model.config["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    chunks = [[torch.randn(n, width, generator=g) for n in sizes] for sizes in ([3, 1, 1, 2], [5], [1, 1])]
+    starts = [0, 4, 9]
+    with torch.inference_mode():
+        eager, queued = [DraftContext(s) for s in starts], [DraftContext(s) for s in starts]
+        for ctx, parts in zip(eager, chunks):
+            for f in parts:
+                model.extend_context(ctx, f)
+        for ctx, parts in zip(queued, chunks):
+            for f in parts:
+                model.queue_context(ctx, f)
+        assert [c.num_positions for c in queued] == [c.num_positions for c in eager] == [7, 5, 2]
+        model.flush_contexts(queued)
+    for a, b in zip(eager, queued):
+        assert b.num_pending == 0 and b.num_keys == a.num_keys
+        for ka, kb in zip(a.keys + a.values, b.keys + b.values):
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
+
+
 def test_preemption_restarts_the_drafter_context(llama_dir, drafters, ar_greedy):
     llm = _llm(llama_dir, "dflash", drafters["dflash"], kv_cache_tokens=44)
     assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)

@@ -115,7 +115,10 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         self.context_cache = ContextCache()
-        self.draft_seconds = 0.0          # EMA of propose() wall time (confidence scheduling's cost model)
+        self.draft_seconds = 0.0          # EMA of drafting wall time (confidence scheduling's cost model)
+        self._num_drafts = 0              # drafting calls so far (the first is a warm-up, not timed)
+        self._surv_prior: list[float] | None = None   # running average survival row (all requests)
+        self._skipped_steps = 0           # consecutive steps that skipped drafting
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
@@ -161,7 +164,10 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"drafter taps target layers {bad}; the target has {tcfg['num_hidden_layers']}")
 
     def on_finished(self, seq: Sequence) -> None:
-        self.context_cache.put(seq.token_ids, seq.method_state.get("draft_ctx"))
+        ctx = seq.method_state.get("draft_ctx")
+        if ctx is not None and self.drafter is not None:
+            self.drafter.flush_contexts([ctx])
+        self.context_cache.put(seq.token_ids, ctx)
         super().on_finished(seq)
 
     # --- drafter hooks --------------------------------------------------------------------
@@ -183,12 +189,47 @@ class DFlashMethod(SpeculativeMethod):
                 ctx = self.context_cache.get(s.seq.token_ids, s.start_pos) if s.start_pos else None
                 ctx = s.seq.method_state["draft_ctx"] = ctx or DraftContext(s.start_pos)
             first = row - s.num_query
-            self.drafter.extend_context(ctx, feats[first:first + c.num_kv_keep])
+            self.drafter.queue_context(ctx, feats[first:first + c.num_kv_keep])
 
     @torch.inference_mode()
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.num_speculative_tokens == 0:
             return [Proposal(a.pos, []) for a in anchors]
+        if self.verify == "confidence" and not self._worth_drafting(anchors):
+            return [Proposal(a.pos, []) for a in anchors]
+        return self._draft(anchors)
+
+    # Consecutive steps without drafting after which a step drafts anyway, to refresh the
+    # predictions the decision rests on (load may have dropped, text may have become easier).
+    reprobe_steps = 16
+
+    def _worth_drafting(self, anchors: list[Anchor]) -> bool:
+        """Decide before drafting (confidence scheduling): drafting costs time whether or not
+        its tokens are verified, so under load, where Algorithm 1 would verify few or none, the
+        step skips it. A request's survival row from its previous drafts (smoothed), or the
+        method's running average for a request that has none yet, stands in for confidences
+        not drawn yet; the step drafts when the expected tokens per second of the best schedule
+        on those predictions, drafting time included, beat a plain decode step's. The decision is for the whole batch:
+        drafting's cost is mostly per step, not per request."""
+        if self.draft_seconds == 0 or self._surv_prior is None:
+            return True                   # nothing measured yet
+        preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]
+        table, overhead, batch = self._step_costs(), self.draft_seconds, len(anchors)
+        lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
+        gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
+        with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
+        self._skipped_steps += 1
+        if with_drafts > batch / table.cost(batch) or self._skipped_steps > self.reprobe_steps:
+            self._skipped_steps = 0
+            return True
+        self.counters.num_skipped_drafts += batch
+        return False
+
+    def _draft(self, anchors: list[Anchor]) -> list[Proposal]:
+        if self.verify == "confidence":
+            self._step_costs()            # profiled once, before the drafting clock starts
+        # Context rows queued while not drafting: projected now, outside the per-step clock.
+        self.drafter.flush_contexts([a.seq.method_state["draft_ctx"] for a in anchors])
         t0 = time.perf_counter()
         cfg, dev = self.drafter.drafter, self.ctx.device
         ids = torch.tensor([[a.token_id] + [cfg.mask_token_id] * (cfg.block_size - 1) for a in anchors],
@@ -212,10 +253,21 @@ class DFlashMethod(SpeculativeMethod):
             table, overhead = self._step_costs(), self.draft_seconds
             lengths = schedule_prefix([survival(p.confidence or []) for p in props],
                                       lambda b: 1.0 / (table.cost(b) + overhead))
-            for p, n in zip(props, lengths):
+            for a, p, n in zip(anchors, props, lengths):
                 p.num_verify = n
+                # The prediction _worth_drafting uses next time: survival rows, smoothed over steps.
+                row, old = survival(p.confidence or []), a.seq.method_state.get("surv_pred")
+                a.seq.method_state["surv_pred"] = row if not old or len(old) != len(row) else \
+                    [0.5 * (x + y) for x, y in zip(old, row)]
+                prior = self._surv_prior
+                self._surv_prior = row if not prior or len(prior) != len(row) else \
+                    [0.9 * x + 0.1 * y for x, y in zip(prior, row)]
         spent = time.perf_counter() - t0
-        self.draft_seconds = spent if self.draft_seconds == 0 else 0.8 * self.draft_seconds + 0.2 * spent
+        self._num_drafts += 1
+        if self._num_drafts == 2:         # the first call pays one-off allocations: not a sample
+            self.draft_seconds = spent
+        elif self._num_drafts > 2:
+            self.draft_seconds = 0.8 * self.draft_seconds + 0.2 * spent
         return props
 
     def _step_costs(self) -> StepCostTable:

@@ -105,6 +105,7 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
     num_fallbacks: int = 0                                  # requests that stopped drafting
+    num_skipped_drafts: int = 0                             # request-steps not drafted (not worth it under load)
     drafted_at: list[int] = field(default_factory=list)    # per draft position (0-based)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -124,7 +125,8 @@ class SpecCounters:
         out: dict[str, float] = {"num_drafted_tokens": self.num_drafted_tokens,
                                  "num_accepted_tokens": self.num_accepted_tokens,
                                  "num_verify_steps": self.num_verify_steps,
-                                 "num_fallbacks": self.num_fallbacks}
+                                 "num_fallbacks": self.num_fallbacks,
+                                 "num_skipped_drafts": self.num_skipped_drafts}
         if self.num_verify_steps:
             out["acceptance_length"] = 1 + self.num_accepted_tokens / self.num_verify_steps
         for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):

@@ -81,10 +81,19 @@ class DraftContext:
     start: int
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    # Fused-feature rows [n, m*d] of positions after the keys, not projected yet: a request that
+    # is not drafting (under load) only queues them, and the next draft projects every queued
+    # row of its batch in one pass (DFlashDraftModel.flush_contexts).
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0
+
+    @property
+    def num_keys(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
 
     @property
     def num_positions(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
+        return self.num_keys + self.num_pending
 
 
 class ContextCache:
@@ -147,21 +156,39 @@ class DFlashDraftModel(nn.Module):
         return self.rotary_emb.apply(rope, k), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def extend_context(self, ctx: DraftContext, features: torch.Tensor) -> None:
-        """Append the fused target features [n, m*d] of the next n committed positions."""
-        n = features.shape[0]
-        if n == 0:
+        """Append the target features [n, m*d] of the next n committed positions, now."""
+        self.queue_context(ctx, features)
+        self.flush_contexts([ctx])
+
+    @staticmethod
+    def queue_context(ctx: DraftContext, features: torch.Tensor) -> None:
+        """Queue the target features [n, m*d] of the next n committed positions."""
+        if features.shape[0]:
+            ctx.pending.append(features)
+            ctx.num_pending += features.shape[0]
+
+    def flush_contexts(self, contexts: list[DraftContext]) -> None:
+        """Project every queued feature row of `contexts` into draft K/V, in one pass."""
+        todo = [c for c in contexts if c.pending]
+        if not todo:
             return
-        h = self.hidden_norm.forward(self.fc.forward(features))
-        pos = torch.arange(ctx.num_positions, ctx.num_positions + n, device=h.device) + ctx.start
+        feats = torch.cat([f for c in todo for f in c.pending])
+        h = self.hidden_norm.forward(self.fc.forward(feats))
+        pos = torch.cat([torch.arange(c.num_keys, c.num_positions, device=h.device) + c.start for c in todo])
         rope = self.rotary_emb.table(pos.clamp(max=self.max_positions - 1), h.dtype)
+        counts = [c.num_pending for c in todo]
         for i, layer in enumerate(self.layers):
             k, v = self._kv(layer, h, rope)
-            if len(ctx.keys) <= i:
-                ctx.keys.append(k)
-                ctx.values.append(v)
-            else:
-                ctx.keys[i] = torch.cat([ctx.keys[i], k])
-                ctx.values[i] = torch.cat([ctx.values[i], v])
+            for c, kc, vc in zip(todo, k.split(counts), v.split(counts)):
+                if len(c.keys) <= i:
+                    c.keys.append(kc)
+                    c.values.append(vc)
+                else:
+                    c.keys[i] = torch.cat([c.keys[i], kc])
+                    c.values[i] = torch.cat([c.values[i], vc])
+        for c in todo:
+            c.pending.clear()
+            c.num_pending = 0
 
     # --- the block forward -----------------------------------------------------------------
     def forward(self, embeds: torch.Tensor, anchor_pos: torch.Tensor,
