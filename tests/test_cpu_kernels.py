@@ -108,3 +108,31 @@ def test_paged_decode_attention_equals_gathered_softmax(dtype, heads, kv_heads, 
     got = mod.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale)
     torch.testing.assert_close(got, _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_decoder_layer_equals_the_layer_by_layer_path(family_dirs, family, monkeypatch):
+    """Decode and multi-row (verification-shaped) steps through the one-call C++ layer give the
+    logits of the op-by-op layers (q/k/v bias for Qwen2, per-head q/k norm for Qwen3); and the
+    fused path is the one taken by the engine's CPU decode steps."""
+    import leapfrog.models.llama as llama
+    from leapfrog import LLM, SamplingParams
+
+    calls = []
+    real = llama.DecoderLayer.forward_fused
+    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    llm = LLM(str(family_dirs[family]), max_batch_size=4, kv_cache_tokens=512)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[5, 9, 11, 3, 7], [4, 4, 8], [12, 6, 2, 19, 21, 30, 31]]
+    fused = llm.generate(prompts, params)
+    assert calls, "decode steps should run through the fused layer"
+    monkeypatch.setattr(llama, "_FUSED_LAYERS", False)
+    calls.clear()
+    plain = llm.generate(prompts, params)
+    assert not calls
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert abs(la["logprob"] - lb["logprob"]) < 1e-4
+            assert [i for i, _ in la["top"]] == [i for i, _ in lb["top"]]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(la["top"], lb["top"]))

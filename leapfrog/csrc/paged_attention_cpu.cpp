@@ -380,8 +380,89 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// One whole Llama-family decoder layer for a few query rows on a CPU (decode, draft
+// verification, diffusion canvases): the same arithmetic as the layer-by-layer path (the
+// kernels above plus RoPE, the KV write and SwiGLU written out here), in one call instead of
+// ~20 small torch ops, whose dispatch costs more than the arithmetic at this size.
+//
+// w: {input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b,
+//     down_w, down_b}; biases and q/k norms may be empty. x: [T, d] float32; cos, sin: [T, rot];
+// slots: [T] cache slot written by each row; tables/ctx_lens: one kernel row per query row.
+static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * inv * w[i];
+}
+
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
+                           int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                           double eps, double qk_eps) {
+  TORCH_CHECK(w.size() == 12, "decode_layer: 12 weight tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode_layer: x must be [T, d] float32");
+  const int64_t T = x.size(0), width = (H + 2 * KVH) * D;
+  auto h = rms_norm(x, w[0], eps);
+  auto qkv = skinny_linear(h, w[1], w[2]);
+  TORCH_CHECK(qkv.size(1) == width, "decode_layer: qkv width mismatch");
+  float* p = qkv.data_ptr<float>();
+  auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
+  const int64_t rot = cs.size(-1), half = rot / 2;
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const bool qk_norm = w[3].numel() == D && w[4].numel() == D;
+  const float* qn = qk_norm ? w[3].data_ptr<float>() : nullptr;
+  const float* kn = qk_norm ? w[4].data_ptr<float>() : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * rot;
+    const float* si = sp + t * rot;
+    for (int64_t hd = 0; hd < H + KVH; ++hd) {
+      float* v = p + t * width + hd * D;
+      if (qk_norm) rms_inplace(v, hd < H ? qn : kn, D, static_cast<float>(qk_eps));
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * si[i];
+        v[i + half] = x2 * c[i + half] + x1 * si[i + half];
+      }
+    }
+  }
+  auto sl = slots.to(torch::kInt64).contiguous();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_kv", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float* kr = p + t * width + H * D;
+      const float* vr = kr + KVH * D;
+      scalar_t* kd = kc + slp[t] * KVH * D;
+      scalar_t* vd = vc + slp[t] * KVH * D;
+      for (int64_t i = 0; i < KVH * D; ++i) {
+        kd[i] = static_cast<scalar_t>(kr[i]);
+        vd[i] = static_cast<scalar_t>(vr[i]);
+      }
+    }
+  });
+  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  auto o = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale);
+  auto x2 = x + skinny_linear(o.view({T, H * D}), w[5], w[6]);
+  auto gu = skinny_linear(rms_norm(x2, w[7], eps), w[8], w[9]);
+  const int64_t I = gu.size(1) / 2;
+  auto act = torch::empty({T, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gv = g[t * 2 * I + i];
+      a[t * I + i] = gv / (1.f + std::exp(-gv)) * g[t * 2 * I + I + i];
+    }
+  return x2.add_(skinny_linear(act, w[10], w[11]));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
+  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer for a few rows (CPU, float32)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)");
 }

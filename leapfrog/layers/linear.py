@@ -34,11 +34,23 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         mod = cpu_kernels()
         if mod is not None:
             b = layer.bias if layer.bias is not None else _EMPTY
-            half = layer.__dict__.get("_half_weight")
-            if half is not None and half[1] is w and half[2] == w._version:
-                w = half[0]          # exact float16 copy: half the bytes to stream per step
+            w = kernel_weight(layer)
             return mod.skinny_linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
     return torch.nn.functional.linear(x, w, layer.bias)
+
+
+def kernel_weight(layer: nn.Linear) -> torch.Tensor:
+    """The weight the CPU few-row kernel reads: the exact float16 copy while it is current
+    (compact_cpu_weights), else the weight itself."""
+    w = layer.weight
+    half = layer.__dict__.get("_half_weight")
+    if half is not None and half[1] is w and half[2] == w._version:
+        return half[0]               # exact float16 copy: half the bytes to stream per step
+    return w
+
+
+def kernel_bias(layer: nn.Linear) -> torch.Tensor:
+    return layer.bias if layer.bias is not None else _EMPTY
 
 
 def compact_cpu_weights(model: nn.Module) -> int:

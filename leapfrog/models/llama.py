@@ -7,12 +7,15 @@ except that q/k/v and gate/up are packed; `packed_modules` tells the loader wher
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from leapfrog.layers.attention import Attention, AttnMetadata
-from leapfrog.layers.linear import Linear, PackedLinear
+from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+from leapfrog.layers.linear import Linear, PackedLinear, kernel_bias, kernel_weight
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
@@ -80,6 +83,42 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
+    def forward_fused(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata) -> torch.Tensor:
+        """The same layer as one C++ call (CPU, few rows read straight from the paged cache:
+        see LlamaForCausalLM.forward for when it applies)."""
+        a, m, g = self.self_attn, self.mlp, meta.groups[0]
+        w = [self.input_layernorm.weight, kernel_weight(a.qkv_proj), kernel_bias(a.qkv_proj),
+             a.q_norm.weight if a.qk_norm else _EMPTY, a.k_norm.weight if a.qk_norm else _EMPTY,
+             kernel_weight(a.o_proj), kernel_bias(a.o_proj), self.post_attention_layernorm.weight,
+             kernel_weight(m.gate_up_proj), kernel_bias(m.gate_up_proj),
+             kernel_weight(m.down_proj), kernel_bias(m.down_proj)]
+        cos, sin = rope.cos_sin
+        t = x.shape[0]
+        return cpu_kernels().decode_layer(
+            x, w, cos.reshape(t, -1), sin.reshape(t, -1), a.attn.k_cache, a.attn.v_cache,
+            meta.slot_mapping, g.block_tables, g.ctx_lens, g.block_size, a.num_heads, a.num_kv_heads,
+            a.head_dim, a.attn.scale, self.input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0)
+
+    @property
+    def fusable(self) -> bool:
+        return isinstance(self.mlp, MLP) and self.post_attention_layernorm.eps == self.input_layernorm.eps
+
+
+_EMPTY = torch.empty(0)
+# LEAPFROG_FUSED_LAYERS=0 keeps the layer-by-layer path (comparisons, debugging).
+_FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
+
+
+def fused_rows(x: torch.Tensor, meta: AttnMetadata | None, max_rows: int = 32) -> bool:
+    """Whether a forward's layers can run as one C++ call each: float32 CPU inference of at
+    most `max_rows` rows (the few-row kernel's range) whose attention is a single group read
+    straight from the paged cache, rows in order (decode, verification, diffusion steps)."""
+    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or x.shape[0] > max_rows or len(meta.groups) != 1:
+        return False
+    g = meta.groups[0]
+    return (g.ctx_lens is not None and g.out_rows is None and g.row_start == 0
+            and g.ctx_lens.shape[0] == x.shape[0] and cpu_inference(x, x) and cpu_kernels() is not None)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: dict, flavour: str) -> None:
@@ -132,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         captured = []
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping
         # Module.__call__ saves ~0.4 ms per decode step on a small model.
+        fused = fused_rows(x, meta)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward(x, rope, meta)
+            x = layer.forward_fused(x, rope, meta) if fused and layer.fusable else layer.forward(x, rope, meta)
             if i in capture_layers:
                 captured.append(x)
         return self.model.norm.forward(x), captured
