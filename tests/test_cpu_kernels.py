@@ -136,3 +136,13 @@ def test_fused_decoder_layer_equals_the_layer_by_layer_path(family_dirs, family,
             assert abs(la["logprob"] - lb["logprob"]) < 1e-4
             assert [i for i, _ in la["top"]] == [i for i, _ in lb["top"]]
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(la["top"], lb["top"]))
+    # Weights changed in place (as a training step does): the fused layer's cached weight
+    # list must notice, not keep serving the old float16 copies.
+    with torch.no_grad():
+        for layer in llm.engine.model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)
+    plain = llm.generate(prompts, params)
+    monkeypatch.setattr(llama, "_FUSED_LAYERS", True)
+    fused = llm.generate(prompts, params)
+    assert calls
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
