@@ -297,6 +297,24 @@ def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_g
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_greedy, monkeypatch):
+    """Inside an engine the start-up profile runs the engine's own paged step on scratch
+    caches; the real caches (and what is in them) come back untouched."""
+    from leapfrog.methods.confidence_schedule import StepCostTable
+    import leapfrog.methods.confidence_schedule as cs
+    llm = LLM(str(llama_dir), **ENGINE)
+    model = llm.engine.model
+    assert llm.generate(PROMPTS, GREEDY)[0].token_ids == ar_greedy[0]
+    before = [(a.k_cache, a.v_cache, a.k_cache.clone()) for a in model.attention_layers]
+    paged, real = [], cs._paged_step
+    monkeypatch.setattr(cs, "_paged_step", lambda *a: paged.append(a[2]) or real(*a))
+    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=16, repeats=1)
+    assert paged == table.num_tokens and table.num_tokens[0] == 1 and min(table.seconds) > 0
+    for a, (k, v, snapshot) in zip(model.attention_layers, before):
+        assert a.k_cache is k and a.v_cache is v and torch.equal(a.k_cache, snapshot)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+
+
 def test_queued_drafter_context_equals_immediate_extension(drafters):
     """Requests that skip drafting only queue their target features; projecting the queue of
     several contexts in one pass gives the K/V that extending each context step by step does."""

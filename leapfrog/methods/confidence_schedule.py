@@ -75,20 +75,53 @@ class StepCostTable:
     @classmethod
     @torch.inference_mode()
     def profile(cls, model: torch.nn.Module, device: torch.device, max_tokens: int = 64,
-                repeats: int = 3) -> "StepCostTable":
-        """Time dense forwards of B tokens, best of `repeats`, at B = 1..4, 6, 8, 10, 12, 16, 24,
-        ... max_tokens (dense where verification lengths live). A stand-in for the engine's
-        paged step; enough to rank short vs long verifications."""
+                repeats: int = 3, context: int = 64) -> "StepCostTable":
+        """Time forwards of B query tokens, best of `repeats`, at B = 1..4, 6, 8, 10, 12, 16,
+        24, ... max_tokens (dense where verification lengths live). When the model's paged
+        KV cache exists (inside an engine), the forward is the engine's own paged step
+        (`context` keys of context per row, on a scratch cache swapped in for the duration),
+        so the curve has the shape of the steps it prices; otherwise a dense forward."""
         sizes = [b for b in (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
                  if b <= max_tokens]
-        secs = []
-        for b in sizes:
-            ids = torch.zeros(1, b, dtype=torch.long, device=device)
-            model.forward_dense(ids)                       # warm-up: first-call allocations
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                model.forward_dense(ids)
-                best = min(best, time.perf_counter() - t0)
-            secs.append(best)
+        layers = getattr(model, "attention_layers", None)
+        paged = bool(layers) and all(a.k_cache is not None for a in layers)
+        saved = [(a.k_cache, a.v_cache) for a in layers] if paged else []
+        try:
+            secs = []
+            for b in sizes:
+                step = _paged_step(model, layers, b, context, device) if paged else \
+                    (lambda ids=torch.zeros(1, b, dtype=torch.long, device=device): model.forward_dense(ids))
+                step()                                     # warm-up: first-call allocations
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    step()
+                    best = min(best, time.perf_counter() - t0)
+                secs.append(best)
+        finally:
+            for a, (k, v) in zip(layers if paged else [], saved):
+                a.k_cache, a.v_cache = k, v
         return cls(sizes, secs)
+
+
+def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
+                device: torch.device) -> Callable[[], None]:
+    """A paged forward of b query rows after `context` cached positions, as the runner builds
+    it for verification (one kernel row per query, its keys a prefix), on scratch caches."""
+    from leapfrog.layers.attention import AttnGroup, AttnMetadata
+    block = 16
+    slots = -(-(context + b) // block) * block
+    for a in layers:
+        a.k_cache = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=a.k_cache.dtype, device=device)
+        a.v_cache = torch.zeros_like(a.k_cache)
+    pos = torch.arange(context, context + b, device=device)
+    tables = torch.arange(slots // block, device=device).expand(b, -1).contiguous()
+    group = AttnGroup(None, None, None, None, None, row_start=0, block_tables=tables,
+                      ctx_lens=pos + 1, block_size=block)
+    meta = AttnMetadata(pos.clone(), [group])
+    ids = torch.zeros(b, dtype=torch.long, device=device)
+
+    def step() -> None:
+        hidden, _ = model(ids, pos, meta)
+        model.compute_logits(hidden)
+    return step
