@@ -399,9 +399,12 @@ def test_drafter_forward_matches_the_formulas(drafters):
         model.extend_context(contexts[0], feats[0][4:])
         model.extend_context(contexts[1], feats[1])
         got = model.forward(embeds, torch.tensor([7, 3]), contexts)   # padded batch of two
+        # One sequence alone takes the unpadded path (on a CPU: each layer one C++ call).
+        alone = [model.forward(embeds[i:i + 1], torch.tensor([(7, 3)[i]]), contexts[i:i + 1])[0] for i in range(2)]
     for i in range(2):
         want = reference_block(w, cfg, feats[i], embeds[i], anchor_pos=feats[i].shape[0])
         torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(alone[i], want, atol=1e-4, rtol=1e-4)
 
 
 def test_fallback_to_ar_when_the_drafter_is_missing_or_useless(llama_dir, drafters, ar_greedy):

@@ -396,17 +396,16 @@ static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) v[i] = v[i] * inv * w[i];
 }
 
-torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
-                           int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
-                           double eps, double qk_eps) {
-  TORCH_CHECK(w.size() == 12, "decode_layer: 12 weight tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "decode_layer: x must be [T, d] float32");
+// Input norm, packed q/k/v, per-head q/k norm and RoPE: the [T, (H + 2 KVH) D] projections
+// with q and k rotated in place.
+static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                              const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
+                              int64_t KVH, int64_t D, double eps, double qk_eps) {
+  TORCH_CHECK(w.size() == 12, "fused layer: 12 weight tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "fused layer: x must be [T, d] float32");
   const int64_t T = x.size(0), width = (H + 2 * KVH) * D;
-  auto h = rms_norm(x, w[0], eps);
-  auto qkv = skinny_linear(h, w[1], w[2]);
-  TORCH_CHECK(qkv.size(1) == width, "decode_layer: qkv width mismatch");
+  auto qkv = skinny_linear(rms_norm(x, w[0], eps), w[1], w[2]);
+  TORCH_CHECK(qkv.size(1) == width, "fused layer: qkv width mismatch");
   float* p = qkv.data_ptr<float>();
   auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
   const int64_t rot = cs.size(-1), half = rot / 2;
@@ -428,25 +427,14 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
       }
     }
   }
-  auto sl = slots.to(torch::kInt64).contiguous();
-  const int64_t* slp = sl.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_kv", [&] {
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      const float* kr = p + t * width + H * D;
-      const float* vr = kr + KVH * D;
-      scalar_t* kd = kc + slp[t] * KVH * D;
-      scalar_t* vd = vc + slp[t] * KVH * D;
-      for (int64_t i = 0; i < KVH * D; ++i) {
-        kd[i] = static_cast<scalar_t>(kr[i]);
-        vd[i] = static_cast<scalar_t>(vr[i]);
-      }
-    }
-  });
-  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  auto o = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale);
-  auto x2 = x + skinny_linear(o.view({T, H * D}), w[5], w[6]);
+  return qkv;
+}
+
+// Output projection and residual, then post norm, SwiGLU and residual.
+static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
+                             const std::vector<torch::Tensor>& w, double eps) {
+  const int64_t T = x.size(0);
+  auto x2 = x + skinny_linear(o.reshape({T, -1}), w[5], w[6]);
   auto gu = skinny_linear(rms_norm(x2, w[7], eps), w[8], w[9]);
   const int64_t I = gu.size(1) / 2;
   auto act = torch::empty({T, I}, gu.options());
@@ -469,9 +457,54 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
   return x2.add_(skinny_linear(act, w[10], w[11]));
 }
 
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
+                           int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                           double eps, double qk_eps) {
+  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
+  const int64_t T = x.size(0), width = qkv.size(1);
+  const float* p = qkv.data_ptr<float>();
+  auto sl = slots.to(torch::kInt64).contiguous();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_kv", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float* kr = p + t * width + H * D;
+      const float* vr = kr + KVH * D;
+      scalar_t* kd = kc + slp[t] * KVH * D;
+      scalar_t* vd = vc + slp[t] * KVH * D;
+      for (int64_t i = 0; i < KVH * D; ++i) {
+        kd[i] = static_cast<scalar_t>(kr[i]);
+        vd[i] = static_cast<scalar_t>(vr[i]);
+      }
+    }
+  });
+  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps);
+}
+
+// A DFlash/DSpark drafter layer for one sequence: its T block rows attend, without a causal
+// mask, to the n context keys/values (ctx_k, ctx_v: [n, KVH, D] float32) and to the block's
+// own keys; no cache is written.
+torch::Tensor draft_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
+                          torch::Tensor sin, torch::Tensor ctx_k, torch::Tensor ctx_v, int64_t H,
+                          int64_t KVH, int64_t D, double scale, double eps, double qk_eps) {
+  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
+  const int64_t T = x.size(0), n = ctx_k.size(0);
+  auto keys = torch::cat({ctx_k.to(torch::kFloat32), qkv.narrow(1, H * D, KVH * D).view({T, KVH, D})});
+  auto values = torch::cat({ctx_v.to(torch::kFloat32), qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D})});
+  auto tables = torch::zeros({T, 1}, torch::kInt64);
+  auto lens = torch::full({T}, n + T, torch::kInt64);
+  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  return out_mlp(x, paged_decode_attention(q, keys, values, tables, lens, n + T, scale), w, eps);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer for a few rows (CPU, float32)");
+  m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)");
 }

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
 from leapfrog.layers.linear import Linear
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
@@ -200,8 +201,19 @@ class DFlashDraftModel(nn.Module):
         ctx_len = max(c.num_positions for c in contexts)
         x = embeds
         if b == 1 and ctx_len > 0:     # one sequence: its context as is, no padding, no mask
+            ctx = contexts[0]
+            if _fused_ok(x, self.layers):  # CPU inference: each layer one C++ call
+                x, (cos, sin) = x[0], rope
+                cos, sin = cos.reshape(length, -1), sin.reshape(length, -1)
+                for i, layer in enumerate(self.layers):
+                    a = layer.self_attn
+                    x = cpu_kernels().draft_layer(
+                        x, layer._fused_weights(), cos, sin, ctx.keys[i], ctx.values[i], self.num_heads,
+                        self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer.input_layernorm.eps,
+                        a.q_norm.eps if a.qk_norm else 0.0)
+                return self.norm.forward(x[None])
             for i, layer in enumerate(self.layers):
-                x = self._layer(layer, x, rope, contexts[0].keys[i][None], contexts[0].values[i][None], None)
+                x = self._layer(layer, x, rope, ctx.keys[i][None], ctx.values[i][None], None)
             return self.norm.forward(x)
         lens = torch.tensor([c.num_positions for c in contexts], device=embeds.device)
         valid = (torch.arange(ctx_len, device=embeds.device) < lens.unsqueeze(1)).view(b, 1, 1, ctx_len)
@@ -229,6 +241,14 @@ class DFlashDraftModel(nn.Module):
             scale=self.head_dim ** -0.5, enable_gqa=self.num_kv_heads != self.num_heads)
         x = x + a.o_proj.forward(o.transpose(1, 2).flatten(-2))
         return x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+
+
+def _fused_ok(x: torch.Tensor, layers) -> bool:
+    """One sequence's block on a CPU without autograd, few rows, dense SwiGLU layers: the
+    layers may run as single C++ calls (models/llama.py's fused path, for the drafter)."""
+    from leapfrog.models import llama
+    return (llama._FUSED_LAYERS and x.shape[1] <= 32 and cpu_inference(x, x)
+            and cpu_kernels() is not None and all(layer.fusable for layer in layers))
 
 
 def _pad(parts: list[torch.Tensor | None], length: int, heads: int, like: torch.Tensor) -> torch.Tensor:
