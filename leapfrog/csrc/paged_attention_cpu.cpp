@@ -396,15 +396,30 @@ static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) v[i] = v[i] * inv * w[i];
 }
 
+// The fused layers' weights: w[0..11] as documented at decode_layer, then optionally the
+// float32 weights of the four projections (w[12..15]: qkv, o, gate_up, down) for steps of more
+// than kSkinnyRows rows, which go to BLAS (the few-row kernel's w[1], w[5], w[8], w[10] may be
+// float16 copies).
+static constexpr int64_t kSkinnyRows = 32;
+
+static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t i,
+                             int64_t f32_index) {
+  if (x.size(0) > kSkinnyRows && w.size() == 16) {
+    const auto& b = w[i + 1];
+    return b.numel() ? at::linear(x, w[f32_index], b) : at::linear(x, w[f32_index]);
+  }
+  return skinny_linear(x, w[i], w[i + 1]);
+}
+
 // Input norm, packed q/k/v, per-head q/k norm and RoPE: the [T, (H + 2 KVH) D] projections
 // with q and k rotated in place.
 static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
                               const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
                               int64_t KVH, int64_t D, double eps, double qk_eps) {
-  TORCH_CHECK(w.size() == 12, "fused layer: 12 weight tensors expected");
+  TORCH_CHECK(w.size() == 12 || w.size() == 16, "fused layer: 12 or 16 weight tensors expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "fused layer: x must be [T, d] float32");
   const int64_t T = x.size(0), width = (H + 2 * KVH) * D;
-  auto qkv = skinny_linear(rms_norm(x, w[0], eps), w[1], w[2]);
+  auto qkv = project(rms_norm(x, w[0], eps), w, 1, 12);
   TORCH_CHECK(qkv.size(1) == width, "fused layer: qkv width mismatch");
   float* p = qkv.data_ptr<float>();
   auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
@@ -434,8 +449,8 @@ static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::T
 static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
                              const std::vector<torch::Tensor>& w, double eps) {
   const int64_t T = x.size(0);
-  auto x2 = x + skinny_linear(o.reshape({T, -1}), w[5], w[6]);
-  auto gu = skinny_linear(rms_norm(x2, w[7], eps), w[8], w[9]);
+  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13);
+  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14);
   const int64_t I = gu.size(1) / 2;
   auto act = torch::empty({T, I}, gu.options());
   const float* g = gu.data_ptr<float>();
@@ -454,7 +469,7 @@ static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
 #endif
     for (; i < I; ++i) at[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[I + i];
   }
-  return x2.add_(skinny_linear(act, w[10], w[11]));
+  return x2.add_(project(act, w, 10, 15));
 }
 
 torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,

@@ -106,7 +106,8 @@ class DecoderLayer(nn.Module):
              a.q_norm.weight if a.qk_norm else _EMPTY, a.k_norm.weight if a.qk_norm else _EMPTY,
              kernel_weight(a.o_proj), kernel_bias(a.o_proj), self.post_attention_layernorm.weight,
              kernel_weight(m.gate_up_proj), kernel_bias(m.gate_up_proj),
-             kernel_weight(m.down_proj), kernel_bias(m.down_proj)]
+             kernel_weight(m.down_proj), kernel_bias(m.down_proj),
+             a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
         mods = [self.input_layernorm, a.qkv_proj, a.o_proj, self.post_attention_layernorm,
                 m.gate_up_proj, m.down_proj] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
         watch = [(mod, name, p, p._version) for mod in mods for name, p in mod._parameters.items()
@@ -120,11 +121,12 @@ _EMPTY = torch.empty(0)
 _FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
 
 
-def fused_rows(x: torch.Tensor, meta: AttnMetadata | None, max_rows: int = 32) -> bool:
-    """Whether a forward's layers can run as one C++ call each: float32 CPU inference of at
-    most `max_rows` rows (the few-row kernel's range) whose attention is a single group read
-    straight from the paged cache, rows in order (decode, verification, diffusion steps)."""
-    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or x.shape[0] > max_rows or len(meta.groups) != 1:
+def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
+    """Whether a forward's layers can run as one C++ call each: float32 CPU inference whose
+    attention is a single group read straight from the paged cache, rows in order (decode
+    and verification batches, diffusion steps; up to 32 rows the projections use the few-row
+    kernel, beyond it BLAS)."""
+    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or len(meta.groups) != 1:
         return False
     g = meta.groups[0]
     return (g.ctx_lens is not None and g.out_rows is None and g.row_start == 0
