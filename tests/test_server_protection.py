@@ -98,7 +98,12 @@ def _long_stream(url: str, started: threading.Event, results: list, max_tokens: 
         results.append((r.status_code, lines))
 
 
-def test_queue_full_answers_429(llama_dir):
+def test_queue_full_answers_429(llama_dir, monkeypatch):
+    # Pace the engine (5 ms a step) so the two long streams are certainly still running and
+    # queued when the third request arrives, however fast decoding is on this machine.
+    from leapfrog.engine import LLMEngine
+    real_step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(0.005) or real_step(self))
     s = ServerThread(llama_dir, max_batch_size=1, max_queue_size=1).start()
     try:
         results: list = []
