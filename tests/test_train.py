@@ -61,9 +61,40 @@ def test_couplet_formats_round_trip():
     keywords = fmt.sample_keywords("天若有情天亦老", "月如无恨月常圆", rng)
     assert all(k in "天若有情天亦老" or k in "月如无恨月常圆" for k in keywords)
     text = fmt.keyword_text(keywords, "天若有情天亦老", "月如无恨月常圆", "花好月圆")
-    completion = text[len(fmt.keyword_prompt(keywords)):]
+    # The prompt, then the <sep> the couplets tokenizer ends every prompt with, then the completion.
+    prompt = fmt.keyword_prompt(keywords)
+    assert text.startswith(prompt + fmt.SEP + fmt.UP)
+    completion = text[len(prompt + fmt.SEP):]
+    assert completion == fmt.keyword_completion("天若有情天亦老", "月如无恨月常圆", "花好月圆")
     assert fmt.parse_keyword_completion(completion) == {"上联": "天若有情天亦老", "下联": "月如无恨月常圆", "横批": "花好月圆"}
+    assert fmt.pair_text("天若有情", "月如无恨") == "天若有情<sep>月如无恨"
     assert fmt.ScrollPool(["花好月圆", "万象更新"]).pick("花开富贵", "月满乾坤") == "花好月圆"
+
+
+def test_couplets_tokenizer_ends_prompts_with_sep_but_not_training_streams(data_dir):
+    """The couplets recipe's tokenizer encodes a raw prompt as <s> prompt <sep> in transformers
+    and in leapfrog alike, while the token streams it trains on hold only the texts' own <sep>s."""
+    from transformers import AutoTokenizer
+
+    from leapfrog.tokenizer import Tokenizer
+    from leapfrog.train.prepare import _texts, prepare
+
+    cfg = tiny("couplets")
+    prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    hf, ours = AutoTokenizer.from_pretrained(prep.tokenizer_dir), Tokenizer.from_folder(prep.tokenizer_dir)
+    sep = hf.convert_tokens_to_ids(fmt.SEP)
+    config = json.loads((prep.tokenizer_dir / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "add_bos_token" not in config
+    for prompt in ("天地山水风", fmt.keyword_prompt(["春", "福"])):
+        plain = hf(prompt, add_special_tokens=False).input_ids
+        assert hf(prompt).input_ids == ours.encode(prompt) == [1, *plain, sep]
+        assert hf.decode(hf(prompt).input_ids, skip_special_tokens=True) == prompt
+    train_texts, val_texts = _texts("couplets", str(data_dir), cfg.seed)
+    for stream, texts in ((prep.train, train_texts), (prep.val, val_texts)):
+        assert int((stream == sep).sum()) == sum(t.count(fmt.SEP) for t in texts)
+        assert int((stream == 1).sum()) == len(texts)
+    # A few pair examples carry <sep><sep> (clients that still write "<sep>" themselves).
+    assert any(fmt.SEP * 2 in t for t in train_texts)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,10 @@
 stories:  continue held-out story openings (temperature 0.7, top-p 0.9) and measure rep-4, the
           share of repeated 4-grams in a continuation, 1 - distinct/total (Welleck et al. 2019,
           "Neural Text Generation with Unlikelihood Training", §6), on words and on tokens.
-couplets: greedy 下联 for held-out 上联 sent as the raw prompt; the share whose length equals the
-          上联's; and keyword mode: the share of completions with all three parts well formed.
+couplets: greedy 下联 for held-out 上联 sent as the raw prompt (the tokenizer ends it with <sep>);
+          the share whose length equals the 上联's; the same for the text "上联<sep>" (what
+          clients sent before the tokenizer added <sep>: it now encodes as <sep><sep>); and
+          keyword mode: the share of completions with all three parts well formed.
 block-diffusion folders (config.json with mask_token_id and block_size): continue the same story
           openings with a slow single-block reference decoder (full recompute, confidence
           threshold 0.9, greedy) and report rep-4 and tokens per forward.
@@ -119,15 +121,19 @@ def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: in
     res = CheckResult("couplets")
     res.samples = [{"prompt": u, "completion": d, "reference": r}
                    for (u, r), d in list(zip(pairs, downs))[:12]]
+    sep = tok.convert_tokens_to_ids(fmt.SEP)
     res.metrics = {"num_pairs": len(ups), "length_match": round(exact / len(ups), 4),
                    "length_match_ignoring_punct": round(bare / len(ups), 4),
-                   "differs_from_up": round(sum(d != u for u, d in zip(ups, downs)) / len(ups), 4)}
-    # The same 上联 with the separator already in the prompt: isolates the 下联's quality from
-    # the model's own decision that the 上联 has ended.
+                   "differs_from_up": round(sum(d != u for u, d in zip(ups, downs)) / len(ups), 4),
+                   # the tokenizer's own <sep> at the end of every raw prompt (1.0 expected)
+                   "prompt_ends_with_sep": round(
+                       sum(ids[-1] == sep for ids in tok(ups).input_ids) / len(ups), 4)}
+    # The 上联 with "<sep>" written into the prompt text, as clients did before the tokenizer
+    # added it: encoded as 上联<sep><sep>, which a few training examples carry.
     gens = generate(model, tok, [u + fmt.SEP for u in ups], batch_size=32, do_sample=False,
                     max_new_tokens=max(len(u) for u in ups) + 8)
     with_sep = [tok.decode(_strip_eos(g, tok.eos_token_id), skip_special_tokens=True) for g in gens]
-    res.metrics["length_match_sep_prompt"] = round(
+    res.metrics["length_match_explicit_sep"] = round(
         sum(len(d) == len(u) for u, d in zip(ups, with_sep)) / len(ups), 4)
     res.metrics.update(_check_keywords(model, tok, pairs[:num_keywords], seed, res.samples))
     return res

@@ -1,15 +1,21 @@
 """Text formats the couplet model is trained on; the app and clients rely on both.
 
+The couplets tokenizer marks the end of every prompt it encodes with ``<sep>``, as it marks the
+start with ``<s>`` (tokenizer.json: ``<s> $A <sep>``; see leapfrog.train.tokenizer), so a client
+that sends a raw prompt hands the model ``<s>prompt<sep>``; the texts below put ``<sep>`` where
+that prompt ends. ``<sep>`` is a special token, dropped by ``decode(skip_special_tokens=True)``.
+
 Pair mode (the default, no template needed by clients): the prompt is the raw 上联 and the
-completion is the 下联. Trained as ``<s>上联<sep>下联</s>``: the model itself emits ``<sep>`` (a
-special token, dropped by ``decode(skip_special_tokens=True)``) where the 上联 ends, so a client
-that sends "天若有情天亦老" gets back "月如无恨月常圆". Sending "上联<sep>" is also fine.
+completion is the 下联, trained as ``<s>上联<sep>下联</s>``: a client that sends "天若有情天亦老"
+gets back "月如无恨月常圆". A few pair examples carry ``<sep><sep>``, what a client that still
+appends "<sep>" to the 上联 itself (the format before the tokenizer did it) now sends.
 
 Keyword mode: prompt ``关键词：春 福\\n`` (1-3 keywords of 1-2 characters, space separated),
-completion ``上联：…\\n下联：…\\n横批：…``. Keywords are sampled from the couplet itself. Only
-spring_festival.tsv has a real 横批 (170 items), so the other keyword examples get the 4-character
-phrase from a pool (real 横批 + 4-character couplet sides) that shares most characters with the
-couplet: the model learns "横批 = a four-character phrase on the same theme", not one fixed list.
+completion ``上联：…\\n下联：…\\n横批：…``, trained as ``<s>关键词：春 福\\n<sep>上联：…</s>``.
+Keywords are sampled from the couplet itself. Only spring_festival.tsv has a real 横批 (170 items),
+so the other keyword examples get the 4-character phrase from a pool (real 横批 + 4-character
+couplet sides) that shares most characters with the couplet: the model learns "横批 = a
+four-character phrase on the same theme", not one fixed list.
 """
 from __future__ import annotations
 
@@ -23,9 +29,9 @@ UP, DOWN, SCROLL = "上联：", "下联：", "横批："
 PUNCT = set("，。；：！？、,.;:!?")
 
 
-def pair_text(up: str, down: str) -> str:
-    """Body of a pair example (the tokenizer adds <s>, the caller appends </s>)."""
-    return f"{up}{SEP}{down}"
+def pair_text(up: str, down: str, seps: int = 1) -> str:
+    """Body of a pair example (the caller adds <s> and </s>)."""
+    return f"{up}{SEP * seps}{down}"
 
 
 def keyword_prompt(keywords: list[str]) -> str:
@@ -33,7 +39,12 @@ def keyword_prompt(keywords: list[str]) -> str:
 
 
 def keyword_text(keywords: list[str], up: str, down: str, scroll: str) -> str:
-    return f"{keyword_prompt(keywords)}{UP}{up}\n{DOWN}{down}\n{SCROLL}{scroll}"
+    """Body of a keyword example: the prompt, the <sep> the tokenizer ends it with, the completion."""
+    return f"{keyword_prompt(keywords)}{SEP}{keyword_completion(up, down, scroll)}"
+
+
+def keyword_completion(up: str, down: str, scroll: str) -> str:
+    return f"{UP}{up}\n{DOWN}{down}\n{SCROLL}{scroll}"
 
 
 def parse_keyword_completion(text: str) -> dict[str, str]:
@@ -89,12 +100,17 @@ def _hash(text: str) -> int:
 
 
 def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, str]],
-                   seed: int = 0, keyword_fraction: float = 0.25, spring_repeats: int = 20) -> list[str]:
-    """All training texts: every pair in pair mode, a fraction also in keyword mode, and the
-    spring-festival triples (real 横批) repeated with fresh keywords each time."""
+                   seed: int = 0, keyword_fraction: float = 0.25, spring_repeats: int = 20,
+                   double_sep_fraction: float = 0.03) -> list[str]:
+    """All training texts: every pair in pair mode (a few with <sep><sep>, see the module doc), a
+    fraction also in keyword mode, and the spring-festival triples (real 横批) repeated with
+    fresh keywords each time."""
     rng = random.Random(seed)
     pool = ScrollPool([s for _, _, s in spring] + [x for p in pairs for x in p])
-    texts = [pair_text(u, d) for u, d in pairs] + [pair_text(u, d) for u, d, _ in spring]
+    # The extra <sep>s come from their own generator: the keyword draws stay those of seed.
+    doubled = random.Random(f"{seed}-double-sep")
+    seps = lambda: 2 if doubled.random() < double_sep_fraction else 1  # noqa: E731
+    texts = [pair_text(u, d, seps()) for u, d in pairs] + [pair_text(u, d, seps()) for u, d, _ in spring]
     for u, d in pairs:
         if rng.random() < keyword_fraction and len(u) <= 32:
             texts.append(keyword_text(sample_keywords(u, d, rng), u, d, pool.pick(u, d)))
@@ -103,3 +119,31 @@ def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, st
             texts.append(keyword_text(sample_keywords(u, d, rng), u, d, s))
     rng.shuffle(texts)
     return texts
+
+
+def trim_vocab(folder: str, tokenizer_dir: str, out: str) -> int:
+    """Copy checkpoint ``folder`` to ``out`` with the tokenizer of ``tokenizer_dir``, whose
+    vocabulary must be a prefix of the folder's: embedding rows past it are dropped. How the
+    shipped weights (5,963 pieces) moved to the tokenizer that the current format trains (the
+    extra <sep>s shift SentencePiece's character coverage; 7 rare characters fall back to bytes).
+    Returns the new vocabulary size."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    old, new = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(tokenizer_dir)
+    n = len(new)
+    if any(old.convert_ids_to_tokens(i) != new.convert_ids_to_tokens(i) for i in range(n)):
+        raise ValueError(f"{tokenizer_dir}: vocabulary is not a prefix of {folder}'s")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.resize_token_embeddings(n)  # keeps rows [0, n); tied lm_head follows
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(Path(tokenizer_dir) / name, Path(out) / name)
+    for name in ("generation_config.json", "training.json"):
+        if (Path(folder) / name).is_file():
+            shutil.copy(Path(folder) / name, Path(out) / name)
+    return n

@@ -43,7 +43,8 @@ def stories_moe() -> TrainConfig:
 
 
 def couplets() -> TrainConfig:
-    """Chinese couplets: one token per character (max piece length 1), <sep> between the sides."""
+    """Chinese couplets: one token per character (max piece length 1), <sep> between the sides;
+    the tokenizer ends every encoded prompt with <sep> (leapfrog.train.couplets)."""
     return TrainConfig(
         name="couplets",
         out_dir=str(REPO_ROOT / "checkpoints" / "couplets"),
@@ -51,11 +52,27 @@ def couplets() -> TrainConfig:
         model=ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                          intermediate_size=704, max_position=256),
         tokenizer=TokenizerSpec(vocab_size=8000, specials=["<mask>", "<sep>"], max_piece_length=1,
-                                character_coverage=0.9995, add_dummy_prefix=False),
+                                character_coverage=0.9995, add_dummy_prefix=False,
+                                end_of_prompt="<sep>"),
         seq_len=128, batch_size=16, max_steps=3600, lr=2e-3, min_lr=1e-4, warmup_steps=100,
         align_to_bos=True,
         eval_interval=250, eval_batches=16, ckpt_interval=50,
     )
+
+
+def couplets_continue() -> TrainConfig:
+    """Continue `couplets` weights on the current data format at a modest learning rate: how the
+    shipped model moved to prompts that end in <sep> (its first 3,600 steps had the model emit
+    <sep> itself). Starts from runs/couplets-continue/init, the earlier weights cut to the current
+    tokenizer by ``leapfrog.train.couplets.trim_vocab``; same data, tokenizer spec and seed as
+    `couplets`. Writes runs/couplets-continue/model, copied over checkpoints/couplets once measured."""
+    cfg = couplets()
+    cfg.recipe = "couplets-continue"
+    cfg.init_from = str(REPO_ROOT / "runs" / "couplets-continue" / "init")
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-continue" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-continue")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 2200, 5e-4, 5e-5, 50
+    return cfg
 
 
 def stories_diffusion() -> TrainConfig:
@@ -112,7 +129,8 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
         tokenizer=TokenizerSpec(vocab_size=512 if name == "stories" else 8000,
                                 specials=["<mask>"] if name == "stories" else ["<mask>", "<sep>"],
                                 max_piece_length=16 if name == "stories" else 1,
-                                add_dummy_prefix=name == "stories"),
+                                add_dummy_prefix=name == "stories",
+                                end_of_prompt=None if name == "stories" else "<sep>"),
         seq_len=32, batch_size=4, max_steps=10, lr=3e-3, min_lr=3e-4, warmup_steps=2,
         eval_interval=5, eval_batches=2, ckpt_interval=5,
     )
@@ -120,5 +138,6 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories": stories, "stories-moe": stories_moe, "couplets": couplets, "tiny": tiny,
+    "couplets-continue": couplets_continue,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
 }

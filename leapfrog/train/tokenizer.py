@@ -2,8 +2,17 @@
 
 Layout (same as Llama's): unk 0, bos 1, eos 2, then the special pieces (<mask>, and <sep> for
 couplets), then the 256 byte-fallback pieces, then the learned pieces. The folder holds
-``tokenizer.model`` + ``tokenizer_config.json`` naming LlamaTokenizer (what llama.cpp's
-convert_hf_to_gguf.py reads) and the ``tokenizer.json`` that transformers writes from it.
+``tokenizer.model`` (what llama.cpp's convert_hf_to_gguf.py reads), ``tokenizer_config.json``
+naming LlamaTokenizer, and the ``tokenizer.json`` that transformers writes from it.
+
+A spec with ``end_of_prompt`` (couplets: ``<sep>``) makes the tokenizer mark the end of every
+text it encodes with special tokens, as it marks the start with ``<s>``: tokenizer.json's
+TemplateProcessing becomes ``<s> $A <sep>``, so any client that sends the raw prompt (leapfrog,
+``AutoTokenizer``, an OpenAI-style server) hands the model ``<s>prompt<sep>``. Such a folder names
+``PreTrainedTokenizerFast`` and carries no ``add_bos_token``/``add_eos_token``: LlamaTokenizer
+(and those keys) would rebuild the post-processor from bos/eos alone and drop the ``<sep>``.
+Training streams are encoded with ``add_special_tokens=False`` and explicit ids (prepare.py), so
+the suffix never enters them.
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ class TokenizerSpec:
     character_coverage: float = 1.0
     add_dummy_prefix: bool = True
     num_sample_lines: int = 400_000
+    # A special token appended to every text encoded with special tokens (see the module doc).
+    end_of_prompt: str | None = None
 
 
 def train_sentencepiece(texts: list[str], spec: TokenizerSpec, out_dir: Path) -> Path:
@@ -83,12 +94,47 @@ def export_hf_tokenizer(sp_model: Path, out_dir: Path, spec: TokenizerSpec, mode
         tok = AutoTokenizer.from_pretrained(tmp)
         tok.save_pretrained(out_dir)
     shutil.copy(sp_model, out_dir / "tokenizer.model")
+    if spec.end_of_prompt:
+        mark_end_of_prompt(out_dir, spec.end_of_prompt)
     loaded = AutoTokenizer.from_pretrained(out_dir)
-    check_tokenizer(loaded, sp_model, spec.specials, samples)
+    check_tokenizer(loaded, sp_model, spec.specials, samples, spec.end_of_prompt)
     return loaded
 
 
-def check_tokenizer(tok, sp_model: Path, specials: list[str], samples: list[str] = ()) -> None:
+def mark_end_of_prompt(folder: Path, token: str) -> None:
+    """Make the folder's tokenizer encode text as ``<s> text token`` (see the module doc)."""
+    path = Path(folder) / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    ids = {t["content"]: t["id"] for t in data["added_tokens"]}
+    if token not in ids or "<s>" not in ids:
+        raise ValueError(f"{path}: {token!r} and <s> must be added tokens")
+
+    def special(name: str, type_id: int) -> dict:
+        return {"SpecialToken": {"id": name, "type_id": type_id}}
+
+    def seq(name: str, type_id: int) -> dict:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    # A pair reads <s> A token B token; llama.cpp's converter parses this template without
+    # warnings (it records add_bos, add_eos and takes the token as the GGUF's eos, </s> as eot).
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [special("<s>", 0), seq("A", 0), special(token, 0)],
+        "pair": [special("<s>", 0), seq("A", 0), special(token, 0), seq("B", 1), special(token, 1)],
+        "special_tokens": {name: {"id": name, "ids": [ids[name]], "tokens": [name]}
+                           for name in ("<s>", token)},
+    }
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+    config_path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("add_bos_token", "add_eos_token"):
+        config.pop(key, None)
+    config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+
+def check_tokenizer(tok, sp_model: Path, specials: list[str], samples: list[str] = (),
+                    end_of_prompt: str | None = None) -> None:
     """The field notes' trap: a tokenizer can load with a 3-token vocabulary. Fail loudly."""
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     if len(tok) != sp.get_piece_size():
@@ -98,6 +144,12 @@ def check_tokenizer(tok, sp_model: Path, specials: list[str], samples: list[str]
             raise RuntimeError(f"special {s} has different ids in HF and SentencePiece")
     if (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) != (1, 2, 0):
         raise RuntimeError("expected unk 0, bos 1, eos 2")
+    end = [tok.convert_tokens_to_ids(end_of_prompt)] if end_of_prompt else []
+    for text in ("春", "hello"):
+        plain = tok(text, add_special_tokens=False).input_ids
+        if tok(text).input_ids != [1, *plain, *end]:
+            raise RuntimeError(f"encoding {text!r} with special tokens gives {tok(text).input_ids}, "
+                               f"expected <s> text{' ' + end_of_prompt if end_of_prompt else ''}")
     # The fast tokenizer must split text exactly as SentencePiece did when the caches were built.
     bad = [t for t in samples if tok(t, add_special_tokens=False).input_ids != sp.encode(t)]
     if len(bad) > len(samples) // 100:
