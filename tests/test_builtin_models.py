@@ -35,6 +35,23 @@ def test_builtin_logits_and_tokens_match_transformers(folder):
     assert (folder / "README.md").is_file() and (folder / "SHA256SUMS").is_file()
 
 
+@pytest.mark.skipif(not any(p.name == "couplets" for p in BUILTIN), reason="couplets not trained yet")
+@pytest.mark.parametrize("prompt", ["春回大地万象新", "关键词：春 福\n"])
+def test_couplets_tokenizer_ends_a_raw_prompt_with_sep(prompt):
+    """The couplets tokenizer marks the end of a prompt with <sep> as it marks the start with <s>,
+    so a client sending the raw 上联 hands the model <s>上联<sep>: leapfrog and transformers alike."""
+    folder = CHECKPOINT_DIRS[0] / "couplets"
+    ours = Tokenizer.from_folder(folder)
+    sep = ours.token_to_id("<sep>")
+    ids = ours.encode(prompt)
+    assert ids[0] == ours.bos_token_id and ids[-1] == sep
+    assert ids == [ours.bos_token_id, *ours.encode(prompt, add_special_tokens=False), sep]
+    assert ids[1:].count(ours.bos_token_id) == 0 and ids.count(sep) == 1
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert hf_tok(prompt).input_ids == ids
+    assert hf_tok.decode(ids, skip_special_tokens=True) == ours.decode(ids) == prompt
+
+
 @pytest.mark.skipif(not any(p.name == "stories" for p in BUILTIN), reason="stories not trained yet")
 def test_generate_with_no_model_argument_tells_a_story():
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--max-tokens", "40",

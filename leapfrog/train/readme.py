@@ -30,13 +30,18 @@ DATA_NOTES = {
 
 COUPLET_FORMATS = """## Prompt formats
 
+- **The tokenizer ends every prompt with `<sep>`**, as it starts it with `<s>`: tokenizer.json's
+  post-processor is `<s> $A <sep>` (tokenizer_config.json names `PreTrainedTokenizerFast`, which
+  keeps it), so leapfrog, `transformers.AutoTokenizer` and any server built on them hand the
+  model `<s>prompt<sep>` for a raw prompt. `<sep>` is a special token, dropped by
+  `decode(..., skip_special_tokens=True)`. Training streams are encoded without the post-processor.
 - **Pair mode** (no template): the prompt is the raw 上联, the completion is the 下联.
-  Trained as `<s>上联<sep>下联</s>`; the model emits `<sep>` itself where the 上联 ends, and
-  `<sep>` is a special token, so `decode(..., skip_special_tokens=True)` returns just the 下联.
-  Sending `上联<sep>` as the prompt works too. Greedy decoding is the default
-  (generation_config.json).
+  Trained as `<s>上联<sep>下联</s>`. Greedy decoding is the default (generation_config.json).
+  A prompt that already ends with the text `<sep>` (the format before the tokenizer added it)
+  encodes as `上联<sep><sep>`; 3% of the pair examples are written that way so it still works.
 - **Keyword mode**: prompt `关键词：春 福\\n` (1-3 keywords of 1-2 characters, separated by spaces,
-  ending with a newline); completion `上联：…\\n下联：…\\n横批：…` then `</s>`.
+  ending with a newline); completion `上联：…\\n下联：…\\n横批：…` then `</s>`, trained as
+  `<s>关键词：春 福\\n<sep>上联：…</s>`.
   Keywords were sampled from the couplets themselves. Only `spring_festival.tsv` has a real 横批
   (repeated 20 times with fresh keywords); for a quarter of the other pairs the 横批 is the
   4-character phrase (real 横批 or 4-character couplet side) sharing the most characters with the
@@ -45,12 +50,11 @@ COUPLET_FORMATS = """## Prompt formats
   byte fallback for the rare characters outside 99.95% coverage, `add_prefix_space` false.
 """
 
-
 def render(summary: dict, check: CheckResult, folder: Path) -> str:
     cfg = summary["config"]
     m = cfg["model"]
     lines = [
-        f"# {summary['recipe']} — a built-in leapfrog model",
+        f"# {_model_name(folder)} — a built-in leapfrog model",
         "",
         f"A {summary['num_params'] / 1e6:.2f}M-parameter {_architecture(m)}: hidden "
         f"{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads / "
@@ -92,13 +96,15 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         "```",
         "",
     ]
-    if summary["recipe"] == "couplets":
+    if cfg["name"] == "couplets":
         lines += [COUPLET_FORMATS]
+    # A folder made in several runs lists its commands in training.json's "reproduce".
+    commands = summary.get("reproduce") or [cfg["command"] or f"leapfrog train {summary['recipe']}",
+                                             f"# or: python -m leapfrog.train.cli {summary['recipe']}"]
     lines += ["## Samples", ""] + _samples(check) + [
         "## Reproduce", "",
         "From the repository root, with the data in `../shared/data`:", "",
-        "```", cfg["command"] or f"leapfrog train {summary['recipe']}",
-        f"# or: python -m leapfrog.train.cli {summary['recipe']}", "```", "",
+        "```", *commands, "```", "",
         "The seed fixes initialisation and batch order; an interrupted run continues with `--resume`.",
         "",
     ]
@@ -115,7 +121,8 @@ def _origin(summary: dict) -> str:
 
 def _loss_rows(summary: dict) -> list[str]:
     if not summary["config"].get("diffusion"):
-        return [f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |"]
+        return [f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |",
+                *_initial_model_row(summary)]
     rows = [f"| final validation loss | {summary['val_loss']} nats per masked token (the training mix) |"]
     labels = {"single": "single-block (complementary masks)", "multi": "multi-block (MultiTF groups)"}
     for key, label in labels.items():
@@ -123,11 +130,15 @@ def _loss_rows(summary: dict) -> list[str]:
             before = (summary.get("init") or {}).get("val_parts", {}).get(key)
             rows.append(f"| validation, {label} | {summary['val_parts'][key]}"
                         + (f" (initial model: {before})" if before is not None else "") + " |")
+    return rows + _initial_model_row(summary)
+
+
+def _initial_model_row(summary: dict) -> list[str]:
     init = summary.get("init") or {}
-    if "steps" in init:
-        rows.append(f"| initial model | `{init['folder']}`: recipe {init.get('recipe')}, {init['steps']:,} "
-                    f"steps, {init.get('wall_s', 0) / 60:.1f} min, validation loss {init.get('val_loss')} |")
-    return rows
+    if "steps" not in init:
+        return []
+    return [f"| initial model | `{init['folder']}`: recipe {init.get('recipe')}, {init['steps']:,} "
+            f"steps, {init.get('wall_s', 0) / 60:.1f} min, validation loss {init.get('val_loss')} |"]
 
 
 def _diffusion_section(summary: dict, folder: Path) -> list[str]:
