@@ -119,6 +119,8 @@ class DFlashMethod(SpeculativeMethod):
         self._num_drafts = 0              # drafting calls so far (the first is a warm-up, not timed)
         self._surv_prior: list[float] | None = None   # running average survival row (all requests)
         self._skipped_steps = 0           # consecutive steps that skipped drafting
+        self._reprobe_every = self.reprobe_steps
+        self._decided_batch = -1          # batch size of the last drafting decision
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
@@ -199,9 +201,11 @@ class DFlashMethod(SpeculativeMethod):
             return [Proposal(a.pos, []) for a in anchors]
         return self._draft(anchors)
 
-    # Consecutive steps without drafting after which a step drafts anyway, to refresh the
-    # predictions the decision rests on (load may have dropped, text may have become easier).
+    # A step that decided not to draft re-probes (drafts anyway, to refresh the predictions the
+    # decision rests on) after reprobe_steps skipped steps; each probe that still finds drafting
+    # not worth it doubles the wait, up to max_reprobe_steps; a change of batch size resets it.
     reprobe_steps = 16
+    max_reprobe_steps = 256
 
     def _worth_drafting(self, anchors: list[Anchor]) -> bool:
         """Decide before drafting (confidence scheduling): drafting costs time whether or not
@@ -209,19 +213,32 @@ class DFlashMethod(SpeculativeMethod):
         step skips it. A request's survival row from its previous drafts (smoothed), or the
         method's running average for a request that has none yet, stands in for confidences
         not drawn yet; the step drafts when the expected tokens per second of the best schedule
-        on those predictions, drafting time included, beat a plain decode step's. The decision is for the whole batch:
-        drafting's cost is mostly per step, not per request."""
+        on those predictions, drafting time included, beat a plain decode step's. The decision
+        is for the whole batch (drafting's cost is mostly per step, not per request) and, once
+        negative, holds while the batch size does, until the next re-probe."""
         if self.draft_seconds == 0 or self._surv_prior is None:
             return True                   # nothing measured yet
+        batch = len(anchors)
+        if batch != self._decided_batch:
+            self._decided_batch, self._reprobe_every, self._skipped_steps = batch, self.reprobe_steps, 0
+        elif 0 < self._skipped_steps < self._reprobe_every:
+            return self._skip(batch)      # same load, decided already: no need to re-plan
         preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]
-        table, overhead, batch = self._step_costs(), self.draft_seconds, len(anchors)
+        table, overhead = self._step_costs(), self.draft_seconds
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
         with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
-        self._skipped_steps += 1
-        if with_drafts > batch / table.cost(batch) or self._skipped_steps > self.reprobe_steps:
-            self._skipped_steps = 0
+        if with_drafts > batch / table.cost(batch):
+            self._skipped_steps, self._reprobe_every = 0, self.reprobe_steps
             return True
+        if self._skipped_steps >= self._reprobe_every:      # probe, then wait longer
+            self._skipped_steps = 0
+            self._reprobe_every = min(2 * self._reprobe_every, self.max_reprobe_steps)
+            return True
+        return self._skip(batch)
+
+    def _skip(self, batch: int) -> bool:
+        self._skipped_steps += 1
         self.counters.num_skipped_drafts += batch
         return False
 
