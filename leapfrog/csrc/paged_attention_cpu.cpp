@@ -143,11 +143,15 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
         const char* r = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * KVH * D);
         for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
       };
-      for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(k, p);
-      for (int64_t p = 0; p < n; ++p) {
-        prefetch_row(k, p + kPrefetchSlots);
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const kv_t* krow = k + slot * KVH * D;
+      // Visit positions 0..n-1 in order with the row (all KV heads) of each in `base`.
+      auto walk = [&](const kv_t* base, auto&& body) {
+        for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(base, p);
+        for (int64_t p = 0; p < n; ++p) {
+          prefetch_row(base, p + kPrefetchSlots);
+          body(p, base + (table[p / block_size] * block_size + p % block_size) * KVH * D);
+        }
+      };
+      walk(k, [&](int64_t p, const kv_t* krow) {
         for (int64_t h = 0; h < H; ++h) {
           const float* qv = qb + h * D;
           const kv_t* kv = krow + (h / group) * D;
@@ -156,7 +160,7 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
             a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), kv_load8(kv + 8 * d), a);
           scores[h * n + p] = hsum256_(a) * scale;
         }
-      }
+      });
       for (int64_t h = 0; h < H; ++h) {
         float* sc = scores.data() + h * n;
         float mx = -INFINITY;
@@ -177,11 +181,7 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
         inv[h] = 1.f / denom;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(v, p);
-      for (int64_t p = 0; p < n; ++p) {
-        prefetch_row(v, p + kPrefetchSlots);
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const kv_t* vrow = v + slot * KVH * D;
+      walk(v, [&](int64_t p, const kv_t* vrow) {
         for (int64_t h = 0; h < H; ++h) {
           const __m256 w = _mm256_set1_ps(scores[h * n + p]);
           const kv_t* vv = vrow + (h / group) * D;
@@ -189,7 +189,7 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
           for (int64_t d = 0; d < nd; ++d)
             _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, kv_load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
         }
-      }
+      });
       for (int64_t h = 0; h < H; ++h) {
         float* o = out + (b * H + h) * D;
         const __m256 s = _mm256_set1_ps(inv[h]);
