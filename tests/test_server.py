@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_common import ServerThread, still_works
+from test_server_common import ServerThread, pace_engine, still_works
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,8 @@ def test_n_stop_logprobs_priority(server, client):
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
 
 
-def test_aborted_stream_frees_kv_blocks(server):
+def test_aborted_stream_frees_kv_blocks(server, monkeypatch):
+    pace_engine(monkeypatch)     # still decoding when the client hangs up
     assert server.wait_idle() == 0
     with httpx.stream("POST", server.url + "/v1/completions",
                       json={"prompt": "Once upon a time", "max_tokens": 200, "stream": True,

@@ -90,3 +90,11 @@ def still_works(url: str, headers: dict | None = None) -> None:
                    headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["num_tokens"] >= 1
+
+
+def pace_engine(monkeypatch, seconds: float = 0.005) -> None:
+    """Slow every engine step down (tests whose subject is a request still running when
+    something happens; on its own the tiny test model decodes 240 tokens in a few ms)."""
+    from leapfrog.engine import LLMEngine
+    real_step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(seconds) or real_step(self))

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from leapfrog.server_auth import jwt_encode
-from test_server_common import ServerThread, assert_error, still_works
+from test_server_common import ServerThread, assert_error, pace_engine, still_works
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,11 @@ def test_openai_client_sees_errors(server):
     still_works(server.url)
 
 
-def test_client_gone_while_waiting_frees_blocks(server):
+def test_client_gone_while_waiting_frees_blocks(server, monkeypatch):
     """A non-streaming client that times out is noticed and its request aborted."""
+    pace_engine(monkeypatch)
     with pytest.raises(httpx.ReadTimeout):
-        # Four 240-token completions take well over 50 ms even with the CPU kernels.
+        # Four 240-token completions at >= 5 ms a step take over a second, against 50 ms.
         httpx.post(server.url + "/v1/completions",
                    json={"prompt": "Once", "max_tokens": 240, "ignore_eos": True, "n": 4}, timeout=0.05)
     assert server.wait_idle(timeout=5) == 0
@@ -99,11 +100,8 @@ def _long_stream(url: str, started: threading.Event, results: list, max_tokens: 
 
 
 def test_queue_full_answers_429(llama_dir, monkeypatch):
-    # Pace the engine (5 ms a step) so the two long streams are certainly still running and
-    # queued when the third request arrives, however fast decoding is on this machine.
-    from leapfrog.engine import LLMEngine
-    real_step = LLMEngine.step
-    monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(0.005) or real_step(self))
+    # The two long streams must still be running and queued when the third request arrives.
+    pace_engine(monkeypatch)
     s = ServerThread(llama_dir, max_batch_size=1, max_queue_size=1).start()
     try:
         results: list = []
@@ -162,9 +160,10 @@ def test_auth_and_rate_limit(llama_dir, tmp_path):
         s.stop()
 
 
-def test_request_timeout(llama_dir):
+def test_request_timeout(llama_dir, monkeypatch):
+    pace_engine(monkeypatch)
     s = ServerThread(llama_dir, request_timeout=0.05).start()
-    try:   # four 240-token completions cannot finish in 50 ms, however fast decoding gets
+    try:   # four 240-token completions at >= 5 ms a step cannot finish in 50 ms
         r = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 240, "ignore_eos": True, "n": 4})
         assert_error(r, 504, "request_timeout")
         assert s.wait_idle() == 0
