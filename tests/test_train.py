@@ -71,6 +71,19 @@ def test_couplet_formats_round_trip():
     assert fmt.ScrollPool(["花好月圆", "万象更新"]).pick("花开富贵", "月满乾坤") == "花好月圆"
 
 
+def test_long_couplets_are_oversampled_in_pair_mode_only():
+    """long_repeats adds that many pair-mode copies of every pair with a long 上联, and nothing
+    else: the examples without it are the same multiset as before."""
+    from collections import Counter
+    pairs = [("天若有情天亦老", "月如无恨月常圆"), ("春风又绿江南岸呀", "明月何时照我还呢"), ("山高", "水长")]
+    spring = [("福满门", "春满园", "万象更新")]
+    base = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1)
+    more = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1, long_repeats=2)
+    extra = Counter(more) - Counter(base)
+    assert extra == Counter({fmt.pair_text("春风又绿江南岸呀", "明月何时照我还呢"): 2})
+    assert not Counter(base) - Counter(more)
+
+
 def test_couplets_tokenizer_ends_prompts_with_sep_but_not_training_streams(data_dir):
     """The couplets recipe's tokenizer encodes a raw prompt as <s> prompt <sep> in transformers
     and in leapfrog alike, while the token streams it trains on hold only the texts' own <sep>s."""
@@ -89,7 +102,7 @@ def test_couplets_tokenizer_ends_prompts_with_sep_but_not_training_streams(data_
         plain = hf(prompt, add_special_tokens=False).input_ids
         assert hf(prompt).input_ids == ours.encode(prompt) == [1, *plain, sep]
         assert hf.decode(hf(prompt).input_ids, skip_special_tokens=True) == prompt
-    train_texts, val_texts = _texts("couplets", str(data_dir), cfg.seed)
+    train_texts, val_texts, _ = _texts("couplets", str(data_dir), cfg.seed)
     for stream, texts in ((prep.train, train_texts), (prep.val, val_texts)):
         assert int((stream == sep).sum()) == sum(t.count(fmt.SEP) for t in texts)
         assert int((stream == 1).sum()) == len(texts)

@@ -101,10 +101,12 @@ def _hash(text: str) -> int:
 
 def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, str]],
                    seed: int = 0, keyword_fraction: float = 0.25, spring_repeats: int = 20,
-                   double_sep_fraction: float = 0.03) -> list[str]:
+                   double_sep_fraction: float = 0.03, long_repeats: int = 0,
+                   long_min: int = 8) -> list[str]:
     """All training texts: every pair in pair mode (a few with <sep><sep>, see the module doc), a
     fraction also in keyword mode, and the spring-festival triples (real 横批) repeated with
-    fresh keywords each time."""
+    fresh keywords each time. With `long_repeats`, pairs whose 上联 has at least `long_min`
+    characters appear that many extra times in pair mode (where the model loses count)."""
     rng = random.Random(seed)
     pool = ScrollPool([s for _, _, s in spring] + [x for p in pairs for x in p])
     # The extra <sep>s come from their own generator: the keyword draws stay those of seed.
@@ -117,6 +119,7 @@ def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, st
     for _ in range(spring_repeats):
         for u, d, s in spring:
             texts.append(keyword_text(sample_keywords(u, d, rng), u, d, s))
+    texts += [pair_text(u, d) for u, d in pairs if len(u) >= long_min] * long_repeats
     rng.shuffle(texts)
     return texts
 

@@ -76,6 +76,7 @@ class TrainConfig:
     recipe: str = ""                            # recipe name where it differs from the dataset name
     init_from: str | None = None                # HF folder to start from (its shape and tokenizer)
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
+    long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -218,7 +219,8 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise FileNotFoundError(f"{cfg.init_from}: no checkpoint to start {cfg.recipe or cfg.name} "
                                 "from (train that model first)")
-    prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position)
+    prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
+                               cfg.long_repeats)
     model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)
