@@ -75,12 +75,22 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256_(__m256 v) {
+static inline float hsum256(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
+
+// Eight consecutive values widened to float32: plain loads for float32, F16C conversion for
+// float16 (exact: every float16 is a float32). Used for KV rows and for weights.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#define LEAPFROG_HAVE_F16_SIMD 1
+#endif
 
 // Float32 (or, with F16C, float16) caches with D a multiple of 8 (every model we serve): one task per sequence walks
 // its slots once, in order, and serves every query head from each key and value row (a
@@ -112,12 +122,6 @@ static inline __m256 exp256(__m256 x) {
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
   return _mm256_andnot_ps(under, y);
 }
-static inline __m256 kv_load8(const float* p) { return _mm256_loadu_ps(p); }
-#if defined(__F16C__)
-static inline __m256 kv_load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
 
 template <typename kv_t>
 static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
@@ -155,10 +159,10 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
         for (int64_t h = 0; h < H; ++h) {
           const float* qv = qb + h * D;
           const kv_t* kv = krow + (h / group) * D;
-          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), kv_load8(kv));
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), load8(kv));
           for (int64_t d = 1; d < nd; ++d)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), kv_load8(kv + 8 * d), a);
-          scores[h * n + p] = hsum256_(a) * scale;
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), load8(kv + 8 * d), a);
+          scores[h * n + p] = hsum256(a) * scale;
         }
       });
       for (int64_t h = 0; h < H; ++h) {
@@ -173,7 +177,7 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
           _mm256_storeu_ps(sc + p, e);
           vsum = _mm256_add_ps(vsum, e);
         }
-        float denom = hsum256_(vsum);
+        float denom = hsum256(vsum);
         for (; p < n; ++p) {
           sc[p] = std::exp(sc[p] - mx);
           denom += sc[p];
@@ -187,7 +191,7 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
           const kv_t* vv = vrow + (h / group) * D;
           float* a = acc.data() + h * D;
           for (int64_t d = 0; d < nd; ++d)
-            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, kv_load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
+            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
         }
       });
       for (int64_t h = 0; h < H; ++h) {
@@ -245,27 +249,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // and for 2 <= M <= 32 the BLAS kernel streams them from L3 again for every few rows of x, so
 // verifying 8 drafts costs ~6x one decode step. Here each group of four weight rows is read
 // once into L1 and used for every row of x (which stays in L1/L2): cost ~ one weight read.
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-#endif
-
-// Eight consecutive weights widened to float32: plain loads for float32 weights, F16C
-// conversion for float16 ones (exact: every float16 is a float32).
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-#if defined(__F16C__)
-static inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#define LEAPFROG_HAVE_F16_SIMD 1
-#endif
-#endif
 
 // One group of four weight rows against one or two rows of x (PAIR). A single row of x does
 // half the multiply-adds of a pair, so odd M (decode's M = 1 above all) is not padded.
@@ -381,7 +364,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One whole Llama-family decoder layer for a few query rows on a CPU (decode, draft
+// One whole Llama-family decoder layer for a step's query rows on a CPU (decode batches, draft
 // verification, diffusion canvases): the same arithmetic as the layer-by-layer path (the
 // kernels above plus RoPE, the KV write and SwiGLU written out here), in one call instead of
 // ~20 small torch ops, whose dispatch costs more than the arithmetic at this size.
@@ -519,7 +502,7 @@ torch::Tensor draft_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
-  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer for a few rows (CPU, float32)");
+  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)");
   m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)");
 }

@@ -244,10 +244,10 @@ class DFlashDraftModel(nn.Module):
 
 
 def _fused_ok(x: torch.Tensor, layers) -> bool:
-    """One sequence's block on a CPU without autograd, few rows, dense SwiGLU layers: the
-    layers may run as single C++ calls (models/llama.py's fused path, for the drafter)."""
+    """One sequence's block on a CPU without autograd, dense SwiGLU layers: the layers may run
+    as single C++ calls (models/llama.py's fused path, for the drafter)."""
     from leapfrog.models import llama
-    return (llama._FUSED_LAYERS and x.shape[1] <= 32 and cpu_inference(x, x)
+    return (llama._FUSED_LAYERS and cpu_inference(x, x)
             and cpu_kernels() is not None and all(layer.fusable for layer in layers))
 
 
