@@ -84,6 +84,27 @@ def test_long_couplets_are_oversampled_in_pair_mode_only():
     assert not Counter(base) - Counter(more)
 
 
+def test_oversampling_long_couplets_keeps_the_vocabulary(data_dir, tmp_path):
+    """prepare(long_repeats=2): two more copies of each long pair in the training stream, the
+    tokenizer trained on the plain examples (so continued training keeps its embedding)."""
+    import shutil
+
+    from leapfrog.train.prepare import prepare
+    root = tmp_path / "data"
+    shutil.copytree(data_dir, root)
+    long_pairs = [("天地山水风月花鸟春秋", "日月云雨江河金玉龙凤"), ("福寿喜乐东西南北天地", "山水风月花鸟春秋日月")]
+    with open(root / "couplets" / "couplets.tsv", "a") as f:
+        f.writelines(f"{u}\t{d}\n" for u, d in long_pairs)
+    cfg = tiny("couplets")
+    plain = prepare("couplets", cfg.tokenizer, str(root), cfg.seed, cfg.model.max_position)
+    more = prepare("couplets", cfg.tokenizer, str(root), cfg.seed, cfg.model.max_position, long_repeats=2)
+    held = set(data.heldout("couplets", str(root)))
+    num_long = sum((u, d) not in held for u, d in long_pairs)
+    assert num_long > 0 and more.num_train_items == plain.num_train_items + 2 * num_long
+    assert len(more.train) > len(plain.train)
+    assert (more.tokenizer_dir / "tokenizer.json").read_text() == (plain.tokenizer_dir / "tokenizer.json").read_text()
+
+
 def test_couplets_tokenizer_ends_prompts_with_sep_but_not_training_streams(data_dir):
     """The couplets recipe's tokenizer encodes a raw prompt as <s> prompt <sep> in transformers
     and in leapfrog alike, while the token streams it trains on hold only the texts' own <sep>s."""
