@@ -186,3 +186,49 @@ def test_resume_continues_from_saved_step(trained, capsys):
     assert steps == list(range(1, 10)) and summary["steps"] == 9
     # The first six losses are the saved run's, not recomputed.
     assert state["history"]["train"][:6] == saved["history"]["train"]
+
+
+def test_joined_pairs_answer_clause_by_clause():
+    """join_pairs: each synthetic 上联 is 2-3 real 上联 joined by "，", its 下联 the same pairs'
+    下联 in the same order, so both sides have equal length with the commas in the same places;
+    pairs of unequal length or with punctuation of their own are never used."""
+    pairs = [("天若有情", "月如无恨"), ("春风又绿江南", "明月何时照我"), ("山高水长", "海阔天空"),
+             ("长短", "不一样长"), ("有，逗号", "也，不行")]
+    joined = fmt.join_pairs(pairs, 50, random.Random(0))
+    answer = {u: d for u, d in pairs[:3]}
+    assert len(joined) == 50
+    for up, down in joined:
+        ups, downs = up.split("，"), down.split("，")
+        assert 2 <= len(ups) <= 3 and len(up) == len(down)
+        assert [answer[u] for u in ups] == downs
+    assert fmt.join_pairs([("长短", "不一样长")], 5, random.Random(0)) == []
+
+
+def test_distilled_stream_is_the_parents_own_text(trained, data_dir, monkeypatch):
+    """train.distill: the training stream becomes the parent's continuations of training-story
+    openings (<s> prompt completion), greedy ones equal to the parent's greedy generation, and a
+    second call reads the cache instead of generating again."""
+    from leapfrog import LLM, SamplingParams
+    from leapfrog.train import distill
+    from leapfrog.train.prepare import prepare
+
+    cfg, _ = trained
+    prep = prepare("stories", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    spec = distill.DistillSpec(parent=cfg.out_dir, num_sequences=3, max_tokens=6, sampled_every=0)
+    out = distill.distilled(prep, "stories", spec, cfg.seed, str(data_dir))
+    stream = [int(t) for t in out.train]
+    assert stream[0] == 1 and out.num_train_items == 3 and out.val is prep.val
+    prompts = distill.prompts_for("stories", spec, cfg.seed, str(data_dir))
+    llm = LLM(cfg.out_dir, method="ar")
+    expected = []
+    for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0)):
+        expected += list(o.prompt_token_ids) + list(o.token_ids)
+        if o.finish_reason == "stop" and expected[-1] != 2:
+            expected.append(2)
+    assert stream == expected
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("regenerated although cached")
+    monkeypatch.setattr(distill, "regenerate_ids", no_generation)
+    again = distill.distilled(prep, "stories", spec, cfg.seed, str(data_dir))
+    assert [int(t) for t in again.train] == stream

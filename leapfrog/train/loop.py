@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from leapfrog.train.diffusion import DiffusionSpec
+from leapfrog.train.distill import DistillSpec
 from leapfrog.train.tokenizer import TokenizerSpec
 
 
@@ -77,6 +78,8 @@ class TrainConfig:
     init_from: str | None = None                # HF folder to start from (its shape and tokenizer)
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
+    joined_pairs: int = 0                       # couplets: synthetic long pairs (couplets.join_pairs)
+    distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -220,7 +223,10 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         raise FileNotFoundError(f"{cfg.init_from}: no checkpoint to start {cfg.recipe or cfg.name} "
                                 "from (train that model first)")
     prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                               cfg.long_repeats)
+                               cfg.long_repeats, cfg.joined_pairs)
+    if cfg.distill is not None and prepared is None:
+        from leapfrog.train.distill import distilled
+        prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
     model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)

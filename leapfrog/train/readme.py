@@ -146,9 +146,18 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
 
     spec = DiffusionSpec(**summary["config"]["diffusion"])
     init = summary.get("init") or {}
-    stages = ([f"Made in two stages: `leapfrog train {init['recipe']}` wrote `{init['folder']}`, "
-               f"then `leapfrog train {summary['recipe']}` continued it into this folder.", ""]
+    stages = ([f"Continued from a block-diffusion model: `leapfrog train {init['recipe']}` wrote "
+               f"`{init['folder']}`, then `leapfrog train {summary['recipe']}` continued it into "
+               "this folder.", ""]
               if init.get("val_parts") else [])
+    distill = summary["config"].get("distill")
+    if distill:
+        stages += [f"Self-distillation (`leapfrog.train.distill`): the training stream is not the "
+                   f"corpus but `{distill['parent']}`'s own continuations of "
+                   f"{distill['num_sequences']:,} training-story openings ({distill['max_tokens']} "
+                   + (f"tokens each; one in {distill['sampled_every']} at T=0.7 / top-p 0.9, the rest "
+                      "greedy)" if distill["sampled_every"] else "tokens each, greedy)")
+                   + ". Validation is still held-out human text.", ""]
     return ["## Block diffusion", "", *notes(spec), "", *stages,
             "Decoding contract: `config.json` carries `block_size`, `mask_token_id` and "
             "`diffusion_logit_shift`; `leapfrog.json` makes `diffusion` the default method. "

@@ -90,6 +90,20 @@ def couplets_long() -> TrainConfig:
     return cfg
 
 
+def couplets_joined() -> TrainConfig:
+    """Continue the shipped `couplets` weights (couplets-long) on the couplets-long stream plus
+    20,000 synthetic long pairs: 2-3 training pairs joined clause by clause with "，"
+    (``leapfrog.train.couplets.join_pairs``), so the model practises keeping count at 16-48
+    characters. Same tokenizer, data and seed as `couplets`; writes runs/couplets-joined/model,
+    copied over checkpoints/couplets once measured."""
+    cfg = couplets_long()
+    cfg.recipe = "couplets-joined"
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-joined" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-joined")
+    cfg.joined_pairs = 20000
+    return cfg
+
+
 def stories_diffusion() -> TrainConfig:
     """Stage 1: the `stories` AR model -> a block-diffusion model (block 4, token shift, since it
     starts from an AR head; complementary masks). Its result stays in runs/ as the single-block
@@ -118,6 +132,26 @@ def stories_diffusion_mb() -> TrainConfig:
         spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
                            multi_weight=0.5, max_group=4),
         max_steps=300, lr=5e-4, min_lr=5e-5, warmup_steps=20)
+
+
+def stories_diffusion_distill() -> TrainConfig:
+    """Stage 3: the shipped multi-block model (stage 2) fine-tuned on the `stories` AR model's own
+    continuations of 4,000 training-story openings (two thirds greedy, one third T=0.7 / top-p
+    0.9; ``leapfrog.train.distill``) with stage 2's objective (0.5 single-block + 0.5 MultiTF).
+    Text the parent wrote is far more predictable than the corpus, so the diffusion model's
+    confidences rise and parallel unmasking commits more tokens per forward. Regenerating takes
+    a few minutes (cached); 800 steps ~40 min on one thread. Writes runs/stories-diffusion-distill
+    /model, copied over checkpoints/stories-diffusion once measured."""
+    from leapfrog.train.distill import DistillSpec
+
+    cfg = _diffusion_stage(
+        stories(), "stories-diffusion-distill", init_from=stories_diffusion_mb().out_dir,
+        out_dir=REPO_ROOT / "runs" / "stories-diffusion-distill" / "model",
+        spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
+                           multi_weight=0.5, max_group=4),
+        max_steps=800, lr=5e-4, min_lr=5e-5, warmup_steps=30)
+    cfg.distill = DistillSpec(parent=stories().out_dir)
+    return cfg
 
 
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
@@ -154,5 +188,7 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories": stories, "stories-moe": stories_moe, "couplets": couplets, "tiny": tiny,
     "couplets-continue": couplets_continue, "couplets-long": couplets_long,
+    "couplets-joined": couplets_joined,
+    "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
 }

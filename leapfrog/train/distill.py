@@ -1,0 +1,90 @@
+"""Self-distillation data: a training stream of text the AR model wrote itself.
+
+Used by `stories-diffusion-distill`: a block-diffusion model fine-tuned on its AR parent's own
+continuations of training-story openings (most greedy, some sampled) learns that parent's
+distribution rather than the raw corpus's. That distribution is sharper (the parent's greedy
+text has perplexity ~3.6 under itself against ~21 for held-out stories), so the diffusion model
+grows confident about several masked positions at once and parallel unmasking commits more
+than one token per forward; it is also the text the quality judge (the same AR model) scores.
+This is the data-side half of the dParallel / CLLM-style recipes (research/diffusion.md): the
+objective is unchanged (block-wise masked diffusion, MultiTF). Validation stays on held-out
+human text, so the reported validation loss is comparable with the other stages.
+
+The stream is cached under data_cache/<name>-distill/<key>/ (key: parent folder and its weights'
+size and mtime, counts, seed), so a resumed run regenerates nothing.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from leapfrog.train import data
+
+
+@dataclass(slots=True)
+class DistillSpec:
+    parent: str                      # AR model folder that writes the text
+    num_sequences: int = 4000        # continuations of distinct training-story openings
+    max_tokens: int = 224            # generated tokens per continuation (prompt + this <= window)
+    sampled_every: int = 3           # every n-th continuation at T=0.7 / top-p 0.9 (0: all greedy)
+
+
+def _stamp(folder: Path) -> list[tuple[str, int, int]]:
+    return [(p.name, p.stat().st_size, int(p.stat().st_mtime))
+            for p in sorted(folder.glob("*.safetensors"))]
+
+
+def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -> list[str]:
+    """Openings of `num_sequences` distinct training stories, chosen by `seed`."""
+    from leapfrog.train.check import story_opening
+
+    stories = data.train_items(name, data_dir)["stories"]
+    rng = np.random.default_rng([seed, 7])
+    pick = rng.permutation(len(stories))[:spec.num_sequences]
+    return [story_opening(stories[i]) for i in pick]
+
+
+def regenerate_ids(parent: str, prompts: list[str], spec: DistillSpec, seed: int) -> list[list[int]]:
+    """Each prompt continued by `parent` through leapfrog's own engine: <s> prompt completion,
+    with </s> when the model ended the story."""
+    from leapfrog import LLM, SamplingParams
+
+    llm = LLM(parent, method="ar")
+    eos = llm.tokenizer.eos_token_ids[0]
+    params = [SamplingParams(max_tokens=spec.max_tokens, temperature=0.7, top_p=0.9, seed=seed + i)
+              if spec.sampled_every and i % spec.sampled_every == 0
+              else SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
+              for i in range(len(prompts))]
+    docs = []
+    for out in llm.generate(prompts, params, use_tqdm=True):
+        ids = list(out.prompt_token_ids) + list(out.token_ids)
+        if out.finish_reason == "stop" and ids[-1] != eos:
+            ids.append(eos)
+        docs.append(ids)
+    return docs
+
+
+def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | None):
+    """`prep` (a train.prepare.Prepared) with its training stream replaced by the parent's text.
+    The parent must share the stream's tokenizer (checked on the vocabulary)."""
+    from transformers import AutoTokenizer
+
+    parent = Path(spec.parent)
+    if not (parent / "config.json").is_file():
+        raise FileNotFoundError(f"{parent}: no model to distil from")
+    if AutoTokenizer.from_pretrained(parent).get_vocab() != AutoTokenizer.from_pretrained(prep.tokenizer_dir).get_vocab():
+        raise ValueError(f"{parent}: tokenizer differs from the {name} data's")
+    key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.num_sequences, spec.max_tokens,
+                           spec.sampled_every, seed)
+    path = data.CACHE_DIR / f"{name}-distill" / key / "train.bin"
+    if not path.is_file():
+        prompts = prompts_for(name, spec, seed, data_dir)
+        print(f"distillation data: {len(prompts)} continuations by {parent}", file=sys.stderr, flush=True)
+        docs = regenerate_ids(str(parent), prompts, spec, seed)
+        data.write_stream(path, docs)
+    stream = data.load_stream(path)
+    return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
+
