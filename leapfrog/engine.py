@@ -134,7 +134,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, priority=priority)
+        seq = Sequence(request_id, ids, params, priority=priority,
+                       eos_token_ids=tuple(self.scheduler.eos_token_ids))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)

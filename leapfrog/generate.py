@@ -22,6 +22,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no end of text (or stop token id) before this many tokens")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,7 @@ def sampling_from_args(args: argparse.Namespace):
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
-                          ignore_eos=args.ignore_eos)
+                          ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

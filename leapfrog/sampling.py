@@ -13,7 +13,9 @@ from leapfrog.sequence import Sequence
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
-    penalties (OpenAI) over the output only, as vLLM does."""
+    penalties (OpenAI) over the output only, as vLLM does; before `min_tokens` output tokens,
+    the end-of-text and stop token ids are banned (vLLM's min_tokens). Diffusion steps score
+    several positions with one request's rows: the ban then holds for the whole step."""
     for i, seq in enumerate(seqs):
         p = seq.params
         if not p.needs_penalties:
@@ -29,6 +31,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             out = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
             counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if seq.num_output_tokens < p.min_tokens:
+            ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+            row[ban] = float("-inf")
     return logits
 
 

@@ -25,6 +25,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0                # end-of-text and stop_token_ids are banned before this many
     logprobs: int | None = None        # number of top alternatives to return, 0 = chosen only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -42,6 +43,9 @@ class SamplingParams:
             bad("max_tokens", "must be an integer")
         if self.max_tokens < 1 or self.max_tokens > MAX_TOKENS_LIMIT:
             bad("max_tokens", f"must be between 1 and {MAX_TOKENS_LIMIT}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if self.top_k < -1:
@@ -67,5 +71,6 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
+        """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0)

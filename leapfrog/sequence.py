@@ -50,6 +50,7 @@ class Sequence:
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     method_state: dict[str, Any] = field(default_factory=dict)   # owned by the decoding method
     logprobs: list[dict] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()     # the engine's end tokens (min_tokens bans them)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

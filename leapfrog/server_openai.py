@@ -67,6 +67,7 @@ def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens:
     if not explicit:
         max_tokens = min(limits.default_max_tokens, room)
     kw: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              min_tokens=req.min_tokens,
                               skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               temperature=limits.default_temperature if req.temperature is None else req.temperature)

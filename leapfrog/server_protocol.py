@@ -52,6 +52,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0                    # extension (vLLM's): no end of text before this many
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False

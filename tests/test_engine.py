@@ -54,6 +54,18 @@ def test_stop_strings_and_stop_tokens(llm):
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
 
 
+def test_min_tokens_delays_stop_tokens(llm):
+    """With min_tokens, a stop token id cannot end the request early: the output follows the
+    greedy one up to where that token first came, then continues without it until min_tokens."""
+    base = llm.generate(["Once upon a time"], GREEDY)[0]
+    tok = base.token_ids[2]
+    first = base.token_ids.index(tok)
+    out = llm.generate(["Once upon a time"], SamplingParams(
+        max_tokens=16, temperature=0, stop_token_ids=[tok], min_tokens=10))[0]
+    assert out.token_ids[:first] == base.token_ids[:first]
+    assert tok not in out.token_ids[:10] and len(out.token_ids) >= 10
+
+
 def test_seeded_sampling_is_independent_of_the_batch(llm):
     p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     alone = llm.generate(["Once upon a time"], p)[0].token_ids

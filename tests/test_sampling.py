@@ -345,3 +345,21 @@ def test_logprobs_are_of_the_raw_distribution():
     entry = token_logprobs(logits, [7], [seq])[0]
     assert abs(entry["logprob"] - logits[0].log_softmax(-1)[7].item()) < 1e-6
     assert entry["top"][0][0] == int(logits[0].argmax())
+
+
+def test_min_tokens_bans_end_tokens_until_reached():
+    """min_tokens: end-of-text ids and stop_token_ids get -inf while fewer output tokens exist,
+    nothing else changes, and the ban lifts once min_tokens are out."""
+    logits = rand_logits(2, seed=4)
+    early = make_seq([1, 2], [5], "a", min_tokens=3, stop_token_ids=[7], max_tokens=8)
+    early.eos_token_ids = (2, 9)
+    done = make_seq([1, 2], [5, 6, 8], "b", min_tokens=3, stop_token_ids=[7], max_tokens=8)
+    done.eos_token_ids = (2, 9)
+    out = apply_penalties(logits.clone(), [early, done])
+    banned = [2, 7, 9]
+    assert all(out[0, t] == float("-inf") for t in banned)
+    keep = [t for t in range(V) if t not in banned]
+    assert torch.equal(out[0, keep], logits[0, keep]) and torch.equal(out[1], logits[1])
+    assert SamplingParams(min_tokens=2).needs_penalties and not SamplingParams().needs_penalties
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

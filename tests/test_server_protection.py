@@ -40,6 +40,7 @@ def post(server, path: str, body, **kw) -> httpx.Response:
     ("/v1/completions", {"prompt": "cat " * 400}, 400, "context_length_exceeded", "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "invalid_token_id", "prompt"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "invalid_value", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, 400, "invalid_value", "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "invalid_value", "n"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_type", "messages"),
