@@ -232,3 +232,26 @@ def test_distilled_stream_is_the_parents_own_text(trained, data_dir, monkeypatch
     monkeypatch.setattr(distill, "regenerate_ids", no_generation)
     again = distill.distilled(prep, "stories", spec, cfg.seed, str(data_dir))
     assert [int(t) for t in again.train] == stream
+
+
+def test_grow_depth_keeps_the_logits_and_trains_the_new_layers():
+    """train.grow: copies with zeroed output projections leave the logits unchanged, sit right
+    after the chosen layers, and get gradients once their projections move."""
+    from leapfrog.train.grow import grow_depth, insert_positions
+
+    assert insert_positions(4, 2) == [1, 3] and insert_positions(4, 4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="grow"):
+        insert_positions(2, 3)
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1,
+                                   intermediate_size=64, max_position=64), vocab_size=50)
+    x = torch.randint(0, 50, (2, 12))
+    before = model(x).logits
+    q_of_layer1 = model.model.layers[1].self_attn.q_proj.weight.clone()
+    grow_depth(model, 2)
+    assert model.config.num_hidden_layers == len(model.model.layers) == 6
+    assert torch.equal(model.model.layers[2].self_attn.q_proj.weight, q_of_layer1)
+    assert not model.model.layers[2].mlp.down_proj.weight.any()
+    assert torch.allclose(model(x).logits, before, atol=1e-6)
+    model(x).logits.sum().backward()
+    assert model.model.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0

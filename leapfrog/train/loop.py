@@ -79,6 +79,7 @@ class TrainConfig:
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
     joined_pairs: int = 0                       # couplets: synthetic long pairs (couplets.join_pairs)
+    grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
 
 
@@ -249,6 +250,10 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
         tok = AutoTokenizer.from_pretrained(cfg.init_from)
         _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), cfg.init_from)
         model, cfg.model = load_pretrained(cfg.init_from)
+        if cfg.grow_layers:
+            from leapfrog.train.grow import grow_depth
+            grow_depth(model, cfg.grow_layers)
+            cfg.model.num_layers = model.config.num_hidden_layers
     else:
         tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
         model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)
