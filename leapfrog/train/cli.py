@@ -57,7 +57,14 @@ def _recipe_table() -> str:
              "stories-diffusion": "stage 1: stories -> block diffusion (block 4, token shift), "
                                   "written to runs/stories-diffusion/model",
              "stories-diffusion-mb": "stage 2: multi-block (MultiTF) post-training of stage 1, "
-                                     "written to checkpoints/stories-diffusion"}
+                                     "written to runs/stories-diffusion-mb/model",
+             "stories-diffusion-distill": "stage 3: stage 2 trained on stories' own continuations "
+                                          "(self-distillation)",
+             "stories-diffusion-distill2": "stage 4: stage 3 continued; writes checkpoints/stories-diffusion",
+             "couplets-continue": "couplets weights moved to the current prompt format",
+             "couplets-long": "couplets continued with long 上联 oversampled",
+             "couplets-joined": "couplets-long plus synthetic joined long pairs (not shipped)",
+             "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()

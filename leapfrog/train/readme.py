@@ -152,8 +152,9 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
               if init.get("val_parts") else [])
     distill = summary["config"].get("distill")
     if distill:
+        parent = _repo_relative(distill["parent"])
         stages += [f"Self-distillation (`leapfrog.train.distill`): the training stream is not the "
-                   f"corpus but `{distill['parent']}`'s own continuations of "
+                   f"corpus but `{parent}`'s own continuations of "
                    f"{distill['num_sequences']:,} training-story openings ({distill['max_tokens']} "
                    + (f"tokens each; one in {distill['sampled_every']} at T=0.7 / top-p 0.9, the rest "
                       "greedy)" if distill["sampled_every"] else "tokens each, greedy)")
@@ -168,6 +169,14 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
             "```python", "from leapfrog import LLM, SamplingParams",
             f'llm = LLM("{_model_name(folder)}", method="diffusion", num_blocks=3, threshold=0.9)',
             "```", ""]
+
+
+def _repo_relative(path: str) -> str:
+    from leapfrog.train.data import REPO_ROOT
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
 
 
 def _model_name(folder: Path) -> str:

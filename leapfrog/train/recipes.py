@@ -137,13 +137,13 @@ def stories_diffusion() -> TrainConfig:
 
 def stories_diffusion_mb() -> TrainConfig:
     """Stage 2: multi-block post-training (MBD-LMs MultiTF) of stage 1's model, written to
-    checkpoints/stories-diffusion. A window runs as [single-block view ; MultiTF view (groups of
+    runs/stories-diffusion-mb/model (stage 3's starting point). A window runs as [single-block view ; MultiTF view (groups of
     2-4 blocks) ; clean] with loss 0.5 single + 0.5 multi: the same 3 x 256 tokens per window as
     stage 1 (the single-block view drops its complement to pay for the MultiTF view), so the same
     ~15 min for 300 steps. Run `leapfrog train stories-diffusion` first."""
     return _diffusion_stage(
         stories(), "stories-diffusion-mb", init_from=stories_diffusion().out_dir,
-        out_dir=REPO_ROOT / "checkpoints" / "stories-diffusion",
+        out_dir=REPO_ROOT / "runs" / "stories-diffusion-mb" / "model",
         spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
                            multi_weight=0.5, max_group=4),
         max_steps=300, lr=5e-4, min_lr=5e-5, warmup_steps=20)
@@ -155,8 +155,8 @@ def stories_diffusion_distill() -> TrainConfig:
     0.9; ``leapfrog.train.distill``) with stage 2's objective (0.5 single-block + 0.5 MultiTF).
     Text the parent wrote is far more predictable than the corpus, so the diffusion model's
     confidences rise and parallel unmasking commits more tokens per forward. Regenerating takes
-    a few minutes (cached); 800 steps ~40 min on one thread. Writes runs/stories-diffusion-distill
-    /model, copied over checkpoints/stories-diffusion once measured."""
+    a few minutes (cached); 800 steps ~27 min on one thread. Writes runs/stories-diffusion-distill
+    /model (stage 4's starting point)."""
     from leapfrog.train.distill import DistillSpec
 
     cfg = _diffusion_stage(
@@ -172,10 +172,10 @@ def stories_diffusion_distill() -> TrainConfig:
 def stories_diffusion_distill2() -> TrainConfig:
     """Stage 4: stage 3 continued for 1,200 more steps on the same distilled stream (cached) at a
     lower learning rate (3e-4 cosine to 3e-5): stage 3 ended with the training loss still
-    falling. ~40 min on one thread. Writes runs/stories-diffusion-distill2/model."""
+    falling. ~38 min on one thread. Writes the shipped checkpoints/stories-diffusion."""
     cfg = stories_diffusion_distill()
     cfg.recipe, cfg.init_from = "stories-diffusion-distill2", cfg.out_dir
-    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2" / "model")
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-diffusion")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2")
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
     return cfg
