@@ -181,6 +181,21 @@ def stories_diffusion_distill2() -> TrainConfig:
     return cfg
 
 
+def stories_diffusion_distill3() -> TrainConfig:
+    """Stage 5 (experimental): stage 4 trained 900 more steps on a fresh distilled stream
+    (seed 1235: another 4,000 openings) with more weight on the multi-block views (0.3 single +
+    0.7 MultiTF), aiming at multi-block decoding's tokens per forward. Writes
+    runs/stories-diffusion-distill3/model."""
+    cfg = stories_diffusion_distill2()
+    cfg.recipe, cfg.init_from = "stories-diffusion-distill3", cfg.out_dir
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill3" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill3")
+    cfg.seed = 1235
+    cfg.diffusion.multi_weight = 0.7
+    cfg.max_steps = 900
+    return cfg
+
+
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -218,5 +233,6 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
+    "stories-diffusion-distill3": stories_diffusion_distill3,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
 }
