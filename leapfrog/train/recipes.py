@@ -182,7 +182,7 @@ def stories_diffusion_distill2() -> TrainConfig:
 
 
 def stories_diffusion_distill3() -> TrainConfig:
-    """Stage 5 (experimental): stage 4 trained 900 more steps on a fresh distilled stream
+    """Stage 5 (experimental): stage 4 trained 1,200 more steps on a fresh distilled stream
     (seed 1235: another 4,000 openings) with more weight on the multi-block views (0.3 single +
     0.7 MultiTF), aiming at multi-block decoding's tokens per forward. Writes
     runs/stories-diffusion-distill3/model."""
@@ -192,7 +192,6 @@ def stories_diffusion_distill3() -> TrainConfig:
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill3")
     cfg.seed = 1235
     cfg.diffusion.multi_weight = 0.7
-    cfg.max_steps = 900
     return cfg
 
 
