@@ -111,12 +111,20 @@ def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: in
                    data_dir: str | None = None) -> CheckResult:
     model, tok = load(folder)
     pairs = heldout("couplets", data_dir)
-    pairs = random.Random(seed).sample(pairs, min(num, len(pairs)))
+    if num:       # 0: every held-out pair
+        pairs = random.Random(seed).sample(pairs, min(num, len(pairs)))
     ups = [u for u, _ in pairs]
     gens = generate(model, tok, ups, batch_size=32, do_sample=False,
                     max_new_tokens=max(len(u) for u in ups) + 8)
     downs = [tok.decode(_strip_eos(g, tok.eos_token_id), skip_special_tokens=True) for g in gens]
     exact = sum(len(d) == len(u) for u, d in zip(ups, downs))
+    by_chars: dict[str, list[int]] = {}      # 上联 length band -> [right length, pairs]
+    for u, d in zip(ups, downs):
+        n = len(u)
+        band = "1-11" if n < 12 else "12-15" if n < 16 else "16-19" if n < 20 else "20+"
+        hit = by_chars.setdefault(band, [0, 0])
+        hit[0] += len(d) == len(u)
+        hit[1] += 1
     bare = sum(len(_bare(d)) == len(_bare(u)) for u, d in zip(ups, downs))
     res = CheckResult("couplets")
     res.samples = [{"prompt": u, "completion": d, "reference": r}
@@ -124,6 +132,7 @@ def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: in
     sep = tok.convert_tokens_to_ids(fmt.SEP)
     res.metrics = {"num_pairs": len(ups), "length_match": round(exact / len(ups), 4),
                    "length_match_ignoring_punct": round(bare / len(ups), 4),
+                   "length_match_by_chars": {k: f"{a}/{b}" for k, (a, b) in sorted(by_chars.items())},
                    "differs_from_up": round(sum(d != u for u, d in zip(ups, downs)) / len(ups), 4),
                    # the tokenizer's own <sep> at the end of every raw prompt (1.0 expected)
                    "prompt_ends_with_sep": round(
@@ -184,13 +193,13 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
     return res
 
 
-def run_check(name: str, folder: str, data_dir: str | None = None) -> CheckResult:
+def run_check(name: str, folder: str, data_dir: str | None = None, num_pairs: int = 300) -> CheckResult:
     if name.startswith("stories") and is_diffusion_folder(folder):
         return check_stories_diffusion(folder, data_dir=data_dir)
     if name == "stories":
         return check_stories(folder, data_dir=data_dir)
     if name == "couplets":
-        return check_couplets(folder, data_dir=data_dir)
+        return check_couplets(folder, num=num_pairs, data_dir=data_dir)
     raise ValueError(f"no check for {name!r}")
 
 
@@ -201,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="which check (default: the folder's name)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-pairs", type=int, default=300,
+                   help="couplets: held-out pairs to sample (0: all of them)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = args.name or args.folder.rstrip("/").split("/")[-1]
-    res = run_check(name, args.folder, args.data_dir)
+    res = run_check(name, args.folder, args.data_dir, args.num_pairs)
     print(json.dumps(asdict(res), ensure_ascii=False, indent=2))
     return 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from leapfrog.train import data
+from leapfrog.train.drafter import regenerate
 
 
 @dataclass(slots=True)
@@ -47,26 +48,6 @@ def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -
     return [story_opening(stories[i]) for i in pick]
 
 
-def regenerate_ids(parent: str, prompts: list[str], spec: DistillSpec, seed: int) -> list[list[int]]:
-    """Each prompt continued by `parent` through leapfrog's own engine: <s> prompt completion,
-    with </s> when the model ended the story."""
-    from leapfrog import LLM, SamplingParams
-
-    llm = LLM(parent, method="ar")
-    eos = llm.tokenizer.eos_token_ids[0]
-    params = [SamplingParams(max_tokens=spec.max_tokens, temperature=0.7, top_p=0.9, seed=seed + i)
-              if spec.sampled_every and i % spec.sampled_every == 0
-              else SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
-              for i in range(len(prompts))]
-    docs = []
-    for out in llm.generate(prompts, params, use_tqdm=True):
-        ids = list(out.prompt_token_ids) + list(out.token_ids)
-        if out.finish_reason == "stop" and ids[-1] != eos:
-            ids.append(eos)
-        docs.append(ids)
-    return docs
-
-
 def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | None):
     """`prep` (a train.prepare.Prepared) with its training stream replaced by the parent's text.
     The parent must share the stream's tokenizer (checked on the vocabulary)."""
@@ -83,7 +64,8 @@ def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | Non
     if not path.is_file():
         prompts = prompts_for(name, spec, seed, data_dir)
         print(f"distillation data: {len(prompts)} continuations by {parent}", file=sys.stderr, flush=True)
-        docs = regenerate_ids(str(parent), prompts, spec, seed)
+        # The drafters' regeneration: <s> prompt completion, </s> included when the story ended.
+        docs = [d["ids"] for d in regenerate(parent, prompts, spec.max_tokens, spec.sampled_every, seed)]
         data.write_stream(path, docs)
     stream = data.load_stream(path)
     return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))

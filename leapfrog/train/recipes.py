@@ -137,8 +137,8 @@ def stories_diffusion() -> TrainConfig:
 
 def stories_diffusion_mb() -> TrainConfig:
     """Stage 2: multi-block post-training (MBD-LMs MultiTF) of stage 1's model, written to
-    runs/stories-diffusion-mb/model (stage 3's starting point). A window runs as [single-block view ; MultiTF view (groups of
-    2-4 blocks) ; clean] with loss 0.5 single + 0.5 multi: the same 3 x 256 tokens per window as
+    runs/stories-diffusion-mb/model (stage 3's starting point). A window runs as [single-block
+    view ; MultiTF view (groups of 2-4 blocks) ; clean] with loss 0.5 single + 0.5 multi: the same 3 x 256 tokens per window as
     stage 1 (the single-block view drops its complement to pay for the MultiTF view), so the same
     ~15 min for 300 steps. Run `leapfrog train stories-diffusion` first."""
     return _diffusion_stage(
