@@ -14,7 +14,7 @@ from conftest import write_mini_data
 from leapfrog.train import couplets as fmt
 from leapfrog.train import data
 from leapfrog.train.export import verify_sha256sums
-from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer, train
+from leapfrog.train.loop import ModelShape, build_model, length_weights, loss_on, make_optimizer, train
 from leapfrog.train.recipes import tiny
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,41 @@ def test_long_couplets_are_oversampled_in_pair_mode_only():
     extra = Counter(more) - Counter(base)
     assert extra == Counter({fmt.pair_text("春风又绿江南岸呀", "明月何时照我还呢"): 2})
     assert not Counter(base) - Counter(more)
+
+
+def test_mirrored_long_couplets_swap_the_sides():
+    """mirrored adds pair-mode copies of every long pair with the 下联 as the prompt, nothing else."""
+    from collections import Counter
+    pairs = [("天若有情天亦老", "月如无恨月常圆"), ("春风又绿江南岸呀", "明月何时照我还呢"), ("山高", "水长")]
+    spring = [("福满门", "春满园", "万象更新")]
+    base = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1)
+    more = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1, mirrored=1)
+    assert Counter(more) - Counter(base) == Counter({fmt.pair_text("明月何时照我还呢", "春风又绿江南岸呀"): 1})
+    assert not Counter(base) - Counter(more)
+
+
+def test_length_weights_count_end_and_punctuation_targets_more():
+    """The weighted loss is the weighted mean of per-target cross-entropies (weights 1 + extra
+    on </s> and punctuation ids), only while training; validation stays the plain mean."""
+    import torch.nn.functional as F
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "，": 3, "天": 4, "地": 5}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    w = length_weights(tok, 2.0)
+    assert w.tolist() == [1.0, 1.0, 3.0, 3.0, 1.0, 1.0]
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                   intermediate_size=64, max_position=32), vocab_size=6)
+    x = torch.tensor([[1, 4, 3, 5, 2, 4, 5]])
+    inp, tgt = x[:, :-1], x[:, 1:]
+    ce = F.cross_entropy(model(input_ids=inp).logits[0].float(), tgt[0], reduction="none")
+    want = (ce * w[tgt[0]]).sum() / w[tgt[0]].sum()
+    assert torch.allclose(loss_on(model, inp, tgt, "fp32", w), want, atol=1e-6)
+    model.eval()
+    assert torch.allclose(loss_on(model, inp, tgt, "fp32", w), ce.mean(), atol=1e-6)
 
 
 def test_oversampling_long_couplets_keeps_the_vocabulary(data_dir, tmp_path):

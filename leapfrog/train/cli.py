@@ -64,7 +64,9 @@ def _recipe_table() -> str:
              "couplets-continue": "couplets weights moved to the current prompt format",
              "couplets-long": "couplets continued with long 上联 oversampled",
              "couplets-joined": "couplets-long plus synthetic joined long pairs (not shipped)",
-             "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream"}
+             "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream",
+             "couplets-mirror": "couplets-long plus swapped long pairs, </s>/punctuation weighted 3x",
+             "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()

@@ -102,13 +102,16 @@ def _hash(text: str) -> int:
 def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, str]],
                    seed: int = 0, keyword_fraction: float = 0.25, spring_repeats: int = 20,
                    double_sep_fraction: float = 0.03, long_repeats: int = 0,
-                   long_min: int = 8, joined: int = 0) -> list[str]:
+                   long_min: int = 8, joined: int = 0, mirrored: int = 0) -> list[str]:
     """All training texts: every pair in pair mode (a few with <sep><sep>, see the module doc), a
     fraction also in keyword mode, and the spring-festival triples (real 横批) repeated with
     fresh keywords each time. With `long_repeats`, pairs whose 上联 has at least `long_min`
     characters appear that many extra times in pair mode (where the model loses count). With
     `joined`, that many extra pair-mode examples are long couplets made by joining 2-3 random
-    pairs clause by clause with "，" (see ``join_pairs``)."""
+    pairs clause by clause with "，" (see ``join_pairs``). With `mirrored`, pairs whose 上联 has
+    at least `long_min` characters appear that many extra times with the sides swapped (the
+    下联 as the prompt): both sides have the same length and clause layout, so the swapped pair
+    is one more lesson in answering position by position."""
     rng = random.Random(seed)
     pool = ScrollPool([s for _, _, s in spring] + [x for p in pairs for x in p])
     # The extra <sep>s come from their own generator: the keyword draws stay those of seed.
@@ -122,6 +125,7 @@ def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, st
         for u, d, s in spring:
             texts.append(keyword_text(sample_keywords(u, d, rng), u, d, s))
     texts += [pair_text(u, d) for u, d in pairs if len(u) >= long_min] * long_repeats
+    texts += [pair_text(d, u) for u, d in pairs if len(u) >= long_min] * mirrored
     if joined:
         texts += [pair_text(u, d) for u, d in join_pairs(pairs, joined, random.Random(f"{seed}-joined"))]
     rng.shuffle(texts)

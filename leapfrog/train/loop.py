@@ -79,6 +79,8 @@ class TrainConfig:
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
     joined_pairs: int = 0                       # couplets: synthetic long pairs (couplets.join_pairs)
+    mirror_long: int = 0                        # couplets: copies of long pairs with the sides swapped
+    length_weight: float = 0.0                  # couplets: extra loss weight on </s> and punctuation targets
     grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
 
@@ -148,31 +150,55 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=False)
 
 
-def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor:
+def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy. While an MoE trains, plus its router's load-balancing loss
     (Switch Transformer eq. 4, weighted by router_aux_loss_coef), so experts share the tokens;
-    validation (eval mode) reports the cross-entropy alone."""
+    validation (eval mode) reports the cross-entropy alone. With ``weights`` (one per vocabulary
+    id) each target's cross-entropy counts that much while training (a weighted mean);
+    validation stays the plain mean, so curves compare."""
     balance = model.training and getattr(model.config, "num_experts", 0) > 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         out = model(input_ids=x, output_router_logits=True) if balance else model(input_ids=x)
-    loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1))
+    logits, targets = out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1)
+    if weights is not None and model.training:
+        w = weights[targets]
+        loss = (F.cross_entropy(logits, targets, reduction="none") * w).sum() / w.sum()
+    else:
+        loss = F.cross_entropy(logits, targets)
     return loss + model.config.router_aux_loss_coef * out.aux_loss if balance else loss
 
 
 class NextToken:
     """The AR objective: next-token cross-entropy. An objective turns the loop's windows into a
-    batch (drawing any noise from the step's generator) and a batch into (loss, parts)."""
+    batch (drawing any noise from the step's generator) and a batch into (loss, parts).
+    ``weights``: an optional per-vocabulary-id weight of each target while training."""
+
+    def __init__(self, weights: torch.Tensor | None = None):
+        self.weights = weights
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator, train: bool = True):
         return x, y
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        return loss_on(model, *batch, dtype), {}
+        return loss_on(model, *batch, dtype, self.weights), {}
+
+
+def length_weights(tok, extra: float) -> torch.Tensor:
+    """Per-id target weights: 1 everywhere, 1 + ``extra`` on </s> and on the punctuation pieces.
+    In a couplet those targets are where a side's length (and each clause's) is decided: the
+    下联 must stop, or put its comma, exactly where the 上联 did."""
+    from leapfrog.train.couplets import PUNCT
+
+    w = torch.ones(len(tok))
+    ids = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in sorted(PUNCT)]
+    w[[i for i in ids if i is not None and i != tok.unk_token_id]] += extra
+    return w
 
 
 def make_objective(cfg: TrainConfig, tok):
     if cfg.diffusion is None:
-        return NextToken()
+        return NextToken(length_weights(tok, cfg.length_weight) if cfg.length_weight else None)
     from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
 
@@ -224,7 +250,7 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         raise FileNotFoundError(f"{cfg.init_from}: no checkpoint to start {cfg.recipe or cfg.name} "
                                 "from (train that model first)")
     prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                               cfg.long_repeats, cfg.joined_pairs)
+                               cfg.long_repeats, cfg.joined_pairs, cfg.mirror_long)
     if cfg.distill is not None and prepared is None:
         from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)

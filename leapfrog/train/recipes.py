@@ -104,6 +104,31 @@ def couplets_joined() -> TrainConfig:
     return cfg
 
 
+def couplets_mirror() -> TrainConfig:
+    """Continue the shipped `couplets` weights on the couplets-long stream plus every long pair
+    once more with its sides swapped, and with the targets that fix a side's length (</s> and
+    punctuation) weighted 3x in the loss (``length_weight`` 2): the two ways left to make length
+    the thing the model gets right. Writes runs/couplets-mirror/model, copied over
+    checkpoints/couplets once measured."""
+    cfg = couplets_long()
+    cfg.recipe = "couplets-mirror"
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-mirror" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-mirror")
+    cfg.mirror_long, cfg.length_weight = 1, 2.0
+    return cfg
+
+
+def couplets_weighted() -> TrainConfig:
+    """`couplets-mirror` without the swapped pairs: the couplets-long stream with </s> and
+    punctuation targets weighted 3x, to tell the two changes apart."""
+    cfg = couplets_mirror()
+    cfg.recipe = "couplets-weighted"
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-weighted" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-weighted")
+    cfg.mirror_long = 0
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -230,6 +255,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories": stories, "stories-moe": stories_moe, "couplets": couplets, "tiny": tiny,
     "couplets-continue": couplets_continue, "couplets-long": couplets_long,
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
+    "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
