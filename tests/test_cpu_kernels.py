@@ -146,3 +146,61 @@ def test_fused_decoder_layer_equals_the_layer_by_layer_path(family_dirs, family,
     fused = llm.generate(prompts, params)
     assert calls
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 33, 64, 130])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (16, 8), (1408, 704)])
+def test_panel_linear_equals_torch_and_ignores_its_batch(m, n, k):
+    """The packed-panel kernel gives F.linear's result, and a row's output is bit-identical
+    whatever rows share its tile (each element summed over k in order)."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    panels = mod.pack_panels(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    torch.testing.assert_close(mod.panel_linear(x, panels, b, n), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), n), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    full = mod.panel_linear(x, panels, b, n)
+    alone = torch.stack([mod.panel_linear(x[i:i + 1], panels, b, n)[0] for i in range(0, m, max(1, m // 4))])
+    assert torch.equal(alone, full[0:m:max(1, m // 4)])
+
+
+def test_medium_row_counts_use_current_panels_only():
+    """compact_cpu_weights packs panels; 33-256 rows go through them (same result as F.linear);
+    once the weight changes in place the stale panels are not used."""
+    from leapfrog.layers import linear as lin_mod
+
+    layer = Linear(64, 48, bias=True)
+    lin_mod.compact_cpu_weights(layer)
+    assert lin_mod.kernel_panels(layer) is not None
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(y, mod.panel_linear(x, lin_mod.kernel_panels(layer), layer.bias, 48))
+    with torch.no_grad():
+        layer.weight.add_(0.25)
+    assert lin_mod.kernel_panels(layer) is None
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_layer_with_panels_equals_the_layer_by_layer_path(family_dirs):
+    """A 40-sequence decode batch (over the few-row kernel's 32 rows: packed panels inside the
+    fused layer) gives the op-by-op layers' tokens and log-probabilities."""
+    import leapfrog.models.llama as llama
+    from leapfrog import LLM, SamplingParams
+
+    llm = LLM(str(family_dirs["llama"]), max_batch_size=40, kv_cache_tokens=4096)
+    assert any(x.dim() == 3 for x in llm.engine.model.model.layers[0]._fused_weights())
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [[5 + i % 20, 9, 11 + i % 7, 3] for i in range(40)]
+    fused = llm.generate(prompts, params)
+    llama._FUSED_LAYERS = False
+    try:
+        plain = llm.generate(prompts, params)
+    finally:
+        llama._FUSED_LAYERS = True
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert abs(la["logprob"] - lb["logprob"]) < 1e-4

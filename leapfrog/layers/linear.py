@@ -26,17 +26,40 @@ def _skinny_rows_max() -> int:
     return 32 if torch.get_num_threads() > 1 else 16
 
 
+# Row counts above the few-row kernel's and up to this go to the packed-panel kernel when the
+# layer has panels (compact_cpu_weights); larger products (prefill) stay with BLAS.
+PANEL_ROWS_MAX = 256
+# Layers with more weights than this get no packed copy (it costs 4 bytes per weight).
+PANEL_MAX_WEIGHTS = 1 << 24
+
+
 def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """F.linear, except few-row float32 inference on a CPU, which goes to the C++ kernel
-    (layers/cpu_kernels.py; decode and draft verification are exactly this shape)."""
+    """F.linear, except float32 inference on a CPU at decode-like row counts, which goes to the
+    C++ kernels (layers/cpu_kernels.py): few rows (decode, draft verification) to the skinny
+    kernel, a batch's worth (up to PANEL_ROWS_MAX) to the packed-panel kernel."""
     w = layer.weight
-    if x.numel() <= _skinny_rows_max() * x.shape[-1] and cpu_inference(x, w):
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows <= PANEL_ROWS_MAX and cpu_inference(x, w):
         mod = cpu_kernels()
         if mod is not None:
             b = layer.bias if layer.bias is not None else _EMPTY
-            w = kernel_weight(layer)
-            return mod.skinny_linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+            if rows <= _skinny_rows_max():
+                w = kernel_weight(layer)
+                return mod.skinny_linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+            panels = kernel_panels(layer)
+            if panels is not None:
+                y = mod.panel_linear(x.reshape(-1, x.shape[-1]), panels, b, w.shape[0])
+                return y.view(*x.shape[:-1], w.shape[0])
     return torch.nn.functional.linear(x, w, layer.bias)
+
+
+def kernel_panels(layer: nn.Linear) -> torch.Tensor | None:
+    """The weight packed in column panels for the medium-row kernel, while it is current."""
+    w = layer.weight
+    panels = layer.__dict__.get("_panels")
+    if panels is not None and panels[1] is w and panels[2] == w._version:
+        return panels[0]
+    return None
 
 
 def kernel_weight(layer: nn.Linear) -> torch.Tensor:
@@ -59,14 +82,22 @@ def compact_cpu_weights(model: nn.Module) -> int:
     few-row kernel, which widens it back exactly while it streams: decoding a small model on a
     CPU is bound by reading the weights, so this halves a decode step's matmul time and changes
     no result. Larger products keep the float32 weights. The copy is ignored once the weight is
-    modified in place or replaced (training). Returns the number of layers given a copy."""
+    modified in place or replaced (training). Returns the number of layers given a copy.
+
+    Every such float32 CPU linear (up to PANEL_MAX_WEIGHTS weights) also gets its weight packed
+    in column panels for the medium-row kernel (batched decode steps of 33-256 rows), which
+    keeps a 6 x 16 output tile in registers where BLAS, tuned for large products, reaches a
+    fraction of the CPU's float32 peak on these shapes. Same arithmetic, summed in order."""
     n = 0
+    mod = cpu_kernels()
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or not isinstance(w, torch.Tensor):
             continue
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             continue
+        if mod is not None and w.numel() <= PANEL_MAX_WEIGHTS:
+            module._panels = (mod.pack_panels(w.detach()), w, w._version)
         half = w.detach().to(torch.float16)
         if torch.equal(half.to(torch.float32), w.detach()):
             module._half_weight = (half.contiguous(), w, w._version)

@@ -15,7 +15,7 @@ from torch import nn
 
 from leapfrog.layers.attention import Attention, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
-from leapfrog.layers.linear import Linear, PackedLinear, kernel_bias, kernel_weight
+from leapfrog.layers.linear import Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
@@ -108,6 +108,9 @@ class DecoderLayer(nn.Module):
              kernel_weight(m.gate_up_proj), kernel_bias(m.gate_up_proj),
              kernel_weight(m.down_proj), kernel_bias(m.down_proj),
              a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+        panels = [kernel_panels(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        if any(p is not None for p in panels):       # medium-row steps: the packed-panel kernel
+            w += [p if p is not None else _EMPTY for p in panels]
         mods = [self.input_layernorm, a.qkv_proj, a.o_proj, self.post_attention_layernorm,
                 m.gate_up_proj, m.down_proj] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
         watch = [(mod, name, p, p._version) for mod in mods for name, p in mod._parameters.items()
