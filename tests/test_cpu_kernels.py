@@ -184,22 +184,32 @@ def test_medium_row_counts_use_current_panels_only():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
-def test_fused_layer_with_panels_equals_the_layer_by_layer_path(family_dirs):
-    """A 40-sequence decode batch (over the few-row kernel's 32 rows: packed panels inside the
-    fused layer) gives the op-by-op layers' tokens and log-probabilities."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_layer_with_panels_equals_the_layer_by_layer_path(family_dirs, threads):
+    """A 40-sequence batch (over the few-row kernel's 32 rows: packed panels inside the fused
+    layer, and with several threads the layer split by rows, never inside a sequence) gives
+    the op-by-op layers' tokens and log-probabilities. The first step prefills prompts of 2-8
+    tokens together (168 rows, a sequence's rows reading the keys its other rows wrote), the
+    rest decode 40 rows."""
     import leapfrog.models.llama as llama
     from leapfrog import LLM, SamplingParams
 
-    llm = LLM(str(family_dirs["llama"]), max_batch_size=40, kv_cache_tokens=4096)
-    assert any(x.dim() == 3 for x in llm.engine.model.model.layers[0]._fused_weights())
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
-    prompts = [[5 + i % 20, 9, 11 + i % 7, 3] for i in range(40)]
-    fused = llm.generate(prompts, params)
-    llama._FUSED_LAYERS = False
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        plain = llm.generate(prompts, params)
+        llm = LLM(str(family_dirs["llama"]), max_batch_size=40, kv_cache_tokens=4096)
+        assert any(x.dim() == 3 for x in llm.engine.model.model.layers[0]._fused_weights())
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+        prompts = [[5 + i % 20, 9, 11 + i % 7, 3, 8, 2, 6, 1][:2 + i % 7] for i in range(40)]
+        assert sum(map(len, prompts)) <= 256
+        fused = llm.generate(prompts, params)
+        llama._FUSED_LAYERS = False
+        try:
+            plain = llm.generate(prompts, params)
+        finally:
+            llama._FUSED_LAYERS = True
     finally:
-        llama._FUSED_LAYERS = True
+        torch.set_num_threads(before)
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

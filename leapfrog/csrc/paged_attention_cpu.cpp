@@ -6,6 +6,7 @@
 // together dominate batched decoding on a CPU. CUDA uses SDPA / flash-attn instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -497,13 +498,15 @@ static constexpr int64_t kSkinnyRows = 32;
 // packed), used from kSkinnyRows + 1 up to kPanelRows rows.
 static constexpr int64_t kPanelRows = 256;
 
+// panel_from: the fewest rows sent to the panels (a row-split layer's slices pass 1: their
+// rows are a batch's, and should be summed like the unsplit batch's).
 static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t i,
-                             int64_t f32_index) {
+                             int64_t f32_index, int64_t panel_from = kSkinnyRows + 1) {
+  const int64_t packed = f32_index + 4;
+  if (x.size(0) >= panel_from && x.size(0) <= kPanelRows && w.size() == 20 && w[packed].dim() == 3)
+    return panel_linear(x, w[packed], w[i + 1], w[f32_index].size(0));
   if (x.size(0) > kSkinnyRows && w.size() >= 16) {
     const auto& b = w[i + 1];
-    const int64_t packed = f32_index + 4;
-    if (x.size(0) <= kPanelRows && w.size() == 20 && w[packed].dim() == 3)
-      return panel_linear(x, w[packed], b, w[f32_index].size(0));
     return b.numel() ? at::linear(x, w[f32_index], b) : at::linear(x, w[f32_index]);
   }
   return skinny_linear(x, w[i], w[i + 1]);
@@ -513,11 +516,12 @@ static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Te
 // with q and k rotated in place.
 static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
                               const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                              int64_t KVH, int64_t D, double eps, double qk_eps) {
+                              int64_t KVH, int64_t D, double eps, double qk_eps,
+                              int64_t panel_from = kSkinnyRows + 1) {
   TORCH_CHECK(w.size() == 12 || w.size() == 16 || w.size() == 20, "fused layer: 12, 16 or 20 weight tensors expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "fused layer: x must be [T, d] float32");
   const int64_t T = x.size(0), width = (H + 2 * KVH) * D;
-  auto qkv = project(rms_norm(x, w[0], eps), w, 1, 12);
+  auto qkv = project(rms_norm(x, w[0], eps), w, 1, 12, panel_from);
   TORCH_CHECK(qkv.size(1) == width, "fused layer: qkv width mismatch");
   float* p = qkv.data_ptr<float>();
   auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
@@ -545,10 +549,11 @@ static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::T
 
 // Output projection and residual, then post norm, SwiGLU and residual.
 static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
-                             const std::vector<torch::Tensor>& w, double eps) {
+                             const std::vector<torch::Tensor>& w, double eps,
+                             int64_t panel_from = kSkinnyRows + 1) {
   const int64_t T = x.size(0);
-  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13);
-  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14);
+  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13, panel_from);
+  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14, panel_from);
   const int64_t I = gu.size(1) / 2;
   auto act = torch::empty({T, I}, gu.options());
   const float* g = gu.data_ptr<float>();
@@ -567,15 +572,16 @@ static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
 #endif
     for (; i < I; ++i) at[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[I + i];
   }
-  return x2.add_(project(act, w, 10, 15));
+  return x2.add_(project(act, w, 10, 15, panel_from));
 }
 
-torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
-                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
-                           int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
-                           double eps, double qk_eps) {
-  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
+static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                const torch::Tensor& cos, const torch::Tensor& sin,
+                                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                                const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
+                                int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                                double eps, double qk_eps, int64_t panel_from) {
+  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps, panel_from);
   const int64_t T = x.size(0), width = qkv.size(1);
   const float* p = qkv.data_ptr<float>();
   auto sl = slots.to(torch::kInt64).contiguous();
@@ -595,7 +601,54 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
     }
   });
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps);
+  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps, panel_from);
+}
+
+// One Llama-family decoder layer over a step's query rows. A batch of kSkinnyRows + 1 to
+// kPanelRows rows with packed panels is split by rows, one slice per thread, each running the
+// whole layer (no sequence is cut: its rows' keys are written and read by the same thread), so
+// the layer is one parallel region instead of one per product and the attention: with passive
+// OpenMP waiting each region wakes the workers again, which cost a 64-row step ~30%.
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
+                           int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                           double eps, double qk_eps) {
+  const int64_t T = x.size(0), threads = at::get_num_threads();
+  const bool split = threads > 1 && T > kSkinnyRows && T <= kPanelRows && w.size() == 20 &&
+                     w[16].dim() == 3 && w[17].dim() == 3 && w[18].dim() == 3 && w[19].dim() == 3;
+  std::vector<int64_t> cuts{0};
+  if (split) {
+    auto tables = block_tables.to(torch::kInt64).contiguous();
+    const int64_t mb = tables.size(1);
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    auto same_seq = [&](int64_t r) {     // rows r-1 and r read one sequence's blocks
+      return std::equal(tp + (r - 1) * mb, tp + r * mb, tp + r * mb);
+    };
+    for (int64_t i = 1; i < threads; ++i) {
+      int64_t r = std::max(cuts.back() + 1, T * i / threads);
+      while (r < T && same_seq(r)) ++r;
+      if (r < T) cuts.push_back(r);
+    }
+  }
+  cuts.push_back(T);
+  if (cuts.size() <= 2)
+    return layer_rows(x, w, cos, sin, k_cache, v_cache, slots, block_tables, ctx_lens, block_size,
+                      H, KVH, D, scale, eps, qk_eps, kSkinnyRows + 1);
+  auto out = torch::empty_like(x);
+  const int64_t parts = static_cast<int64_t>(cuts.size()) - 1;
+  const at::ThreadLocalState state;     // inference mode etc. for the worker threads
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t r0 = cuts[p], n = cuts[p + 1] - cuts[p];
+      out.narrow(0, r0, n).copy_(layer_rows(
+          x.narrow(0, r0, n), w, cos.narrow(0, r0, n), sin.narrow(0, r0, n), k_cache, v_cache,
+          slots.narrow(0, r0, n), block_tables.narrow(0, r0, n), ctx_lens.narrow(0, r0, n),
+          block_size, H, KVH, D, scale, eps, qk_eps, 1));
+    }
+  });
+  return out;
 }
 
 // A DFlash/DSpark drafter layer for one sequence: its T block rows attend, without a causal
