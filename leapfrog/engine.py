@@ -191,7 +191,7 @@ class LLMEngine:
         if req.stream:
             req.text += req.detok.add(new_tokens)
         elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
-            req.text = req.detok.add(seq.output_ids)
+            req.text = req.detok.add_all(seq.output_ids)
         self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
         req.counted_tokens = seq.num_output_tokens
         self._check_stop_strings(req)

@@ -414,6 +414,20 @@ class IncrementalDetokenizer:
         self.text += piece
         return piece
 
+    def add_all(self, new_ids: list[int]) -> str:
+        """What add(new_ids) returns, in one decode when it can be: a finished offline request's
+        whole output. When the decoded text past the window is whole characters (no U+FFFD), it
+        is exactly what id-by-id steps would emit piece by piece; otherwise it steps as add()."""
+        ids = self._ids + list(new_ids)
+        full = self._decode(ids)
+        if not new_ids or not full.startswith(self._prefix_text) or \
+                REPLACEMENT_CHAR in full[len(self._prefix_text):]:
+            return self.add(new_ids)
+        piece = full[len(self._prefix_text):]
+        self._ids, self._read, self._prefix_text = ids, len(ids), full
+        self.text += piece
+        return piece
+
     def _step(self, token_id: int) -> str:
         self._ids.append(token_id)
         full = self._decode(self._ids)

@@ -284,3 +284,23 @@ def test_corrupt_config(folders, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{broken")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_add_all_equals_id_by_id(pair):
+    """add_all (a finished offline request's output in one decode) returns what add() does id
+    by id, with and without prompt context, for whole texts, texts cut mid-character and random
+    ids (byte-fallback runs included); flush afterwards agrees too."""
+    import random
+
+    ours, _ = pair
+    rng = random.Random(0)
+    cases = []
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        cases += [([], ids), (ids[:3], ids[3:]), ([], ids[:-1])]
+    cases += [([rng.randrange(ours.vocab_size) for _ in range(rng.randrange(6))],
+               [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(30))]) for _ in range(200)]
+    for prompt, ids in cases:
+        a, b = IncrementalDetokenizer(ours, prompt), IncrementalDetokenizer(ours, prompt)
+        assert (a.add(ids), a.flush()) == (b.add_all(ids), b.flush()), (prompt, ids)
+        assert a.text == b.text
