@@ -288,3 +288,55 @@ def test_grow_depth_keeps_the_logits_and_trains_the_new_layers():
     assert torch.allclose(model(x).logits, before, atol=1e-6)
     model(x).logits.sum().backward()
     assert model.model.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+
+
+def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, tmp_path, monkeypatch):
+    """train.distill.rejection_sampled: for each training 上联 of min_chars+ characters the
+    parent's candidates are kept only when they ended (</s>) with exactly the 上联's length, at
+    most `keep` distinct ones, appended after the original stream; a second call reads the
+    cache. The engine is replaced by a scripted one, so the oracle is exact."""
+    import shutil
+    from types import SimpleNamespace
+
+    import leapfrog
+    from leapfrog.train import distill
+    from leapfrog.train.prepare import prepare
+
+    cfg = tiny("couplets")
+    prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    parent = tmp_path / "parent"
+    shutil.copytree(prep.tokenizer_dir, parent)
+    (parent / "config.json").write_text("{}")
+    ups = sorted({u for u, _ in data.train_items("couplets", str(data_dir))["pairs"] if len(u) >= 5})
+    assert ups
+    calls = []
+
+    class ScriptedLLM:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append(len(prompts))
+            outs = []
+            for i, u in enumerate(prompts):
+                k = i % 4        # candidates: too short, right, the same again, right but cut off
+                text = {0: u[:-1], 1: u[::-1], 2: u[::-1], 3: u}[k]
+                reason = "length" if k == 3 else "stop"
+                outs.append(SimpleNamespace(text=text, finish_reason=reason,
+                                            prompt_token_ids=[1, 7, 8], token_ids=[9, len(u), 2]))
+            return outs
+
+    monkeypatch.setattr(leapfrog, "LLM", ScriptedLLM, raising=False)
+    spec = distill.RejectionSpec(parent=str(parent), min_chars=5, samples=4, keep=2)
+    out = distill.rejection_sampled(prep, "couplets", spec, cfg.seed, str(data_dir))
+    base = [int(t) for t in prep.train]
+    stream = [int(t) for t in out.train]
+    assert calls == [4 * len(ups)]
+    assert stream[:len(base)] == base
+    # one kept per 上联: the duplicate and the wrong-length / unfinished candidates are dropped
+    assert stream[len(base):] == [t for u in ups for t in [1, 7, 8, 9, len(u), 2]]
+    assert out.num_train_items == prep.num_train_items + len(ups) and out.val is prep.val
+
+    monkeypatch.setattr(leapfrog, "LLM", None, raising=False)     # cached: no engine needed
+    again = distill.rejection_sampled(prep, "couplets", spec, cfg.seed, str(data_dir))
+    assert [int(t) for t in again.train] == stream

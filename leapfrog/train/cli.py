@@ -66,7 +66,8 @@ def _recipe_table() -> str:
              "couplets-joined": "couplets-long plus synthetic joined long pairs (not shipped)",
              "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream",
              "couplets-mirror": "couplets-long plus swapped long pairs, </s>/punctuation weighted 3x",
-             "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x"}
+             "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x",
+             "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()

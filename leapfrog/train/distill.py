@@ -70,3 +70,53 @@ def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | Non
     stream = data.load_stream(path)
     return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
 
+
+
+@dataclass(slots=True)
+class RejectionSpec:
+    """Rejection-sampled self-training for `couplets` (expert iteration on the length rule)."""
+    parent: str                      # the couplets model that writes the candidates
+    min_chars: int = 12              # training 上联 at least this long (where length slips)
+    samples: int = 4                 # candidates per 上联 (sampled at `temperature`)
+    temperature: float = 0.8
+    keep: int = 1                    # distinct right-length candidates kept per 上联
+
+
+def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir: str | None):
+    """`prep` with its training stream extended by the parent's own 下联 for training 上联 of
+    `min_chars`+ characters, `samples` candidates each, keeping up to `keep` distinct ones that
+    end (</s>) with exactly the 上联's length. The model then trains on its own outputs that obey
+    the rule it breaks on long 上联 (rejection-sampling fine-tuning / expert iteration), next to
+    the original data. Cached like `distilled`."""
+    from leapfrog import LLM, SamplingParams
+    from transformers import AutoTokenizer
+
+    parent = Path(spec.parent)
+    if not (parent / "config.json").is_file():
+        raise FileNotFoundError(f"{parent}: no model to sample from")
+    if AutoTokenizer.from_pretrained(parent).get_vocab() != AutoTokenizer.from_pretrained(prep.tokenizer_dir).get_vocab():
+        raise ValueError(f"{parent}: tokenizer differs from the {name} data's")
+    key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
+                           spec.temperature, spec.keep, seed, len(prep.train))
+    path = data.CACHE_DIR / f"{name}-rejection" / key / "train.bin"
+    if not path.is_file():
+        ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
+        print(f"rejection sampling: {len(ups)} 上联 x {spec.samples} candidates by {parent}",
+              file=sys.stderr, flush=True)
+        llm = LLM(str(parent), method="ar", max_batch_size=64)
+        prompts = [u for u in ups for _ in range(spec.samples)]
+        params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
+                  for i, u in enumerate(prompts)]
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        kept: dict[str, list] = {}
+        for u, o in zip(prompts, outs):
+            mine = kept.setdefault(u, [])
+            if (o.finish_reason == "stop" and len(o.text) == len(u) and len(mine) < spec.keep
+                    and all(o.text != t for t, _ in mine)):
+                mine.append((o.text, o.prompt_token_ids + o.token_ids))
+        docs = [ids for m in kept.values() for _, ids in m]
+        print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
+              f"of {len(ups)} 上联", file=sys.stderr, flush=True)
+        data.write_stream(path, [np.asarray(prep.train), *docs])
+    stream = data.load_stream(path)
+    return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))

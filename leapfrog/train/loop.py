@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from leapfrog.train.diffusion import DiffusionSpec
-from leapfrog.train.distill import DistillSpec
+from leapfrog.train.distill import DistillSpec, RejectionSpec
 from leapfrog.train.tokenizer import TokenizerSpec
 
 
@@ -83,6 +83,7 @@ class TrainConfig:
     length_weight: float = 0.0                  # couplets: extra loss weight on </s> and punctuation targets
     grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
+    rejection: RejectionSpec | None = None      # couplets: add the parent's right-length 下联 (train.distill)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -254,6 +255,9 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     if cfg.distill is not None and prepared is None:
         from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
+    if cfg.rejection is not None and prepared is None:
+        from leapfrog.train.distill import rejection_sampled
+        prep = rejection_sampled(prep, cfg.name, cfg.rejection, cfg.seed, cfg.data_dir)
     model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)

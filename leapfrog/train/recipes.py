@@ -129,6 +129,23 @@ def couplets_weighted() -> TrainConfig:
     return cfg
 
 
+def couplets_rft() -> TrainConfig:
+    """Continue the shipped `couplets` weights on the couplets-long stream plus the model's own
+    right-length 下联 for every training 上联 of 12+ characters (4 candidates at T=0.8, one
+    distinct right-length one kept: rejection-sampling fine-tuning on the length rule, see
+    ``leapfrog.train.distill.rejection_sampled``). Writes runs/couplets-rft/model, copied over
+    checkpoints/couplets once measured."""
+    from leapfrog.train.distill import RejectionSpec
+
+    cfg = couplets_long()
+    cfg.recipe = "couplets-rft"
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-rft" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-rft")
+    cfg.rejection = RejectionSpec(parent=str(REPO_ROOT / "checkpoints" / "couplets"))
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 2e-4, 2e-5, 50
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -256,6 +273,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-continue": couplets_continue, "couplets-long": couplets_long,
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
+    "couplets-rft": couplets_rft,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
