@@ -67,7 +67,8 @@ def _recipe_table() -> str:
              "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream",
              "couplets-mirror": "couplets-long plus swapped long pairs, </s>/punctuation weighted 3x",
              "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x",
-             "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)"}
+             "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)",
+             "couplets-rft2": "a second round of couplets-rft from its weights, two 下联 kept per 上联"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()

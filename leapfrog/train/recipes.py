@@ -146,6 +146,18 @@ def couplets_rft() -> TrainConfig:
     return cfg
 
 
+def couplets_rft2() -> TrainConfig:
+    """A second round of `couplets-rft` from the shipped (round-one) weights: candidates by
+    that model, up to two distinct right-length ones kept per 上联. Writes
+    runs/couplets-rft2/model, copied over checkpoints/couplets once measured."""
+    cfg = couplets_rft()
+    cfg.recipe = "couplets-rft2"
+    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-rft2" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-rft2")
+    cfg.rejection.keep = 2
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -273,7 +285,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-continue": couplets_continue, "couplets-long": couplets_long,
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
-    "couplets-rft": couplets_rft,
+    "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
