@@ -38,6 +38,18 @@ def _stamp(folder: Path) -> list[tuple[str, int, int]]:
             for p in sorted(folder.glob("*.safetensors"))]
 
 
+def _parent(folder: str, prep, name: str) -> Path:
+    """The model folder that writes the text; it must share the stream's tokenizer."""
+    from transformers import AutoTokenizer
+
+    parent = Path(folder)
+    if not (parent / "config.json").is_file():
+        raise FileNotFoundError(f"{parent}: no model to generate the {name} training text")
+    if AutoTokenizer.from_pretrained(parent).get_vocab() != AutoTokenizer.from_pretrained(prep.tokenizer_dir).get_vocab():
+        raise ValueError(f"{parent}: tokenizer differs from the {name} data's")
+    return parent
+
+
 def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -> list[str]:
     """Openings of `num_sequences` distinct training stories, chosen by `seed`."""
     from leapfrog.train.check import story_opening
@@ -51,13 +63,7 @@ def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -
 def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | None):
     """`prep` (a train.prepare.Prepared) with its training stream replaced by the parent's text.
     The parent must share the stream's tokenizer (checked on the vocabulary)."""
-    from transformers import AutoTokenizer
-
-    parent = Path(spec.parent)
-    if not (parent / "config.json").is_file():
-        raise FileNotFoundError(f"{parent}: no model to distil from")
-    if AutoTokenizer.from_pretrained(parent).get_vocab() != AutoTokenizer.from_pretrained(prep.tokenizer_dir).get_vocab():
-        raise ValueError(f"{parent}: tokenizer differs from the {name} data's")
+    parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.num_sequences, spec.max_tokens,
                            spec.sampled_every, seed)
     path = data.CACHE_DIR / f"{name}-distill" / key / "train.bin"
@@ -69,7 +75,6 @@ def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | Non
         data.write_stream(path, docs)
     stream = data.load_stream(path)
     return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
-
 
 
 @dataclass(slots=True)
@@ -89,13 +94,8 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
     the rule it breaks on long 上联 (rejection-sampling fine-tuning / expert iteration), next to
     the original data. Cached like `distilled`."""
     from leapfrog import LLM, SamplingParams
-    from transformers import AutoTokenizer
 
-    parent = Path(spec.parent)
-    if not (parent / "config.json").is_file():
-        raise FileNotFoundError(f"{parent}: no model to sample from")
-    if AutoTokenizer.from_pretrained(parent).get_vocab() != AutoTokenizer.from_pretrained(prep.tokenizer_dir).get_vocab():
-        raise ValueError(f"{parent}: tokenizer differs from the {name} data's")
+    parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
                            spec.temperature, spec.keep, seed, len(prep.train))
     path = data.CACHE_DIR / f"{name}-rejection" / key / "train.bin"

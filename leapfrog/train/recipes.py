@@ -42,6 +42,13 @@ def stories_moe() -> TrainConfig:
     return cfg
 
 
+def _in_runs(cfg: TrainConfig, recipe: str) -> None:
+    """Name a derived recipe and send its run state and result folder to runs/<recipe>/."""
+    cfg.recipe = recipe
+    cfg.out_dir = str(REPO_ROOT / "runs" / recipe / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / recipe)
+
+
 def couplets() -> TrainConfig:
     """Chinese couplets: one token per character (max piece length 1), <sep> between the sides;
     the tokenizer ends every encoded prompt with <sep> (leapfrog.train.couplets)."""
@@ -97,9 +104,7 @@ def couplets_joined() -> TrainConfig:
     characters. Same tokenizer, data and seed as `couplets`; writes runs/couplets-joined/model,
     copied over checkpoints/couplets once measured."""
     cfg = couplets_long()
-    cfg.recipe = "couplets-joined"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-joined" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-joined")
+    _in_runs(cfg, "couplets-joined")
     cfg.joined_pairs = 20000
     return cfg
 
@@ -111,9 +116,7 @@ def couplets_mirror() -> TrainConfig:
     the thing the model gets right. Writes runs/couplets-mirror/model, copied over
     checkpoints/couplets once measured."""
     cfg = couplets_long()
-    cfg.recipe = "couplets-mirror"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-mirror" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-mirror")
+    _in_runs(cfg, "couplets-mirror")
     cfg.mirror_long, cfg.length_weight = 1, 2.0
     return cfg
 
@@ -122,9 +125,7 @@ def couplets_weighted() -> TrainConfig:
     """`couplets-mirror` without the swapped pairs: the couplets-long stream with </s> and
     punctuation targets weighted 3x, to tell the two changes apart."""
     cfg = couplets_mirror()
-    cfg.recipe = "couplets-weighted"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-weighted" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-weighted")
+    _in_runs(cfg, "couplets-weighted")
     cfg.mirror_long = 0
     return cfg
 
@@ -138,9 +139,7 @@ def couplets_rft() -> TrainConfig:
     from leapfrog.train.distill import RejectionSpec
 
     cfg = couplets_long()
-    cfg.recipe = "couplets-rft"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-rft" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-rft")
+    _in_runs(cfg, "couplets-rft")
     cfg.rejection = RejectionSpec(parent=str(REPO_ROOT / "checkpoints" / "couplets"))
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 2e-4, 2e-5, 50
     return cfg
@@ -151,9 +150,7 @@ def couplets_rft2() -> TrainConfig:
     that model, up to two distinct right-length ones kept per 上联. Writes
     runs/couplets-rft2/model, copied over checkpoints/couplets once measured."""
     cfg = couplets_rft()
-    cfg.recipe = "couplets-rft2"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-rft2" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-rft2")
+    _in_runs(cfg, "couplets-rft2")
     cfg.rejection.keep = 2
     return cfg
 
@@ -165,9 +162,7 @@ def couplets_deep() -> TrainConfig:
     ~1.5 s each on one thread. Writes runs/couplets-deep/model, copied over checkpoints/couplets
     once measured."""
     cfg = couplets_long()
-    cfg.recipe = "couplets-deep"
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-deep" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-deep")
+    _in_runs(cfg, "couplets-deep")
     cfg.grow_layers = 2
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 3000, 5e-4, 3e-5, 100
     return cfg
