@@ -120,6 +120,10 @@ def test_aborted_stream_frees_kv_blocks(server, monkeypatch):
         it = r.iter_lines()
         for _ in range(3):
             next(it)
+        # the gauges are published at most every 50 ms: poll while the request decodes (~1 s)
+        deadline = time.time() + 0.5
+        while server.metric("kv_cache_used_blocks") == 0 and time.time() < deadline:
+            time.sleep(0.01)
         assert server.metric("kv_cache_used_blocks") > 0
     # the connection is closed mid-stream: the request must be aborted, its blocks freed
     assert server.wait_idle() == 0
