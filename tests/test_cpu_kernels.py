@@ -1,6 +1,8 @@
 """The optional C++ CPU kernels equal the torch ops they replace (oracle: torch itself)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,3 +216,25 @@ def test_fused_layer_with_panels_equals_the_layer_by_layer_path(family_dirs, thr
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
             assert abs(la["logprob"] - lb["logprob"]) < 1e-4
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A killed build leaves torch's lock file behind, and the next load would wait on it
+    forever: locks older than STALE_LOCK_SECONDS are removed, younger ones (a build running in
+    another process) are left alone."""
+    import os
+    import time as _time
+
+    from leapfrog.layers import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory("leapfrog_cpu_test", verbose=False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    cpu_kernels._clear_stale_lock("leapfrog_cpu_test")
+    assert lock.exists()
+    old = _time.time() - cpu_kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock("leapfrog_cpu_test")
+    assert not lock.exists()

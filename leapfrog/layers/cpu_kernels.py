@@ -3,8 +3,10 @@ builder (gcc). Anything that fails to build simply leaves the portable SDPA path
 Set LEAPFROG_CPU_KERNELS=0 to disable them."""
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +21,22 @@ def cpu_inference(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
+# A build takes about a minute; a lock older than this was left by a killed build, and torch
+# would wait on it forever (the server would stay "loading").
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(name: str) -> None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            print(f"[leapfrog] removing a stale build lock left by a killed build: {lock}", file=sys.stderr)
+            lock.unlink()
+    except (ImportError, OSError):
+        pass
+
+
 def paged_attention_module():
     """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
     global _module, _tried
@@ -30,8 +48,13 @@ def paged_attention_module():
     try:
         from torch.utils.cpp_extension import load
         src = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
-        _module = load(name="leapfrog_paged_attention_cpu", sources=[str(src)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        cflags = ["-O3", "-march=native", "-fopenmp"]
+        # Named by the source's hash: checkouts of other versions build side by side instead of
+        # rebuilding over each other, and copies of this version share one build.
+        tag = hashlib.sha1(src.read_bytes() + repr(cflags).encode()).hexdigest()[:12]
+        name = f"leapfrog_cpu_{tag}"
+        _clear_stale_lock(name)
+        _module = load(name=name, sources=[str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                        verbose=False)
     except Exception as e:  # no compiler, headers missing, ...: fall back to SDPA
         print(f"[leapfrog] CPU attention kernel unavailable, using SDPA ({type(e).__name__}: {e})",
