@@ -40,9 +40,15 @@ MB_TPF, MB_PPL, AR_SPEED, AR_PPL = 1.5, 0.05, 2.0, 0.10     # the issue's target
 
 def configs(args: argparse.Namespace) -> list[Contender]:
     out = [Contender("ar", "ar", model=args.ar_model)]
+    semi = getattr(args, "semi_threshold", None)
     for n in args.num_blocks:
         for t in args.thresholds:
-            out.append(Contender(f"N={n} τ={t:g}", "diffusion", {"num_blocks": n, "threshold": t}, args.model))
+            opts = {"num_blocks": n, "threshold": t}
+            label = f"N={n} τ={t:g}"
+            if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
+                opts["semi_threshold"] = semi
+                label += f" τ_semi={semi:g}"
+            out.append(Contender(label, "diffusion", opts, args.model))
     return out
 
 
@@ -219,3 +225,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ar-model", default="stories", help="the ar baseline and the perplexity judge (default stories)")
     g.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])
     g.add_argument("--num-blocks", type=int, nargs="+", default=[1, 2, 3, 4], help="N; 1 is single-block")
+    g.add_argument("--semi-threshold", type=float, default=None,
+                   help="τ_semi for the N > 1 configs: a later block may be forced forward once its "
+                        "predecessor is this far decided (default: the method's, 0.9)")

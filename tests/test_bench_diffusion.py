@@ -79,3 +79,19 @@ def test_eval_with_the_diffusion_method(dif_dir, llama_dir, tmp_path):
     rc = evaluate.main(["--model", str(dif_dir), "--method", "diffusion", "--num", "1", "--max-tokens", "4",
                         "--judge", str(dif_dir), "--json", str(out), "--num-threads", "1"])
     assert rc == 0 and json.loads(out.read_text())["metrics"]["judge_ppl"] is not None
+
+
+def test_semi_threshold_reaches_the_multi_block_configs_only():
+    """--semi-threshold sets τ_semi on N > 1 configs (named in their label) and leaves N = 1 and
+    ar alone; without it the configs are the plain grid."""
+    import argparse
+
+    from leapfrog.bench_diffusion import configs
+
+    args = argparse.Namespace(ar_model="stories", model="stories-diffusion", num_blocks=[1, 3],
+                              thresholds=[0.7], semi_threshold=0.5)
+    got = {c.label: c.options for c in configs(args)}
+    assert got == {"ar": {}, "N=1 τ=0.7": {"num_blocks": 1, "threshold": 0.7},
+                   "N=3 τ=0.7 τ_semi=0.5": {"num_blocks": 3, "threshold": 0.7, "semi_threshold": 0.5}}
+    args.semi_threshold = None
+    assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.7", "N=3 τ=0.7"]
