@@ -269,6 +269,44 @@ def test_prefix_scheduler_verifies_more_when_idle_and_less_under_load():
     assert table.cost(5) > table.cost(3) and table.cost(1) == 1.0
 
 
+def test_measured_cost_fits_scale_and_overhead_to_the_steps_taken():
+    """The start-up curve is refitted to real step times: slope and per-step overhead from steps
+    of different widths, only the overhead from steps of one width, outliers (idle gaps) ignored;
+    and a per-step overhead makes verifying drafts relatively cheaper, so more are verified."""
+    from leapfrog.methods.confidence_schedule import MeasuredCost, StepCostTable, schedule_prefix, survival
+    table = StepCostTable([1, 64], [0.001, 0.064])
+    fit = MeasuredCost(table)
+    for i in range(60):
+        b = (1, 5, 9)[i % 3]
+        assert fit.observe(b, 2 * table.cost(b) + 0.003)
+    assert fit.scale == pytest.approx(2.0, rel=1e-6) and fit.overhead == pytest.approx(0.003, rel=1e-6)
+    assert fit.cost(30) == pytest.approx(2 * table.cost(30) + 0.003)
+    assert not fit.observe(1, 100 * fit.cost(1)) and fit.num_samples == 60     # an idle gap
+    one = MeasuredCost(table)
+    for _ in range(20):
+        one.observe(1, 3 * table.cost(1))
+    assert one.scale == 1.0 and one.cost(1) == pytest.approx(3 * table.cost(1))
+    # Each verified token costs a bare decode step: not worth it on the profile alone,
+    # worth it once a step's measured fixed cost (2 bare forwards) is counted.
+    steep = StepCostTable([1, 64], [0.001, 0.064])
+    surv = [survival([0.6, 0.5, 0.4])]
+    assert schedule_prefix(surv, steep.sps) == [0]
+    busy = MeasuredCost(steep)
+    for _ in range(20):
+        busy.observe(1, 0.003)
+    assert schedule_prefix(surv, lambda b: 1 / busy.cost(b))[0] > 0
+
+
+def test_confidence_scheduling_fits_its_cost_model_while_decoding(llama_dir, drafters, ar_greedy):
+    costs = {1: 0.01, 8: 0.012, 64: 0.05}
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
+    fit = llm.engine.method.measured
+    assert fit is not None and fit.table is llm.engine.method.step_costs
+    steps = sum(len(r) for r in ar_greedy)
+    assert 0 < fit.num_samples <= steps
+
+
 def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     costs = {1: 0.01, 8: 0.012, 64: 0.05}
     llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)

@@ -104,6 +104,46 @@ class StepCostTable:
         return cls(sizes, secs)
 
 
+@dataclass(slots=True)
+class MeasuredCost:
+    """The profiled curve fitted to the steps this engine really takes: seconds per step at B
+    batch tokens ~ scale * table.cost(B) + overhead, by exponentially weighted least squares over
+    recent steps (`decay` per step). Drafting is timed apart and not part of a step here.
+
+    The start-up profile times a bare forward once. A real step also schedules, samples and
+    commits (a cost per step, whatever its width, which makes verifying extra tokens relatively
+    cheaper), and a machine that becomes busier or quieter scales the forward. Deciding on the
+    start-up numbers alone, confidence scheduling kept declining to draft on a busy machine where
+    verifying every draft ran 1.4-1.5x `ar`. Until steps of different widths have been seen the
+    slope stays as it is and only the overhead moves. A step far from the prediction (outside
+    [1/ratio, ratio] times it: an idle gap between requests, a stall) is not a sample."""
+    table: StepCostTable
+    decay: float = 0.97
+    ratio: float = 10.0
+    scale: float = 1.0
+    overhead: float = 0.0
+    num_samples: int = 0
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # Σw, Σwx, Σwy, Σwx², Σwxy
+
+    def cost(self, batch: int) -> float:
+        return self.scale * self.table.cost(batch) + self.overhead
+
+    def observe(self, batch: int, seconds: float) -> bool:
+        if not 1 / self.ratio <= seconds / self.cost(batch) <= self.ratio:
+            return False
+        x = self.table.cost(batch)
+        s = self._sums
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            s[i] = self.decay * s[i] + v
+        self.num_samples += 1
+        w, mx, my = s[0], s[1] / s[0], s[2] / s[0]
+        var = s[3] / w - mx * mx
+        if var > (0.05 * mx) ** 2:      # widths differ enough to tell slope from overhead
+            self.scale = min(max((s[4] / w - mx * my) / var, 0.25), 8.0)
+        self.overhead = max(0.0, my - self.scale * mx)
+        return True
+
+
 def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
                 device: torch.device) -> Callable[[], None]:
     """A paged forward of b query rows after `context` cached positions, as the runner builds

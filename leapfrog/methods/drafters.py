@@ -22,7 +22,7 @@ from leapfrog.loader import (CheckpointError, _check_complete, iter_tensors, rea
                              verify_manifest, weight_files)
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.methods.base import Batch, Commit, StepOutput
-from leapfrog.methods.confidence_schedule import StepCostTable, schedule_prefix, survival
+from leapfrog.methods.confidence_schedule import MeasuredCost, StepCostTable, schedule_prefix, survival
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, _draw
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block
@@ -122,6 +122,8 @@ class DFlashMethod(SpeculativeMethod):
         self._reprobe_every = self.reprobe_steps
         self._decided_batch = -1          # batch size of the last drafting decision
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
+        self.measured: MeasuredCost | None = None     # step_costs fitted to the steps taken
+        self._step_end: float | None = None           # when the previous step's verification ended
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
             super().__init__(ctx, 0, fallback)
@@ -193,6 +195,17 @@ class DFlashMethod(SpeculativeMethod):
             first = row - s.num_query
             self.drafter.queue_context(ctx, feats[first:first + c.num_kv_keep])
 
+    def on_verified(self, batch: Batch) -> None:
+        """Confidence scheduling: time the step just verified (from the end of the previous
+        step's verification: scheduling, the forward, sampling, verification; not drafting,
+        which is timed on its own) and fit the cost model to it."""
+        if self.verify != "confidence":
+            return
+        now = time.perf_counter()
+        if self._step_end is not None and self.measured is not None:
+            self.measured.observe(batch.num_tokens, now - self._step_end)
+        self._step_end = now
+
     @torch.inference_mode()
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.num_speculative_tokens == 0:
@@ -224,7 +237,7 @@ class DFlashMethod(SpeculativeMethod):
         elif 0 < self._skipped_steps < self._reprobe_every:
             return self._skip(batch)      # same load, decided already: no need to re-plan
         preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]
-        table, overhead = self._step_costs(), self.draft_seconds
+        table, overhead = self._cost_model(), self.draft_seconds
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
         with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
@@ -267,7 +280,7 @@ class DFlashMethod(SpeculativeMethod):
         if self.verify == "confidence":
             # Seconds per step = profiled verify forward at B tokens + drafting, whose cost does
             # not depend on how many drafts are verified (an EMA of this method's own timings).
-            table, overhead = self._step_costs(), self.draft_seconds
+            table, overhead = self._cost_model(), self.draft_seconds
             lengths = schedule_prefix([survival(p.confidence or []) for p in props],
                                       lambda b: 1.0 / (table.cost(b) + overhead))
             for a, p, n in zip(anchors, props, lengths):
@@ -293,6 +306,12 @@ class DFlashMethod(SpeculativeMethod):
             self.step_costs = StepCostTable.profile(self.target, self.ctx.device,
                                                     max_tokens=min(256, self.max_positions))
         return self.step_costs
+
+    def _cost_model(self) -> MeasuredCost:
+        """Seconds per step at B batch tokens: the profiled curve fitted to measured steps."""
+        if self.measured is None:
+            self.measured = MeasuredCost(self._step_costs())
+        return self.measured
 
     def _draft_temperature(self, seq: Sequence) -> float:
         """0 means argmax drafts (q one-hot); argmax proposals keep pure-parallel blocks

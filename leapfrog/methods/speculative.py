@@ -166,6 +166,9 @@ class SpeculativeMethod:
         """Draft up to num_speculative_tokens tokens after each anchor."""
         return [Proposal(a.pos, []) for a in anchors]
 
+    def on_verified(self, batch: Batch) -> None:
+        """The step's forward and verification are done; drafting for the next step follows."""
+
     # --- Method protocol -------------------------------------------------------------------
     def num_extra_tokens(self, seq: Sequence) -> int:
         prop: Proposal | None = seq.method_state.get("proposal")
@@ -188,6 +191,7 @@ class SpeculativeMethod:
         self.observe(batch, out, commits)
         anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
                    for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
+        self.on_verified(batch)
         for a, prop in zip(anchors, self.propose(anchors) if anchors else []):
             a.seq.method_state["proposal"] = prop
         return commits
