@@ -340,3 +340,49 @@ def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, t
     monkeypatch.setattr(leapfrog, "LLM", None, raising=False)     # cached: no engine needed
     again = distill.rejection_sampled(prep, "couplets", spec, cfg.seed, str(data_dir))
     assert [int(t) for t in again.train] == stream
+
+
+def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, tmp_path, monkeypatch):
+    """RejectionSpec.force_length: every candidate is asked for exactly the 上联's length
+    (end-of-text banned before it, cut there) and kept only when its punctuation sits where the
+    上联's does; the kept 下联 gets its </s>."""
+    import shutil
+    from types import SimpleNamespace
+
+    import leapfrog
+    from leapfrog.train import distill
+    from leapfrog.train.prepare import prepare
+
+    assert distill.same_punctuation("春风，绿柳", "秋雨，红枫") and not distill.same_punctuation("春风，绿柳", "秋雨红，枫")
+    cfg = tiny("couplets")
+    prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    parent = tmp_path / "parent"
+    shutil.copytree(prep.tokenizer_dir, parent)
+    (parent / "config.json").write_text("{}")
+    ups = sorted({u for u, _ in data.train_items("couplets", str(data_dir))["pairs"] if len(u) >= 5})
+    asked = []
+
+    class ScriptedLLM:
+        tokenizer = SimpleNamespace(eos_token_ids=[2])
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            asked.extend((len(u), p.min_tokens, p.max_tokens) for u, p in zip(prompts, params))
+            outs = []
+            for i, u in enumerate(prompts):
+                k = i % 3        # candidates: punctuation moved, right, a character short
+                text = {0: "，" + u[1:] if u[0] != "，" else "春" + u[1:], 1: u[::-1], 2: u[1:]}[k]
+                if k == 1 and not distill.same_punctuation(u, text):
+                    text = "".join("，" if c == "，" else "春" for c in u)
+                outs.append(SimpleNamespace(text=text, finish_reason="length",
+                                            prompt_token_ids=[1, 7, 8], token_ids=[9, len(u)]))
+            return outs
+
+    monkeypatch.setattr(leapfrog, "LLM", ScriptedLLM, raising=False)
+    spec = distill.RejectionSpec(parent=str(parent), min_chars=5, samples=3, force_length=True)
+    out = distill.rejection_sampled(prep, "couplets", spec, cfg.seed, str(data_dir))
+    assert all(n == lo == hi for n, lo, hi in asked) and len(asked) == 3 * len(ups)
+    base = len(prep.train)
+    assert [int(t) for t in out.train[base:]] == [t for u in ups for t in [1, 7, 8, 9, len(u), 2]]

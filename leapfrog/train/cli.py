@@ -68,6 +68,7 @@ def _recipe_table() -> str:
              "couplets-mirror": "couplets-long plus swapped long pairs, </s>/punctuation weighted 3x",
              "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x",
              "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)",
+             "couplets-forced": "couplets-rft with length-forced, punctuation-mirroring candidates",
              "couplets-rft2": "a second round of couplets-rft from its weights, two 下联 kept per 上联"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):

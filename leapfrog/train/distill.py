@@ -85,6 +85,17 @@ class RejectionSpec:
     samples: int = 4                 # candidates per 上联 (sampled at `temperature`)
     temperature: float = 0.8
     keep: int = 1                    # distinct right-length candidates kept per 上联
+    # Length-forced candidates: end-of-text banned before the 上联's length and the 下联 cut
+    # there, kept when its punctuation sits where the 上联's does. Covers the 上联 for which no
+    # free sample came out right (the hard ones rejection sampling leaves out).
+    force_length: bool = False
+
+
+def same_punctuation(up: str, down: str) -> bool:
+    """Punctuation at the same places on both sides (the clause structure of a couplet)."""
+    from leapfrog.train.couplets import PUNCT
+
+    return len(up) == len(down) and all((a in PUNCT) == (b in PUNCT) for a, b in zip(up, down))
 
 
 def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir: str | None):
@@ -97,7 +108,8 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
 
     parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
-                           spec.temperature, spec.keep, seed, len(prep.train))
+                           spec.temperature, spec.keep, seed, len(prep.train),
+                           *(["forced"] if spec.force_length else []))
     path = data.CACHE_DIR / f"{name}-rejection" / key / "train.bin"
     if not path.is_file():
         ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
@@ -105,15 +117,25 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
               file=sys.stderr, flush=True)
         llm = LLM(str(parent), method="ar", max_batch_size=64)
         prompts = [u for u in ups for _ in range(spec.samples)]
-        params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
-                  for i, u in enumerate(prompts)]
+        if spec.force_length:
+            params = [SamplingParams(min_tokens=len(u), max_tokens=len(u), temperature=spec.temperature,
+                                     seed=seed + i) for i, u in enumerate(prompts)]
+        else:
+            params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
+                      for i, u in enumerate(prompts)]
         outs = llm.generate(prompts, params, use_tqdm=True)
         kept: dict[str, list] = {}
         for u, o in zip(prompts, outs):
             mine = kept.setdefault(u, [])
-            if (o.finish_reason == "stop" and len(o.text) == len(u) and len(mine) < spec.keep
-                    and all(o.text != t for t, _ in mine)):
-                mine.append((o.text, o.prompt_token_ids + o.token_ids))
+            if spec.force_length:
+                eos = llm.tokenizer.eos_token_ids[0]
+                ok = len(o.text) == len(u) and same_punctuation(u, o.text)
+                ids = o.prompt_token_ids + [t for t in o.token_ids if t != eos] + [eos]
+            else:
+                ok = o.finish_reason == "stop" and len(o.text) == len(u)
+                ids = o.prompt_token_ids + o.token_ids
+            if ok and len(mine) < spec.keep and all(o.text != t for t, _ in mine):
+                mine.append((o.text, ids))
         docs = [ids for m in kept.values() for _, ids in m]
         print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
               f"of {len(ups)} 上联", file=sys.stderr, flush=True)

@@ -155,6 +155,18 @@ def couplets_rft2() -> TrainConfig:
     return cfg
 
 
+def couplets_forced() -> TrainConfig:
+    """`couplets-rft` with length-forced candidates: for every training 上联 of 8+ characters two
+    samples (T=0.8) by the shipped model with end-of-text banned until the 上联's length and the
+    下联 cut there; one whose punctuation mirrors the 上联's is kept. Unlike rejection sampling this
+    covers the 上联 the model never gets right on its own. Writes runs/couplets-forced/model,
+    copied over checkpoints/couplets once measured."""
+    cfg = couplets_rft()
+    _in_runs(cfg, "couplets-forced")
+    cfg.rejection.min_chars, cfg.rejection.samples, cfg.rejection.force_length = 8, 2, True
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -281,6 +293,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
+    "couplets-forced": couplets_forced,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
