@@ -386,3 +386,35 @@ def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, 
     assert all(n == lo == hi for n, lo, hi in asked) and len(asked) == 3 * len(ups)
     base = len(prep.train)
     assert [int(t) for t in out.train[base:]] == [t for u in ups for t in [1, 7, 8, 9, len(u), 2]]
+
+
+def test_rare_character_pairs_reach_the_model_as_byte_fallback(data_dir):
+    """couplets.with_rare_chars: 上联 with 1-2 characters outside the vocabulary (each encoded
+    as its three UTF-8 bytes), the 下联 and the punctuation untouched, appended to the stream."""
+    import random as _random
+
+    from transformers import AutoTokenizer
+
+    from leapfrog.train import couplets
+    from leapfrog.train.prepare import prepare
+
+    cfg = tiny("couplets")
+    prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
+    in_vocab = {p for p in tok.get_vocab() if len(p) == 1}
+    pairs = data.train_items("couplets", str(data_dir))["pairs"]
+    made = couplets.rare_char_pairs(pairs, 50, _random.Random(0), in_vocab)
+    assert len(made) == 50
+    originals = {d: u for u, d in pairs}
+    for up, down in made:
+        src = originals[down]
+        changed = [i for i, (a, b) in enumerate(zip(up, src)) if a != b]
+        assert len(up) == len(src) and 1 <= len(changed) <= 2
+        assert all(up[i] not in in_vocab and src[i] not in couplets.PUNCT for i in changed)
+        assert len(tok(up, add_special_tokens=False).input_ids) >= len(src) + 2 * len(changed) - 1
+    out = couplets.with_rare_chars(prep, "couplets", 50, cfg.seed, str(data_dir))
+    base = len(prep.train)
+    assert [int(t) for t in out.train[:base]] == [int(t) for t in prep.train]
+    assert out.num_train_items == prep.num_train_items + 50
+    tail = tok.decode([int(t) for t in out.train[base:]], skip_special_tokens=False)
+    assert tail.count("<sep>") == 50

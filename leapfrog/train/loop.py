@@ -80,6 +80,7 @@ class TrainConfig:
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
     joined_pairs: int = 0                       # couplets: synthetic long pairs (couplets.join_pairs)
     mirror_long: int = 0                        # couplets: copies of long pairs with the sides swapped
+    rare_chars: int = 0                         # couplets: pairs with out-of-vocabulary 上联 characters
     length_weight: float = 0.0                  # couplets: extra loss weight on </s> and punctuation targets
     grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
@@ -258,6 +259,9 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     if cfg.rejection is not None and prepared is None:
         from leapfrog.train.distill import rejection_sampled
         prep = rejection_sampled(prep, cfg.name, cfg.rejection, cfg.seed, cfg.data_dir)
+    if cfg.rare_chars and prepared is None:
+        from leapfrog.train.couplets import with_rare_chars
+        prep = with_rare_chars(prep, cfg.name, cfg.rare_chars, cfg.seed, cfg.data_dir)
     model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)

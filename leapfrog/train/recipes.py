@@ -167,6 +167,18 @@ def couplets_forced() -> TrainConfig:
     return cfg
 
 
+def couplets_rare() -> TrainConfig:
+    """`couplets-forced` plus 20,000 pairs whose 上联 carries 1-2 characters outside the
+    vocabulary (``leapfrog.train.couplets.rare_char_pairs``): a rare character reaches the model
+    as three byte tokens, and it answered with a 下联 as long as the byte count. Starts from the
+    shipped weights; writes runs/couplets-rare/model, copied over checkpoints/couplets once
+    measured."""
+    cfg = couplets_forced()
+    _in_runs(cfg, "couplets-rare")
+    cfg.rare_chars = 20000
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -293,7 +305,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
-    "couplets-forced": couplets_forced,
+    "couplets-forced": couplets_forced, "couplets-rare": couplets_rare,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
