@@ -269,32 +269,35 @@ def test_prefix_scheduler_verifies_more_when_idle_and_less_under_load():
     assert table.cost(5) > table.cost(3) and table.cost(1) == 1.0
 
 
-def test_measured_cost_fits_scale_and_overhead_to_the_steps_taken():
-    """The start-up curve is refitted to real step times: slope and per-step overhead from steps
-    of different widths, only the overhead from steps of one width, outliers (idle gaps) ignored;
-    and a per-step overhead makes verifying drafts relatively cheaper, so more are verified."""
-    from leapfrog.methods.confidence_schedule import MeasuredCost, StepCostTable, schedule_prefix, survival
-    table = StepCostTable([1, 64], [0.001, 0.064])
-    fit = MeasuredCost(table)
-    for i in range(60):
-        b = (1, 5, 9)[i % 3]
-        assert fit.observe(b, 2 * table.cost(b) + 0.003)
-    assert fit.scale == pytest.approx(2.0, rel=1e-6) and fit.overhead == pytest.approx(0.003, rel=1e-6)
-    assert fit.cost(30) == pytest.approx(2 * table.cost(30) + 0.003)
-    assert not fit.observe(1, 100 * fit.cost(1)) and fit.num_samples == 60     # an idle gap
-    one = MeasuredCost(table)
-    for _ in range(20):
-        one.observe(1, 3 * table.cost(1))
-    assert one.scale == 1.0 and one.cost(1) == pytest.approx(3 * table.cost(1))
-    # Each verified token costs a bare decode step: not worth it on the profile alone,
-    # worth it once a step's measured fixed cost (2 bare forwards) is counted.
-    steep = StepCostTable([1, 64], [0.001, 0.064])
-    surv = [survival([0.6, 0.5, 0.4])]
+def test_measured_cost_prices_steps_and_drafting_from_what_was_measured():
+    """Confidence scheduling's cost model: widths the engine ran at are priced from their own
+    measured steps, others from the profile scaled by the measured/profiled ratio; idle gaps
+    are not samples; drafting is fitted as a + b * requests. A profile that prices verification
+    too high no longer stops drafting once the measured steps show it is cheap."""
+    from leapfrog.methods.confidence_schedule import LinearFit, MeasuredCost, StepCostTable, schedule_prefix, survival
+    steep = StepCostTable([1, 64], [0.001, 0.064])     # each verified token costs a decode step
+    fit = MeasuredCost(steep)
+    assert fit.cost(9) == steep.cost(9)                 # nothing measured: the profile
+    for i in range(30):
+        b = (1, 2, 4)[i % 3]
+        assert fit.observe(b, 0.003 + 0.0001 * b)       # measured: a step costs ~3 ms at any width
+    assert [fit.cost(b) for b in (1, 2, 4)] == pytest.approx([0.0031, 0.0032, 0.0034])
+    assert fit.cost(3) == pytest.approx(0.0033)                               # interpolated
+    assert 1.0 < fit.scale < 3.1                                              # extrapolated:
+    assert fit.cost(30) == pytest.approx(0.0034 + fit.scale * (steep.cost(30) - steep.cost(4)))
+    assert not fit.observe(1, 100 * fit.cost(1)) and fit.num_samples == 30     # an idle gap
+    surv = [survival([0.9, 0.8, 0.7])]
     assert schedule_prefix(surv, steep.sps) == [0]
-    busy = MeasuredCost(steep)
-    for _ in range(20):
-        busy.observe(1, 0.003)
-    assert schedule_prefix(surv, lambda b: 1 / busy.cost(b))[0] > 0
+    assert schedule_prefix(surv, lambda b: 1 / fit.cost(b)) == [3]
+    assert MeasuredCost(steep, scale=2.0).cost(9) == pytest.approx(2 * steep.cost(9))
+    draft = LinearFit(slope=0.0, slope_range=(0.0, 1.0))
+    for _ in range(5):
+        draft.add(1.0, 0.002)
+    assert draft.slope == 0.0 and draft(8) == pytest.approx(0.002)         # one width: the mean
+    for i in range(60):
+        r = (1, 8, 32)[i % 3]
+        draft.add(float(r), 0.002 + 0.0007 * r)
+    assert draft.slope == pytest.approx(0.0007, rel=1e-2) and draft(16) == pytest.approx(0.0132, rel=1e-2)
 
 
 def test_confidence_scheduling_fits_its_cost_model_while_decoding(llama_dir, drafters, ar_greedy):

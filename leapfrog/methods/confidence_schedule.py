@@ -105,43 +105,93 @@ class StepCostTable:
 
 
 @dataclass(slots=True)
-class MeasuredCost:
-    """The profiled curve fitted to the steps this engine really takes: seconds per step at B
-    batch tokens ~ scale * table.cost(B) + overhead, by exponentially weighted least squares over
-    recent steps (`decay` per step). Drafting is timed apart and not part of a step here.
-
-    The start-up profile times a bare forward once. A real step also schedules, samples and
-    commits (a cost per step, whatever its width, which makes verifying extra tokens relatively
-    cheaper), and a machine that becomes busier or quieter scales the forward. Deciding on the
-    start-up numbers alone, confidence scheduling kept declining to draft on a busy machine where
-    verifying every draft ran 1.4-1.5x `ar`. Until steps of different widths have been seen the
-    slope stays as it is and only the overhead moves. A step far from the prediction (outside
-    [1/ratio, ratio] times it: an idle gap between requests, a stall) is not a sample."""
-    table: StepCostTable
+class LinearFit:
+    """y ~ slope * x + intercept by exponentially weighted least squares (`decay` per sample).
+    Until the samples' x spread enough to tell slope from intercept, the slope keeps its prior
+    and only the intercept moves (to the weighted mean of y - slope * x)."""
+    slope: float = 1.0
+    intercept: float = 0.0
     decay: float = 0.97
-    ratio: float = 10.0
-    scale: float = 1.0
-    overhead: float = 0.0
+    slope_range: tuple[float, float] = (0.25, 8.0)
     num_samples: int = 0
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # Σw, Σwx, Σwy, Σwx², Σwxy
 
-    def cost(self, batch: int) -> float:
-        return self.scale * self.table.cost(batch) + self.overhead
+    def __call__(self, x: float) -> float:
+        return self.slope * x + self.intercept
 
-    def observe(self, batch: int, seconds: float) -> bool:
-        if not 1 / self.ratio <= seconds / self.cost(batch) <= self.ratio:
-            return False
-        x = self.table.cost(batch)
+    def add(self, x: float, y: float) -> None:
         s = self._sums
-        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = self.decay * s[i] + v
         self.num_samples += 1
         w, mx, my = s[0], s[1] / s[0], s[2] / s[0]
         var = s[3] / w - mx * mx
-        if var > (0.05 * mx) ** 2:      # widths differ enough to tell slope from overhead
-            self.scale = min(max((s[4] / w - mx * my) / var, 0.25), 8.0)
-        self.overhead = max(0.0, my - self.scale * mx)
+        if var > (0.05 * mx) ** 2 and var > 1e-18:
+            lo, hi = self.slope_range
+            self.slope = min(max((s[4] / w - mx * my) / var, lo), hi)
+        self.intercept = max(0.0, my - self.slope * mx)
+
+
+@dataclass(slots=True)
+class MeasuredCost:
+    """Step and drafting costs as this engine really sees them, the start-up profile filling in
+    what has not been measured yet.
+
+    Seconds per step at B batch tokens: the average (exponential, `alpha`) of the steps taken at
+    exactly B tokens once `min_samples` were seen; between measured widths, interpolated; past
+    them, the nearest measured width plus the profile's difference times the average ratio of
+    measured to profiled seconds (`scale`); with nothing measured, the profile times `scale`.
+    Seconds of drafting for R requests: a `LinearFit` a + b * R.
+
+    The start-up profile times a bare forward once, on whatever the machine was doing then. A
+    real step also schedules, samples and commits, and a machine that becomes busier or quieter
+    changes every cost; deciding on the profile alone, confidence scheduling kept declining to
+    draft on a busy machine where verifying every draft ran 1.4-1.5x `ar`. A scaled profile is
+    not enough either: its shape was off (a profiled 1-token step 2.5x the real one, a 32-token
+    step 2.3x a 1-token one against ~4x measured), so the widths the engine runs at are priced
+    from their own measurements. Drafting grows with the requests drafted for (one average
+    priced drafting for one request at what 32 had cost). A step far from the prediction
+    (outside [1/ratio, ratio] times it: an idle gap between requests, a stall) is not a sample."""
+    table: StepCostTable
+    alpha: float = 0.1
+    min_samples: int = 3
+    ratio: float = 10.0
+    scale: float = 1.0                                                   # measured / profiled
+    num_samples: int = 0
+    seen: dict[int, tuple[float, int]] = field(default_factory=dict)    # B -> (average s, samples)
+    draft: LinearFit = field(default_factory=lambda: LinearFit(slope=0.0, slope_range=(0.0, 1.0)))
+
+    def cost(self, batch: int) -> float:
+        avg, n = self.seen.get(batch, (0.0, 0))
+        if n >= self.min_samples:
+            return avg
+        known = sorted(b for b, (_, k) in self.seen.items() if k >= self.min_samples)
+        i = bisect.bisect_left(known, batch)
+        if 0 < i < len(known):                 # between two measured widths: interpolate
+            b0, b1 = known[i - 1], known[i]
+            y0, y1 = self.seen[b0][0], self.seen[b1][0]
+            return y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+        if known:                               # beyond them: the scaled profile's difference
+            b = known[-1] if i else known[0]
+            y = self.seen[b][0] + self.scale * (self.table.cost(batch) - self.table.cost(b))
+            return max(y, 1e-9)
+        return self.scale * self.table.cost(batch)
+
+    def observe(self, batch: int, seconds: float) -> bool:
+        if not 1 / self.ratio <= seconds / self.cost(batch) <= self.ratio:
+            return False
+        avg, n = self.seen.get(batch, (seconds, 0))
+        self.seen[batch] = (avg + max(self.alpha, 1 / (n + 1)) * (seconds - avg), n + 1)
+        r = seconds / self.table.cost(batch)
+        self.scale += max(self.alpha, 1 / (self.num_samples + 1)) * (r - self.scale)
+        self.num_samples += 1
         return True
+
+    def draft_cost(self, requests: int) -> float:
+        return self.draft(requests)
+
+    def observe_draft(self, requests: int, seconds: float) -> None:
+        self.draft.add(float(requests), seconds)
 
 
 def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,

@@ -115,7 +115,6 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.draft_sampling, self.verify, self.threshold = draft_sampling, verify, float(threshold)
         self.context_cache = ContextCache()
-        self.draft_seconds = 0.0          # EMA of drafting wall time (confidence scheduling's cost model)
         self._num_drafts = 0              # drafting calls so far (the first is a warm-up, not timed)
         self._surv_prior: list[float] | None = None   # running average survival row (all requests)
         self._skipped_steps = 0           # consecutive steps that skipped drafting
@@ -197,8 +196,8 @@ class DFlashMethod(SpeculativeMethod):
 
     def on_verified(self, batch: Batch) -> None:
         """Confidence scheduling: time the step just verified (from the end of the previous
-        step's verification: scheduling, the forward, sampling, verification; not drafting,
-        which is timed on its own) and fit the cost model to it."""
+        step's verification, or of its drafting: scheduling, the forward, sampling,
+        verification; not drafting, which is timed on its own) and fit the cost model to it."""
         if self.verify != "confidence":
             return
         now = time.perf_counter()
@@ -210,9 +209,11 @@ class DFlashMethod(SpeculativeMethod):
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.num_speculative_tokens == 0:
             return [Proposal(a.pos, []) for a in anchors]
-        if self.verify == "confidence" and not self._worth_drafting(anchors):
-            return [Proposal(a.pos, []) for a in anchors]
-        return self._draft(anchors)
+        if self.verify != "confidence":
+            return self._draft(anchors)
+        props = self._draft(anchors) if self._worth_drafting(anchors) else [Proposal(a.pos, []) for a in anchors]
+        self._step_end = time.perf_counter()      # the next step's clock starts after drafting
+        return props
 
     # A step that decided not to draft re-probes (drafts anyway, to refresh the predictions the
     # decision rests on) after reprobe_steps skipped steps; each probe that still finds drafting
@@ -229,7 +230,7 @@ class DFlashMethod(SpeculativeMethod):
         on those predictions, drafting time included, beat a plain decode step's. The decision
         is for the whole batch (drafting's cost is mostly per step, not per request) and, once
         negative, holds while the batch size does, until the next re-probe."""
-        if self.draft_seconds == 0 or self._surv_prior is None:
+        if self.measured is None or not self.measured.draft.num_samples or self._surv_prior is None:
             return True                   # nothing measured yet
         batch = len(anchors)
         if batch != self._decided_batch:
@@ -237,7 +238,8 @@ class DFlashMethod(SpeculativeMethod):
         elif 0 < self._skipped_steps < self._reprobe_every:
             return self._skip(batch)      # same load, decided already: no need to re-plan
         preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]
-        table, overhead = self._cost_model(), self.draft_seconds
+        table = self._cost_model()
+        overhead = table.draft_cost(batch)
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
         with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
@@ -257,7 +259,7 @@ class DFlashMethod(SpeculativeMethod):
 
     def _draft(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.verify == "confidence":
-            self._step_costs()            # profiled once, before the drafting clock starts
+            self._cost_model()            # profiled once, before the drafting clock starts
         # Context rows queued while not drafting: projected now, outside the per-step clock.
         self.drafter.flush_contexts([a.seq.method_state["draft_ctx"] for a in anchors])
         t0 = time.perf_counter()
@@ -280,7 +282,8 @@ class DFlashMethod(SpeculativeMethod):
         if self.verify == "confidence":
             # Seconds per step = profiled verify forward at B tokens + drafting, whose cost does
             # not depend on how many drafts are verified (an EMA of this method's own timings).
-            table, overhead = self._cost_model(), self.draft_seconds
+            table = self._cost_model()
+            overhead = table.draft_cost(len(anchors))
             lengths = schedule_prefix([survival(p.confidence or []) for p in props],
                                       lambda b: 1.0 / (table.cost(b) + overhead))
             for a, p, n in zip(anchors, props, lengths):
@@ -294,10 +297,8 @@ class DFlashMethod(SpeculativeMethod):
                     [0.9 * x + 0.1 * y for x, y in zip(prior, row)]
         spent = time.perf_counter() - t0
         self._num_drafts += 1
-        if self._num_drafts == 2:         # the first call pays one-off allocations: not a sample
-            self.draft_seconds = spent
-        elif self._num_drafts > 2:
-            self.draft_seconds = 0.8 * self.draft_seconds + 0.2 * spent
+        if self._num_drafts > 1 and self.measured is not None:   # the first pays one-off allocations
+            self.measured.observe_draft(len(anchors), spent)
         return props
 
     def _step_costs(self) -> StepCostTable:

@@ -167,6 +167,29 @@ def couplets_forced() -> TrainConfig:
     return cfg
 
 
+def couplets_wide() -> TrainConfig:
+    """`couplets-forced` on 256-token windows (8 per step: the same tokens per step). Windows
+    start at a random <s>, and an example is learnt whole (its </s>, where the length is decided)
+    only in windows that hold all of it: at 128 tokens a pair of 70-90 tokens (a 上联 of 34-44
+    characters) is whole in half as many windows as a short pair, at 256 in 0.76x as many.
+    Writes runs/couplets-wide/model, copied over checkpoints/couplets once measured."""
+    cfg = couplets_forced()
+    _in_runs(cfg, "couplets-wide")
+    cfg.seq_len, cfg.batch_size = 256, 8
+    return cfg
+
+
+def couplets_forced2() -> TrainConfig:
+    """A second round of `couplets-forced` from its weights (runs/couplets-forced/model): the
+    candidates come from that model, two distinct ones kept per 上联. Writes
+    runs/couplets-forced2/model, copied over checkpoints/couplets once measured."""
+    cfg = couplets_forced()
+    _in_runs(cfg, "couplets-forced2")
+    cfg.init_from = cfg.rejection.parent = str(REPO_ROOT / "runs" / "couplets-forced" / "model")
+    cfg.rejection.keep = 2
+    return cfg
+
+
 def couplets_rare() -> TrainConfig:
     """`couplets-forced` plus 20,000 pairs whose 上联 carries 1-2 characters outside the
     vocabulary (``leapfrog.train.couplets.rare_char_pairs``): a rare character reaches the model
@@ -306,6 +329,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
     "couplets-forced": couplets_forced, "couplets-rare": couplets_rare,
+    "couplets-forced2": couplets_forced2, "couplets-wide": couplets_wide,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
