@@ -121,7 +121,7 @@ class DFlashMethod(SpeculativeMethod):
         self._reprobe_every = self.reprobe_steps
         self._decided_batch = -1          # batch size of the last drafting decision
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
-        self.measured: MeasuredCost | None = None     # step_costs fitted to the steps taken
+        self.measured: MeasuredCost | None = None     # step and drafting costs as measured
         self._step_end: float | None = None           # when the previous step's verification ended
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding
@@ -280,8 +280,8 @@ class DFlashMethod(SpeculativeMethod):
         props = [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
                  for i, a in enumerate(anchors)]
         if self.verify == "confidence":
-            # Seconds per step = profiled verify forward at B tokens + drafting, whose cost does
-            # not depend on how many drafts are verified (an EMA of this method's own timings).
+            # Seconds per step = verify step at B tokens + drafting, whose cost does not depend on
+            # how many drafts are verified (both as measured: MeasuredCost).
             table = self._cost_model()
             overhead = table.draft_cost(len(anchors))
             lengths = schedule_prefix([survival(p.confidence or []) for p in props],
@@ -309,7 +309,7 @@ class DFlashMethod(SpeculativeMethod):
         return self.step_costs
 
     def _cost_model(self) -> MeasuredCost:
-        """Seconds per step at B batch tokens: the profiled curve fitted to measured steps."""
+        """Step and drafting costs: measured, the profile filling in the rest."""
         if self.measured is None:
             self.measured = MeasuredCost(self._step_costs())
         return self.measured
