@@ -290,16 +290,11 @@ def test_grow_depth_keeps_the_logits_and_trains_the_new_layers():
     assert model.model.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
 
 
-def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, tmp_path, monkeypatch):
-    """train.distill.rejection_sampled: for each training 上联 of min_chars+ characters the
-    parent's candidates are kept only when they ended (</s>) with exactly the 上联's length, at
-    most `keep` distinct ones, appended after the original stream; a second call reads the
-    cache. The engine is replaced by a scripted one, so the oracle is exact."""
+def _couplets_parent(data_dir, tmp_path):
+    """A tiny couplets data set, a stand-in parent folder with its tokenizer, and the training
+    上联 of 5+ characters (rejection sampling's inputs)."""
     import shutil
-    from types import SimpleNamespace
 
-    import leapfrog
-    from leapfrog.train import distill
     from leapfrog.train.prepare import prepare
 
     cfg = tiny("couplets")
@@ -308,6 +303,20 @@ def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, t
     shutil.copytree(prep.tokenizer_dir, parent)
     (parent / "config.json").write_text("{}")
     ups = sorted({u for u, _ in data.train_items("couplets", str(data_dir))["pairs"] if len(u) >= 5})
+    return cfg, prep, parent, ups
+
+
+def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, tmp_path, monkeypatch):
+    """train.distill.rejection_sampled: for each training 上联 of min_chars+ characters the
+    parent's candidates are kept only when they ended (</s>) with exactly the 上联's length, at
+    most `keep` distinct ones, appended after the original stream; a second call reads the
+    cache. The engine is replaced by a scripted one, so the oracle is exact."""
+    from types import SimpleNamespace
+
+    import leapfrog
+    from leapfrog.train import distill
+
+    cfg, prep, parent, ups = _couplets_parent(data_dir, tmp_path)
     assert ups
     calls = []
 
@@ -346,20 +355,13 @@ def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, 
     """RejectionSpec.force_length: every candidate is asked for exactly the 上联's length
     (end-of-text banned before it, cut there) and kept only when its punctuation sits where the
     上联's does; the kept 下联 gets its </s>."""
-    import shutil
     from types import SimpleNamespace
 
     import leapfrog
     from leapfrog.train import distill
-    from leapfrog.train.prepare import prepare
 
     assert distill.same_punctuation("春风，绿柳", "秋雨，红枫") and not distill.same_punctuation("春风，绿柳", "秋雨红，枫")
-    cfg = tiny("couplets")
-    prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
-    parent = tmp_path / "parent"
-    shutil.copytree(prep.tokenizer_dir, parent)
-    (parent / "config.json").write_text("{}")
-    ups = sorted({u for u, _ in data.train_items("couplets", str(data_dir))["pairs"] if len(u) >= 5})
+    cfg, prep, parent, ups = _couplets_parent(data_dir, tmp_path)
     asked = []
 
     class ScriptedLLM:
