@@ -361,6 +361,8 @@ def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, 
     from leapfrog.train import distill
 
     assert distill.same_punctuation("春风，绿柳", "秋雨，红枫") and not distill.same_punctuation("春风，绿柳", "秋雨红，枫")
+    assert distill.loops_more("贵为尚书，俭若寒士", "死者生，死者生，死者")
+    assert not distill.loops_more("吹吹打打打打吹吹", "笑笑啼啼啼啼笑笑") and not distill.loops_more("春风", "秋雨")
     cfg, prep, parent, ups = _couplets_parent(data_dir, tmp_path)
     asked = []
 

@@ -70,6 +70,7 @@ def _recipe_table() -> str:
              "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)",
              "couplets-forced": "couplets-rft with length-forced, punctuation-mirroring candidates",
              "couplets-forced2": "a second round of couplets-forced from its weights, two 下联 kept per 上联",
+             "couplets-clean": "couplets-forced without looping candidates",
              "couplets-wide": "couplets-forced on 256-token windows (long pairs learnt whole more often)",
              "couplets-rare": "couplets-forced plus 上联 with out-of-vocabulary (byte-fallback) characters",
              "couplets-rft2": "a second round of couplets-rft from its weights, two 下联 kept per 上联"}

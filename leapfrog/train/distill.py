@@ -89,6 +89,8 @@ class RejectionSpec:
     # there, kept when its punctuation sits where the 上联's does. Covers the 上联 for which no
     # free sample came out right (the hard ones rejection sampling leaves out).
     force_length: bool = False
+    # Drop a candidate that repeats a 3-character run more often than the 上联 does (a loop).
+    no_loops: bool = False
 
 
 def same_punctuation(up: str, down: str) -> bool:
@@ -96,6 +98,15 @@ def same_punctuation(up: str, down: str) -> bool:
     from leapfrog.train.couplets import PUNCT
 
     return len(up) == len(down) and all((a in PUNCT) == (b in PUNCT) for a, b in zip(up, down))
+
+
+def loops_more(up: str, down: str, n: int = 3) -> bool:
+    """The 下联 repeats some n-character run more often than the 上联 repeats any (a couplet may
+    repeat on purpose, 吹吹打打打打吹吹, but then both sides do)."""
+    def most(text: str) -> int:
+        runs = [text[i:i + n] for i in range(len(text) - n + 1)]
+        return max((runs.count(r) for r in set(runs)), default=0)
+    return most(down) > most(up)
 
 
 def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir: str | None):
@@ -109,7 +120,7 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
     parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
                            spec.temperature, spec.keep, seed, len(prep.train),
-                           *(["forced"] if spec.force_length else []))
+                           *(["forced"] if spec.force_length else []), *(["no-loops"] if spec.no_loops else []))
     path = data.CACHE_DIR / f"{name}-rejection" / key / "train.bin"
     if not path.is_file():
         ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
@@ -130,6 +141,7 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
             if spec.force_length:
                 eos = llm.tokenizer.eos_token_ids[0]
                 ok = len(o.text) == len(u) and same_punctuation(u, o.text)
+                ok = ok and not (spec.no_loops and loops_more(u, o.text))
                 ids = o.prompt_token_ids + [t for t in o.token_ids if t != eos] + [eos]
             else:
                 ok = o.finish_reason == "stop" and len(o.text) == len(u)

@@ -167,6 +167,17 @@ def couplets_forced() -> TrainConfig:
     return cfg
 
 
+def couplets_clean() -> TrainConfig:
+    """`couplets-forced` without the candidates that loop (a 3-character run repeated more often
+    than in the 上联): cut at the 上联's length, a looping 下联 keeps the right length and
+    punctuation but teaches the loop. Writes runs/couplets-clean/model, copied over
+    checkpoints/couplets once measured."""
+    cfg = couplets_forced()
+    _in_runs(cfg, "couplets-clean")
+    cfg.rejection.no_loops = True
+    return cfg
+
+
 def couplets_wide() -> TrainConfig:
     """`couplets-forced` on 256-token windows (8 per step: the same tokens per step). Windows
     start at a random <s>, and an example is learnt whole (its </s>, where the length is decided)
@@ -330,6 +341,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
     "couplets-forced": couplets_forced, "couplets-rare": couplets_rare,
     "couplets-forced2": couplets_forced2, "couplets-wide": couplets_wide,
+    "couplets-clean": couplets_clean,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-distill3": stories_diffusion_distill3,
