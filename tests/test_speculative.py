@@ -290,7 +290,7 @@ def test_measured_cost_prices_steps_and_drafting_from_what_was_measured():
     assert schedule_prefix(surv, steep.sps) == [0]
     assert schedule_prefix(surv, lambda b: 1 / fit.cost(b)) == [3]
     assert MeasuredCost(steep, scale=2.0).cost(9) == pytest.approx(2 * steep.cost(9))
-    draft = LinearFit(slope=0.0, slope_range=(0.0, 1.0))
+    draft = LinearFit()
     for _ in range(5):
         draft.add(1.0, 0.002)
     assert draft.slope == 0.0 and draft(8) == pytest.approx(0.002)         # one width: the mean

@@ -109,10 +109,10 @@ class LinearFit:
     """y ~ slope * x + intercept by exponentially weighted least squares (`decay` per sample).
     Until the samples' x spread enough to tell slope from intercept, the slope keeps its prior
     and only the intercept moves (to the weighted mean of y - slope * x)."""
-    slope: float = 1.0
+    slope: float = 0.0
     intercept: float = 0.0
     decay: float = 0.97
-    slope_range: tuple[float, float] = (0.25, 8.0)
+    slope_range: tuple[float, float] = (0.0, 1.0)
     num_samples: int = 0
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # Σw, Σwx, Σwy, Σwx², Σwxy
 
@@ -146,12 +146,12 @@ class MeasuredCost:
     The start-up profile times a bare forward once, on whatever the machine was doing then. A
     real step also schedules, samples and commits, and a machine that becomes busier or quieter
     changes every cost; deciding on the profile alone, confidence scheduling kept declining to
-    draft on a busy machine where verifying every draft ran 1.4-1.5x `ar`. A scaled profile is
-    not enough either: its shape was off (a profiled 1-token step 2.5x the real one, a 32-token
-    step 2.3x a 1-token one against ~4x measured), so the widths the engine runs at are priced
-    from their own measurements. Drafting grows with the requests drafted for (one average
-    priced drafting for one request at what 32 had cost). A step far from the prediction
-    (outside [1/ratio, ratio] times it: an idle gap between requests, a stall) is not a sample."""
+    draft on a busy machine where verifying every draft ran 1.4-1.5x `ar`. A profile scaled by
+    one factor is not enough either: from run to run it came out at 1.4-2.5 ms for a 1-token
+    step and with a different shape, so the widths the engine runs at are priced from their own
+    measurements. Drafting grows with the requests drafted for (one average priced drafting for
+    one request at what 32 had cost). A step far from the prediction (outside [1/ratio, ratio]
+    times it: an idle gap between requests, a stall) is not a sample."""
     table: StepCostTable
     alpha: float = 0.1
     min_samples: int = 3
@@ -159,7 +159,7 @@ class MeasuredCost:
     scale: float = 1.0                                                   # measured / profiled
     num_samples: int = 0
     seen: dict[int, tuple[float, int]] = field(default_factory=dict)    # B -> (average s, samples)
-    draft: LinearFit = field(default_factory=lambda: LinearFit(slope=0.0, slope_range=(0.0, 1.0)))
+    draft: LinearFit = field(default_factory=LinearFit)                 # seconds ~ a + b * requests
 
     def cost(self, batch: int) -> float:
         avg, n = self.seen.get(batch, (0.0, 0))
@@ -186,12 +186,6 @@ class MeasuredCost:
         self.scale += max(self.alpha, 1 / (self.num_samples + 1)) * (r - self.scale)
         self.num_samples += 1
         return True
-
-    def draft_cost(self, requests: int) -> float:
-        return self.draft(requests)
-
-    def observe_draft(self, requests: int, seconds: float) -> None:
-        self.draft.add(float(requests), seconds)
 
 
 def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,

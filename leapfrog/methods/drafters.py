@@ -239,7 +239,7 @@ class DFlashMethod(SpeculativeMethod):
             return self._skip(batch)      # same load, decided already: no need to re-plan
         preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]
         table = self._cost_model()
-        overhead = table.draft_cost(batch)
+        overhead = table.draft(batch)
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
         with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
@@ -283,7 +283,7 @@ class DFlashMethod(SpeculativeMethod):
             # Seconds per step = verify step at B tokens + drafting, whose cost does not depend on
             # how many drafts are verified (both as measured: MeasuredCost).
             table = self._cost_model()
-            overhead = table.draft_cost(len(anchors))
+            overhead = table.draft(len(anchors))
             lengths = schedule_prefix([survival(p.confidence or []) for p in props],
                                       lambda b: 1.0 / (table.cost(b) + overhead))
             for a, p, n in zip(anchors, props, lengths):
@@ -298,7 +298,7 @@ class DFlashMethod(SpeculativeMethod):
         spent = time.perf_counter() - t0
         self._num_drafts += 1
         if self._num_drafts > 1 and self.measured is not None:   # the first pays one-off allocations
-            self.measured.observe_draft(len(anchors), spent)
+            self.measured.draft.add(len(anchors), spent)
         return props
 
     def _step_costs(self) -> StepCostTable:

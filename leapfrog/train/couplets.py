@@ -176,24 +176,22 @@ def rare_char_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random
 def with_rare_chars(prep, name: str, count: int, seed: int, data_dir: str | None):
     """`prep` with ``count`` `rare_char_pairs` examples (pair mode, <s>上联<sep>下联</s>, from
     the training pairs) appended to its training stream. Cached under data_cache/."""
-    from dataclasses import replace
-
-    import numpy as np
     from transformers import AutoTokenizer
 
     from leapfrog.train import data
+    from leapfrog.train.distill import extended
 
     tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
-    key = data.fingerprint(str(prep.tokenizer_dir), len(prep.train), count, seed)
-    path = data.CACHE_DIR / f"{name}-rare" / key / "train.bin"
-    if not path.is_file():
+
+    def docs() -> list[list[int]]:
         in_vocab = {p for p in tok.get_vocab() if len(p) == 1}
         pairs = rare_char_pairs(data.train_items(name, data_dir)["pairs"], count,
                                 random.Random(f"{seed}-rare"), in_vocab)
         ids = tok([pair_text(u, d) for u, d in pairs], add_special_tokens=False).input_ids
-        data.write_stream(path, [np.asarray(prep.train), *([tok.bos_token_id, *x, tok.eos_token_id] for x in ids)])
-    stream = data.load_stream(path)
-    return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == tok.bos_token_id).sum()))
+        return [[tok.bos_token_id, *x, tok.eos_token_id] for x in ids]
+
+    key = data.fingerprint(str(prep.tokenizer_dir), len(prep.train), count, seed)
+    return extended(prep, data.CACHE_DIR / f"{name}-rare" / key / "train.bin", docs)
 
 
 def trim_vocab(folder: str, tokenizer_dir: str, out: str) -> int:

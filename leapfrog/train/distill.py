@@ -50,6 +50,15 @@ def _parent(folder: str, prep, name: str) -> Path:
     return parent
 
 
+def extended(prep, path: Path, make_docs):
+    """`prep` with `make_docs()` (token-id lists, each <s> ... </s>) appended to its training
+    stream, the result cached at `path` (made once; a resumed run reads it back)."""
+    if not path.is_file():
+        data.write_stream(path, [np.asarray(prep.train), *make_docs()])
+    stream = data.load_stream(path)
+    return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
+
+
 def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -> list[str]:
     """Openings of `num_sequences` distinct training stories, chosen by `seed`."""
     from leapfrog.train.check import story_opening
@@ -115,42 +124,44 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
     end (</s>) with exactly the 上联's length. The model then trains on its own outputs that obey
     the rule it breaks on long 上联 (rejection-sampling fine-tuning / expert iteration), next to
     the original data. Cached like `distilled`."""
-    from leapfrog import LLM, SamplingParams
-
     parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
                            spec.temperature, spec.keep, seed, len(prep.train),
                            *(["forced"] if spec.force_length else []), *(["no-loops"] if spec.no_loops else []))
-    path = data.CACHE_DIR / f"{name}-rejection" / key / "train.bin"
-    if not path.is_file():
-        ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
-        print(f"rejection sampling: {len(ups)} 上联 x {spec.samples} candidates by {parent}",
-              file=sys.stderr, flush=True)
-        llm = LLM(str(parent), method="ar", max_batch_size=64)
-        prompts = [u for u in ups for _ in range(spec.samples)]
+    return extended(prep, data.CACHE_DIR / f"{name}-rejection" / key / "train.bin",
+                    lambda: _candidates(parent, name, spec, seed, data_dir))
+
+
+def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_dir: str | None) -> list:
+    """The kept candidates of `rejection_sampled`, as <s>上联<sep>下联</s> token ids."""
+    from leapfrog import LLM, SamplingParams
+
+    ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
+    print(f"rejection sampling: {len(ups)} 上联 x {spec.samples} candidates by {parent}",
+          file=sys.stderr, flush=True)
+    llm = LLM(str(parent), method="ar", max_batch_size=64)
+    prompts = [u for u in ups for _ in range(spec.samples)]
+    if spec.force_length:
+        params = [SamplingParams(min_tokens=len(u), max_tokens=len(u), temperature=spec.temperature,
+                                 seed=seed + i) for i, u in enumerate(prompts)]
+        eos = llm.tokenizer.eos_token_ids[0]
+    else:
+        params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
+                  for i, u in enumerate(prompts)]
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    kept: dict[str, list] = {}
+    for u, o in zip(prompts, outs):
+        mine = kept.setdefault(u, [])
         if spec.force_length:
-            params = [SamplingParams(min_tokens=len(u), max_tokens=len(u), temperature=spec.temperature,
-                                     seed=seed + i) for i, u in enumerate(prompts)]
+            ok = len(o.text) == len(u) and same_punctuation(u, o.text)
+            ok = ok and not (spec.no_loops and loops_more(u, o.text))
+            ids = o.prompt_token_ids + [t for t in o.token_ids if t != eos] + [eos]
         else:
-            params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
-                      for i, u in enumerate(prompts)]
-        outs = llm.generate(prompts, params, use_tqdm=True)
-        kept: dict[str, list] = {}
-        for u, o in zip(prompts, outs):
-            mine = kept.setdefault(u, [])
-            if spec.force_length:
-                eos = llm.tokenizer.eos_token_ids[0]
-                ok = len(o.text) == len(u) and same_punctuation(u, o.text)
-                ok = ok and not (spec.no_loops and loops_more(u, o.text))
-                ids = o.prompt_token_ids + [t for t in o.token_ids if t != eos] + [eos]
-            else:
-                ok = o.finish_reason == "stop" and len(o.text) == len(u)
-                ids = o.prompt_token_ids + o.token_ids
-            if ok and len(mine) < spec.keep and all(o.text != t for t, _ in mine):
-                mine.append((o.text, ids))
-        docs = [ids for m in kept.values() for _, ids in m]
-        print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
-              f"of {len(ups)} 上联", file=sys.stderr, flush=True)
-        data.write_stream(path, [np.asarray(prep.train), *docs])
-    stream = data.load_stream(path)
-    return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
+            ok = o.finish_reason == "stop" and len(o.text) == len(u)
+            ids = o.prompt_token_ids + o.token_ids
+        if ok and len(mine) < spec.keep and all(o.text != t for t, _ in mine):
+            mine.append((o.text, ids))
+    docs = [ids for m in kept.values() for _, ids in m]
+    print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
+          f"of {len(ups)} 上联", file=sys.stderr, flush=True)
+    return docs
