@@ -117,3 +117,25 @@ def test_train_drafter_end_to_end_writes_a_usable_lossless_drafter(llama_dir, tm
     want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
     got = LLM(str(llama_dir), method="dspark", draft_model=str(out)).generate(prompts, params)
     assert [o.token_ids for o in got] == want
+
+
+def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
+    """DrafterRecipe.init_from: the run starts from the saved drafter's weights (zero steps give
+    them back unchanged), and a folder of another shape is refused naming the folder."""
+    from safetensors.torch import load_file
+
+    r = DrafterRecipe(name="dspark-markov", target=str(llama_dir), kind="dspark",
+                      out_dir=str(tmp_path / "first"), run_dir=str(tmp_path / "run1"), **TINY)
+    train_drafter(r)
+    again = DrafterRecipe(name="dspark-markov", target=str(llama_dir), kind="dspark",
+                          out_dir=str(tmp_path / "second"), run_dir=str(tmp_path / "run2"),
+                          init_from=str(tmp_path / "first"), **{**TINY, "steps": 0})
+    train_drafter(again)
+    first, second = load_file(str(tmp_path / "first" / "model.safetensors")), load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert "continuing" in (tmp_path / "second" / "README.md").read_text()
+    other = DrafterRecipe(name="dspark-rnn", target=str(llama_dir), kind="dspark", head="rnn",
+                          out_dir=str(tmp_path / "third"), run_dir=str(tmp_path / "run3"),
+                          init_from=str(tmp_path / "first"), **TINY)
+    with pytest.raises(ValueError, match="first"):
+        train_drafter(other)

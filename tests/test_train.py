@@ -342,8 +342,9 @@ def test_rejection_sampling_keeps_only_right_length_distinct_endings(data_dir, t
     stream = [int(t) for t in out.train]
     assert calls == [4 * len(ups)]
     assert stream[:len(base)] == base
-    # one kept per 上联: the duplicate and the wrong-length / unfinished candidates are dropped
-    assert stream[len(base):] == [t for u in ups for t in [1, 7, 8, 9, len(u), 2]]
+    # one kept per 上联: the duplicate and the wrong-length / unfinished candidates are dropped;
+    # the kept text is encoded by the stream's tokenizer as <s>上联<sep>下联</s>
+    assert stream[len(base):] == [t for u in ups for t in _pair_ids(prep, u, u[::-1])]
     assert out.num_train_items == prep.num_train_items + len(ups) and out.val is prep.val
 
     monkeypatch.setattr(leapfrog, "LLM", None, raising=False)     # cached: no engine needed
@@ -389,7 +390,18 @@ def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, 
     out = distill.rejection_sampled(prep, "couplets", spec, cfg.seed, str(data_dir))
     assert all(n == lo == hi for n, lo, hi in asked) and len(asked) == 3 * len(ups)
     base = len(prep.train)
-    assert [int(t) for t in out.train[base:]] == [t for u in ups for t in [1, 7, 8, 9, len(u), 2]]
+    kept = []
+    for u in ups:
+        text = u[::-1] if distill.same_punctuation(u, u[::-1]) else "".join("，" if c == "，" else "春" for c in u)
+        kept += _pair_ids(prep, u, text)
+    assert [int(t) for t in out.train[base:]] == kept
+
+
+def _pair_ids(prep, up: str, down: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
+    return [1, *tok(fmt.pair_text(up, down), add_special_tokens=False).input_ids, 2]
 
 
 def test_rare_character_pairs_reach_the_model_as_byte_fallback(data_dir):
@@ -422,3 +434,51 @@ def test_rare_character_pairs_reach_the_model_as_byte_fallback(data_dir):
     assert out.num_train_items == prep.num_train_items + 50
     tail = tok.decode([int(t) for t in out.train[base:]], skip_special_tokens=False)
     assert tail.count("<sep>") == 50
+
+
+def test_couplets_tokenizer_without_byte_fallback_gives_a_rare_character_one_unk(data_dir, tmp_path):
+    """TokenizerSpec.byte_fallback=False: the same vocabulary and ids as the byte-fallback
+    tokenizer of the spec, but a character outside it is one <unk> (not 3 byte tokens) in
+    transformers, in leapfrog's tokenizer and in SentencePiece's tokenizer.model; the
+    rare-character pairs then cost one position per rare character. A model continued from a
+    byte-fallback folder with such a spec is saved with the <unk> rule."""
+    import dataclasses
+    import random as _random
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from leapfrog.tokenizer import Tokenizer
+    from leapfrog.train.prepare import prepare
+
+    cfg = tiny("couplets", tmp_path / "out", tmp_path / "run")
+    cfg.data_dir, cfg.max_steps = str(data_dir), 2
+    train(cfg)
+    spec = dataclasses.replace(cfg.tokenizer, byte_fallback=False)
+    bytes_prep = prepare("couplets", cfg.tokenizer, str(data_dir), cfg.seed, cfg.model.max_position)
+    prep = prepare("couplets", spec, str(data_dir), cfg.seed, cfg.model.max_position)
+    old, tok = AutoTokenizer.from_pretrained(bytes_prep.tokenizer_dir), AutoTokenizer.from_pretrained(prep.tokenizer_dir)
+    assert tok.get_vocab() == old.get_vocab()
+    in_vocab = {p for p in tok.get_vocab() if len(p) == 1}
+    rare = [chr(c) for c in range(0x4E00, 0x9FA6) if chr(c) not in in_vocab][:2]
+    common = next(c for c in "天地山水风月花" if c in in_vocab)
+    text = f"{common}{rare[0]}{common}{rare[0]}{rare[1]}"
+    plain = old(common, add_special_tokens=False).input_ids
+    assert len(old(text, add_special_tokens=False).input_ids) == 2 * len(plain) + 9     # bytes
+    want = [*plain, 0, *plain, 0, 0]
+    assert tok(text, add_special_tokens=False).input_ids == want
+    assert Tokenizer.from_folder(prep.tokenizer_dir).encode(text, add_special_tokens=False) == want
+    sp = spm.SentencePieceProcessor(model_file=str(prep.tokenizer_dir / "tokenizer.model"))
+    assert sp.encode(f"{common}{rare[0]}{common}") == [*plain, 0, *plain]   # (it fuses a run of them)
+    # rare-character pairs: each replaced character is one <unk>
+    pairs = data.train_items("couplets", str(data_dir))["pairs"]
+    for up, _ in fmt.rare_char_pairs(pairs, 20, _random.Random(0), in_vocab):
+        assert len(tok(up, add_special_tokens=False).input_ids) == len(up)
+    # continued from the byte-fallback model: the saved folder encodes with the <unk> rule
+    cont = tiny("couplets", tmp_path / "out2", tmp_path / "run2")
+    cont.data_dir, cont.max_steps, cont.tokenizer, cont.init_from = str(data_dir), 1, spec, str(tmp_path / "out")
+    train(cont)
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out2")
+    assert saved.get_vocab() == old.get_vocab()
+    assert saved(text, add_special_tokens=False).input_ids == want
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text, add_special_tokens=False).input_ids != want

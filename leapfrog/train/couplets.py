@@ -158,8 +158,10 @@ def rare_char_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random
     Such a character is encoded as its three UTF-8 bytes (byte fallback), so the model sees a
     1-character 上联 position as 3 tokens; in the data rare characters are too few for it to
     learn that, and it answered the byte count instead of the character count (69% wrong
-    length on held-out 上联 with a rare character, 5% on the rest). Punctuation is never
-    replaced; pairs whose sides differ in length are never used."""
+    length on held-out 上联 with a rare character, 5% on the rest). With a tokenizer that encodes
+    such a character as one <unk> (``TokenizerSpec.byte_fallback`` False, recipe `couplets-unk`)
+    the same pairs teach one 下联 character per <unk>. Punctuation is never replaced; pairs whose
+    sides differ in length are never used."""
     rare = [chr(c) for c in range(0x4E00, 0x9FA6) if chr(c) not in in_vocab]
     usable = [(u, d) for u, d in pairs if len(u) == len(d) and sum(c not in PUNCT for c in u) >= 2]
     out: list[tuple[str, str]] = []

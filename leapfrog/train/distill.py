@@ -127,14 +127,23 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
     parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
                            spec.temperature, spec.keep, seed, len(prep.train),
-                           *(["forced"] if spec.force_length else []), *(["no-loops"] if spec.no_loops else []))
+                           *(["forced"] if spec.force_length else []), *(["no-loops"] if spec.no_loops else []),
+                           _stamp(Path(prep.tokenizer_dir)))
     return extended(prep, data.CACHE_DIR / f"{name}-rejection" / key / "train.bin",
-                    lambda: _candidates(parent, name, spec, seed, data_dir))
+                    lambda: _candidates(parent, name, spec, seed, data_dir, prep.tokenizer_dir))
 
 
-def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_dir: str | None) -> list:
-    """The kept candidates of `rejection_sampled`, as <s>上联<sep>下联</s> token ids."""
+def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_dir: str | None,
+                tokenizer_dir) -> list:
+    """The kept candidates of `rejection_sampled`, as <s>上联<sep>下联</s> token ids, encoded by
+    the stream's tokenizer (``tokenizer_dir``: same vocabulary as the parent's, but it may encode
+    a rare character differently, see ``TokenizerSpec.byte_fallback``)."""
+    from transformers import AutoTokenizer
+
     from leapfrog import LLM, SamplingParams
+    from leapfrog.train.couplets import pair_text
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
 
     ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
     print(f"rejection sampling: {len(ups)} 上联 x {spec.samples} candidates by {parent}",
@@ -144,7 +153,6 @@ def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_di
     if spec.force_length:
         params = [SamplingParams(min_tokens=len(u), max_tokens=len(u), temperature=spec.temperature,
                                  seed=seed + i) for i, u in enumerate(prompts)]
-        eos = llm.tokenizer.eos_token_ids[0]
     else:
         params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
                   for i, u in enumerate(prompts)]
@@ -155,13 +163,12 @@ def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_di
         if spec.force_length:
             ok = len(o.text) == len(u) and same_punctuation(u, o.text)
             ok = ok and not (spec.no_loops and loops_more(u, o.text))
-            ids = o.prompt_token_ids + [t for t in o.token_ids if t != eos] + [eos]
         else:
             ok = o.finish_reason == "stop" and len(o.text) == len(u)
-            ids = o.prompt_token_ids + o.token_ids
-        if ok and len(mine) < spec.keep and all(o.text != t for t, _ in mine):
-            mine.append((o.text, ids))
-    docs = [ids for m in kept.values() for _, ids in m]
+        if ok and len(mine) < spec.keep and all(o.text != t for t in mine):
+            mine.append(o.text)
+    body = [pair_text(u, t) for u, m in kept.items() for t in m]
+    docs = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in tok(body, add_special_tokens=False).input_ids]
     print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
           f"of {len(ups)} 上联", file=sys.stderr, flush=True)
     return docs

@@ -63,6 +63,7 @@ class DrafterRecipe:
     seed: int = 1234
     threads: int = 1
     data_dir: str | None = None
+    init_from: str | None = None          # a drafter folder of this shape to continue from
     out_dir: str = ""
     run_dir: str = ""
     command: str = ""
@@ -176,6 +177,20 @@ def init_drafter(cfg: dict, seed: int, target=None):
         with torch.no_grad():
             model.norm.weight.copy_(target.model.norm.weight)
     return model
+
+
+def _continue_from(drafter, folder: str) -> None:
+    """Copy a saved drafter's weights (a folder `load_drafter` reads) into `drafter`, which must
+    have the same shape: a longer run continues a shipped one instead of starting over."""
+    from leapfrog.methods.drafters import load_drafter
+
+    saved = load_drafter(folder).state_dict()
+    mine = drafter.state_dict()
+    wrong = sorted(k for k in mine if k not in saved or saved[k].shape != mine[k].shape)
+    if wrong or set(saved) - set(mine):
+        raise ValueError(f"{folder}: not a drafter of this recipe's shape "
+                         f"(differs at {', '.join((wrong or sorted(set(saved) - set(mine)))[:3])})")
+    drafter.load_state_dict(saved)
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -321,6 +336,12 @@ def lr_at(step: int, r: DrafterRecipe) -> float:
     return r.min_lr + 0.5 * (r.lr - r.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+@torch.no_grad()
+def _val_loss(d: "Distiller", val: list[dict]) -> float:
+    """Mean distillation loss on the held-out sequences, each with its own fixed anchor draw."""
+    return sum(float(d.loss(s, torch.Generator().manual_seed(j))["loss"]) for j, s in enumerate(val)) / len(val)
+
+
 def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     from leapfrog.config import resolve_model
     from leapfrog.loader import load_model, read_config
@@ -332,6 +353,8 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     mask_id = mask_token_id(target_dir)
     train, val = load_data(r, target_dir)
     drafter = init_drafter(drafter_config(r, tcfg, mask_id), r.seed, target)
+    if r.init_from:
+        _continue_from(drafter, r.init_from)
     d = Distiller(r, target, drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=r.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -375,9 +398,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
                         blocks_s=f"{history['blocks'] / max(elapsed, 1e-9):.0f}")
         if step % r.eval_interval == 0 or step == r.steps:
             drafter.eval()
-            with torch.no_grad():
-                vloss = sum(float(d.loss(s, torch.Generator().manual_seed(j))["loss"])
-                            for j, s in enumerate(val)) / len(val)
+            vloss = _val_loss(d, val)
             tau = d.offline_tau(val)
             drafter.train()
             history["val"].append((step, vloss))
@@ -392,6 +413,8 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     history["wall_s"] = time.perf_counter() - t0
     drafter.eval()
     history["tau"].append((step, d.offline_tau(val)))     # also refreshes a resumed, finished run
+    if not history["val"]:                                 # no steps (an init_from folder as is)
+        history["val"].append((step, _val_loss(d, val)))
     calib = calibrate(d, val) if drafter.confidence_head is not None else None
     summary = {"recipe": asdict(r), "num_params": n_params, "steps": step,
                "wall_s": round(history["wall_s"], 1), "blocks_seen": history["blocks"],
@@ -448,7 +471,8 @@ def render_readme(r: DrafterRecipe, s: dict) -> str:
         f"the target (half greedy, half T=0.7 / top-p 0.9), {r.regen_tokens} new tokens each |",
         f"| objective | {'0.1 CE + 0.9 TV + 1.0 confidence BCE' if r.kind == 'dspark' else 'CE'}, "
         f"position weights exp(-(k-1)/{r.decay:g}) |",
-        f"| steps | {s['steps']} x {r.seqs_per_step} sequences x {r.anchors} anchors |",
+        f"| steps | {s['steps']} x {r.seqs_per_step} sequences x {r.anchors} anchors"
+        + (f", continuing `{r.init_from}`" if r.init_from else "") + " |",
         f"| wall time | {s['wall_s'] / 60:.1f} min on {r.threads} CPU thread(s) |",
         f"| validation loss | {s['val_loss']} |",
         f"| offline τ (greedy, held-out) | {s['offline_tau']} |", "",
@@ -488,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
+    p.add_argument("--init-from", default=None, help="drafter folder of the same shape to continue from")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt")
     return p
 
@@ -497,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = dict(VARIANTS[args.variant], name=args.variant, target=args.target)
     for key in ("data_dir", "steps", "seqs_per_step", "anchors", "lr", "num_draft", "markov_rank",
-                "num_regen", "eval_interval", "threads", "seed"):
+                "num_regen", "eval_interval", "threads", "seed", "init_from"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.out:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from leapfrog.train.tokenizer import unknown_as_unk
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 GENERATION_DEFAULTS = {
@@ -41,6 +43,8 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
         for name in TOKENIZER_FILES:
             if (Path(cfg.init_from) / name).is_file():
                 shutil.copy(Path(cfg.init_from) / name, out / name)
+        if not cfg.tokenizer.byte_fallback:    # the encoding rule the streams were made with
+            unknown_as_unk(out)
     else:
         tok.save_pretrained(out)
         shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")

@@ -2,6 +2,7 @@
 block-diffusion stages for ~15 minutes each)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -213,6 +214,21 @@ def couplets_rare() -> TrainConfig:
     return cfg
 
 
+def couplets_unk() -> TrainConfig:
+    """`couplets-rare` with the rare characters as one token each: the tokenizer encodes a
+    character outside the vocabulary as a single <unk> instead of its UTF-8 bytes
+    (``TokenizerSpec.byte_fallback`` False; same vocabulary and ids), so a 上联 with such a
+    character is as many tokens as characters, and 10,000 pairs with 1-2 <unk> in the 上联 teach
+    the model to answer one 下联 character for it. Otherwise as `couplets-forced` (from the shipped
+    weights, length-forced candidates, 1,000 steps). Writes runs/couplets-unk/model, copied over
+    checkpoints/couplets once measured."""
+    cfg = couplets_forced()
+    _in_runs(cfg, "couplets-unk")
+    cfg.tokenizer = replace(cfg.tokenizer, byte_fallback=False)
+    cfg.rare_chars = 10000
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -339,7 +355,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-joined": couplets_joined, "couplets-deep": couplets_deep,
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
-    "couplets-forced": couplets_forced, "couplets-rare": couplets_rare,
+    "couplets-forced": couplets_forced, "couplets-rare": couplets_rare, "couplets-unk": couplets_unk,
     "couplets-forced2": couplets_forced2, "couplets-wide": couplets_wide,
     "couplets-clean": couplets_clean,
     "stories-diffusion-distill": stories_diffusion_distill,

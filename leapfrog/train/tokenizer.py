@@ -37,6 +37,10 @@ class TokenizerSpec:
     num_sample_lines: int = 400_000
     # A special token appended to every text encoded with special tokens (see the module doc).
     end_of_prompt: str | None = None
+    # False: a character outside the vocabulary encodes as one <unk>, not as its UTF-8 bytes. The
+    # vocabulary is trained with the byte pieces all the same (same ids as the byte-fallback
+    # tokenizer of this spec); they stay in it as unused pieces (see ``unknown_as_unk``).
+    byte_fallback: bool = True
 
 
 def train_sentencepiece(texts: list[str], spec: TokenizerSpec, out_dir: Path) -> Path:
@@ -96,9 +100,37 @@ def export_hf_tokenizer(sp_model: Path, out_dir: Path, spec: TokenizerSpec, mode
     shutil.copy(sp_model, out_dir / "tokenizer.model")
     if spec.end_of_prompt:
         mark_end_of_prompt(out_dir, spec.end_of_prompt)
+    if not spec.byte_fallback:
+        unknown_as_unk(out_dir)
     loaded = AutoTokenizer.from_pretrained(out_dir)
-    check_tokenizer(loaded, sp_model, spec.specials, samples, spec.end_of_prompt)
+    check_tokenizer(loaded, out_dir / "tokenizer.model", spec.specials, samples, spec.end_of_prompt)
     return loaded
+
+
+def unknown_as_unk(folder: Path) -> None:
+    """Make the folder's tokenizer encode a character outside its vocabulary as one ``<unk>``
+    (id 0) instead of its 2-4 UTF-8 byte pieces, in both files: ``tokenizer.model`` (byte
+    fallback off, the byte pieces marked UNUSED, which SentencePiece requires of byte pieces
+    without byte fallback) and ``tokenizer.json`` (``byte_fallback`` off, ``unk_token`` set,
+    ``fuse_unk`` off so that two rare characters in a row stay two tokens). Ids are unchanged.
+
+    Why couplets want it: the model answers position by position, and a rare character it has
+    (almost) never seen carries no meaning in its bytes either; as bytes it shifts every later
+    position by two or three, and the 下联 came out that much too long."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    folder = Path(folder)
+    proto = pb.ModelProto()
+    proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+    proto.trainer_spec.byte_fallback = False
+    for piece in proto.pieces:
+        if piece.type == pb.ModelProto.SentencePiece.BYTE:
+            piece.type = pb.ModelProto.SentencePiece.UNUSED
+    (folder / "tokenizer.model").write_bytes(proto.SerializeToString())
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["model"].update(byte_fallback=False, fuse_unk=False, unk_token="<unk>")
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def mark_end_of_prompt(folder: Path, token: str) -> None:
