@@ -321,10 +321,21 @@ def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     ({1: 0.001, 64: 64.0}, False),           # a verified draft costs about a whole decode step: never worth it
     ({1: 0.01, 64: 0.0100001}, True),          # verification is free: always worth drafting
 ])
-def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_greedy, costs, drafts):
+def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_greedy, costs, drafts,
+                                                      monkeypatch):
     """Drafting costs time whether or not its tokens are verified: when the predicted schedule
     (drafting time included) cannot beat a plain decode step, the step does not draft at all,
-    apart from a re-probe every reprobe_steps steps. The output stays ar's either way."""
+    apart from a re-probe every reprobe_steps steps. The output stays ar's either way.
+
+    The method's clock is a fake one that moves 1 µs per reading, so the decision rests on the
+    given costs alone: every measured step is far from the table's prediction (not a sample)
+    and drafting measures as ~free. With the real clock, the costs this machine measures replace
+    the table's (as they should in use) and the outcome would depend on the machine's load."""
+    import types
+
+    import leapfrog.methods.drafters as drafters_mod
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(drafters_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
     llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
     method = llm.engine.method
     assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
