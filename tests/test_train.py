@@ -482,3 +482,31 @@ def test_couplets_tokenizer_without_byte_fallback_gives_a_rare_character_one_unk
     assert saved.get_vocab() == old.get_vocab()
     assert saved(text, add_special_tokens=False).input_ids == want
     assert AutoTokenizer.from_pretrained(tmp_path / "out")(text, add_special_tokens=False).input_ids != want
+
+
+def test_weight_averaging_exports_the_mean_of_the_tail_steps(data_dir, tmp_path, monkeypatch):
+    """TrainConfig.average_from: the exported weights are the mean of the weights after each
+    step from that fraction of max_steps on (recorded here as the steps are taken), and a run
+    without it exports the last step's."""
+    from safetensors.torch import load_file
+
+    from leapfrog.train import loop
+
+    seen: list[dict] = []
+    add = loop.WeightAverage.add
+
+    def recording_add(self, model):
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        add(self, model)
+
+    monkeypatch.setattr(loop.WeightAverage, "add", recording_add)
+    cfg = tiny("stories", tmp_path / "out", tmp_path / "run")
+    cfg.data_dir, cfg.max_steps, cfg.average_from, cfg.save_dtype = str(data_dir), 6, 0.5, "float32"
+    summary = train(cfg)
+    assert len(seen) == 4                          # after steps 3, 4, 5 and 6 (ceil(0.5 * 6) = 3 on)
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, tensor in saved.items():
+        want = torch.stack([s[name] for s in seen]).mean(0)
+        assert torch.allclose(tensor, want, atol=1e-6), name
+        assert not torch.equal(tensor, seen[-1][name])
+    assert summary["steps"] == 6

@@ -85,6 +85,9 @@ class TrainConfig:
     grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
     rejection: RejectionSpec | None = None      # couplets: add the parent's right-length 下联 (train.distill)
+    # > 0: the exported weights are the mean of the weights after every step from this fraction
+    # of max_steps on (stochastic weight averaging over the cosine tail), not the last step's.
+    average_from: float = 0.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -226,18 +229,46 @@ def evaluate(model, stream: np.ndarray, cfg: TrainConfig, objective=None) -> tup
     return float(np.mean(losses)), {k: round(float(np.mean(v)), 4) for k, v in parts.items()}
 
 
-def save_state(run_dir: Path, model, opt, step: int, history: dict) -> None:
+class WeightAverage:
+    """Running mean of a model's parameters over the steps it is given (SWA with a constant
+    weight per step). ``copy_to`` puts the mean into the model."""
+
+    def __init__(self) -> None:
+        self.mean: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    @torch.no_grad()
+    def add(self, model) -> None:
+        self.count += 1
+        for name, p in model.named_parameters():
+            if name not in self.mean:
+                self.mean[name] = p.detach().float().clone()
+            else:
+                self.mean[name].lerp_(p.detach().float(), 1.0 / self.count)
+
+    @torch.no_grad()
+    def copy_to(self, model) -> None:
+        for name, p in model.named_parameters():
+            p.copy_(self.mean[name].to(p.dtype))
+
+
+def save_state(run_dir: Path, model, opt, step: int, history: dict,
+               average: WeightAverage | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "state.pt.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history}, tmp)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
+    if average is not None and average.count:
+        state["average"] = {"mean": average.mean, "count": average.count}
+    torch.save(state, tmp)
     tmp.replace(run_dir / "state.pt")  # atomic, so a kill mid-save keeps the previous state
 
 
-def load_state(run_dir: Path, model, opt) -> tuple[int, dict]:
+def load_state(run_dir: Path, model, opt, average: WeightAverage | None = None) -> tuple[int, dict]:
     state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    if average is not None and "average" in state:
+        average.mean, average.count = state["average"]["mean"], state["average"]["count"]
     return state["step"], state["history"]
 
 
@@ -266,12 +297,14 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)
     step, history = 0, {"train": [], "val": [], "val_parts": [], "wall_s": 0.0, "tokens": 0}
+    average = WeightAverage() if cfg.average_from > 0 else None
     if resume and (run_dir / "state.pt").exists():
-        step, history = load_state(run_dir, model, opt)
+        step, history = load_state(run_dir, model, opt, average)
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir, make_objective(cfg, tok))
+    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir, make_objective(cfg, tok),
+                               average)
     summary = export.save_checkpoint(model, tok, prep, cfg, history)
     export.write_sha256sums(cfg.out_dir)
     return summary
@@ -305,8 +338,9 @@ def _check_same_vocab(tok, data_tok, folder: str) -> None:
 
 
 def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run_dir: Path,
-               objective=None):
+               objective=None, average: WeightAverage | None = None):
     objective = objective or NextToken()
+    average_start = math.ceil(cfg.average_from * cfg.max_steps) if average is not None else None
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     start_ids = None
     if cfg.align_to_bos:
@@ -337,6 +371,11 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         bar.update(1)
         bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens_per_step / max(now - t_last, 1e-9):.0f}")
         t_last = now
+        if average_start is not None and step >= average_start:
+            average.add(model)
+            if step == cfg.max_steps:     # the last step: evaluate and save the mean weights
+                history["averaged_steps"] = average.count
+                average.copy_to(model)
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             val, parts = evaluate(model, prep.val, cfg, objective)
             history["val"].append((step, val))
@@ -348,7 +387,7 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
                   flush=True)
             t_last = time.time()  # evaluation time is not training time
         if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
-            save_state(run_dir, model, opt, step, history)
+            save_state(run_dir, model, opt, step, history, average)
             t_last = time.time()
     bar.close()
     return step, history

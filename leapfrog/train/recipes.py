@@ -229,6 +229,18 @@ def couplets_unk() -> TrainConfig:
     return cfg
 
 
+def couplets_swa() -> TrainConfig:
+    """`couplets-unk` exporting the mean of the weights after each of its last 500 steps
+    (``TrainConfig.average_from``): the fine-tunes above land ±1% apart in length match from
+    run to run, and the average over the cosine tail is one way to take that noise out. Same
+    data and trajectory as `couplets-unk`; writes runs/couplets-swa/model, copied over
+    checkpoints/couplets once measured."""
+    cfg = couplets_unk()
+    _in_runs(cfg, "couplets-swa")
+    cfg.average_from = 0.5
+    return cfg
+
+
 def couplets_deep() -> TrainConfig:
     """The shipped 4-layer `couplets` grown to 6 layers (a zero-output copy after layers 1 and 3,
     ``leapfrog.train.grow``: same logits at step 0) and trained on the couplets-long stream (pairs
@@ -356,6 +368,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "couplets-mirror": couplets_mirror, "couplets-weighted": couplets_weighted,
     "couplets-rft": couplets_rft, "couplets-rft2": couplets_rft2,
     "couplets-forced": couplets_forced, "couplets-rare": couplets_rare, "couplets-unk": couplets_unk,
+    "couplets-swa": couplets_swa,
     "couplets-forced2": couplets_forced2, "couplets-wide": couplets_wide,
     "couplets-clean": couplets_clean,
     "stories-diffusion-distill": stories_diffusion_distill,
