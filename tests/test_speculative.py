@@ -544,3 +544,43 @@ def test_leapfrog_json_names_a_drafter_per_method_and_parallel_fallback(llama_di
         llm = LLM(str(folder), method="dspark", fallback="parallel", **ENGINE)
     assert llm.engine.method.drafter.drafter.kind == "dflash"
     assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
+
+
+def test_acceptance_feedback_corrects_survival_rows_by_what_verification_showed():
+    """A request whose drafts are all accepted, against a survival row that predicted few,
+    gets its row raised (and so more drafts verified); one whose drafts are all rejected gets
+    it lowered. Rows stay non-increasing and <= 1; positions never verified take the deepest
+    verified position's ratio; with nothing observed the row is unchanged."""
+    from leapfrog.methods.confidence_schedule import AcceptanceFeedback, schedule_prefix
+
+    raw = [0.6, 0.3, 0.15, 0.07, 0.03]
+    assert AcceptanceFeedback().correct(raw) == raw
+    good, bad = AcceptanceFeedback(), AcceptanceFeedback()
+    for _ in range(20):
+        good.observe(raw, 2, 2)          # two drafts verified, both accepted
+        bad.observe(raw, 2, 0)           # two verified, none accepted
+    up, down = good.correct(raw), bad.correct(raw)
+    assert all(u >= r for u, r in zip(up, raw)) and up[0] > 0.85 and up[1] > 0.6
+    assert all(d <= r for d, r in zip(down, raw)) and down[0] < 0.25
+    for row in (up, down):
+        assert all(0 <= b <= a <= 1 for a, b in zip([1.0] + row, row))
+    assert up[3] == pytest.approx(min(up[2], raw[3] * good.ratio(1)))   # position 4 never verified
+    cost = lambda b: 1.0 / (0.01 + 0.004 * b)                           # a verify token costs 0.4 steps
+    assert schedule_prefix([up], cost)[0] > schedule_prefix([raw], cost)[0] >= schedule_prefix([down], cost)[0]
+
+
+def test_confidence_scheduling_feeds_verification_back(llama_dir, drafters, ar_greedy, monkeypatch):
+    """Inside the engine every verify step of a confidence-scheduled request reports what it
+    verified and accepted to that request's feedback; the output stays ar's."""
+    from leapfrog.methods.confidence_schedule import AcceptanceFeedback
+
+    seen = []
+    observe = AcceptanceFeedback.observe
+    monkeypatch.setattr(AcceptanceFeedback, "observe",
+                        lambda self, row, n, a: (seen.append((n, a)), observe(self, row, n, a)))
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs={1: 0.01, 64: 0.0100001})
+    assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
+    stats = llm.engine.method.stats()
+    assert len(seen) == stats["num_verify_steps"] > 0
+    assert sum(a for _, a in seen) == stats["num_accepted_tokens"]
+    assert all(0 <= a <= n for n, a in seen)

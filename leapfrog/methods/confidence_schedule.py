@@ -188,6 +188,48 @@ class MeasuredCost:
         return True
 
 
+@dataclass(slots=True)
+class AcceptanceFeedback:
+    """What verification showed against what the confidences predicted, for one request.
+
+    The confidence head is calibrated on average held-out text; a request whose text is more
+    (or less) predictable than that has its drafts accepted more (or less) often than its
+    survival row a_j says, and confidence scheduling, which prices every draft by a_j, then
+    verifies too few (or too many). For each draft position j this keeps decayed sums of the
+    predicted survival a_j and of the observed outcome (were the first j drafts all accepted?)
+    over the positions actually verified, and `correct` scales a new row by
+    (seen_j + prior) / (predicted_j + prior): `prior` pseudo-counts keep the ratio near 1
+    until a request has shown a few steps. The corrected row stays non-increasing and <= 1.
+    Only past steps enter it, so the decision stays non-anticipating (lossless, §2.4)."""
+    decay: float = 0.9
+    prior: float = 2.0
+    predicted: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def observe(self, row: list[float], num_verified: int, num_accepted: int) -> None:
+        for j in range(min(num_verified, len(row))):
+            if j >= len(self.predicted):
+                self.predicted.append(0.0)
+                self.seen.append(0.0)
+            self.predicted[j] = self.decay * self.predicted[j] + row[j]
+            self.seen[j] = self.decay * self.seen[j] + (j < num_accepted)
+
+    def ratio(self, j: int) -> float:
+        """Positions never verified yet take the deepest verified position's ratio (a survival
+        row that is low by a factor at j is at least as low beyond it)."""
+        if not self.predicted:
+            return 1.0
+        j = min(j, len(self.predicted) - 1)
+        return (self.seen[j] + self.prior) / (self.predicted[j] + self.prior)
+
+    def correct(self, row: list[float]) -> list[float]:
+        out, last = [], 1.0
+        for j, a in enumerate(row):
+            last = min(last, a * self.ratio(j))
+            out.append(last)
+        return out
+
+
 def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
                 device: torch.device) -> Callable[[], None]:
     """A paged forward of b query rows after `context` cached positions, as the runner builds

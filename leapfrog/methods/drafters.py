@@ -22,7 +22,8 @@ from leapfrog.loader import (CheckpointError, _check_complete, iter_tensors, rea
                              verify_manifest, weight_files)
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.methods.base import Batch, Commit, StepOutput
-from leapfrog.methods.confidence_schedule import MeasuredCost, StepCostTable, schedule_prefix, survival
+from leapfrog.methods.confidence_schedule import (AcceptanceFeedback, MeasuredCost, StepCostTable,
+                                                  schedule_prefix, survival)
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, _draw
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block
@@ -120,6 +121,7 @@ class DFlashMethod(SpeculativeMethod):
         self._skipped_steps = 0           # consecutive steps that skipped drafting
         self._reprobe_every = self.reprobe_steps
         self._decided_batch = -1          # batch size of the last drafting decision
+        self._probing = False             # this step drafts only to re-probe: verify >= 1 draft each
         self.step_costs = StepCostTable.from_mapping(step_costs) if step_costs else None
         self.measured: MeasuredCost | None = None     # step and drafting costs as measured
         self._step_end: float | None = None           # when the previous step's verification ended
@@ -212,6 +214,7 @@ class DFlashMethod(SpeculativeMethod):
         if self.verify != "confidence":
             return self._draft(anchors)
         props = self._draft(anchors) if self._worth_drafting(anchors) else [Proposal(a.pos, []) for a in anchors]
+        self._probing = False
         self._step_end = time.perf_counter()      # the next step's clock starts after drafting
         return props
 
@@ -249,6 +252,7 @@ class DFlashMethod(SpeculativeMethod):
         if self._skipped_steps >= self._reprobe_every:      # probe, then wait longer
             self._skipped_steps = 0
             self._reprobe_every = min(2 * self._reprobe_every, self.max_reprobe_steps)
+            self._probing = True
             return True
         return self._skip(batch)
 
@@ -281,15 +285,18 @@ class DFlashMethod(SpeculativeMethod):
                  for i, a in enumerate(anchors)]
         if self.verify == "confidence":
             # Seconds per step = verify step at B tokens + drafting, whose cost does not depend on
-            # how many drafts are verified (both as measured: MeasuredCost).
+            # how many drafts are verified (both as measured: MeasuredCost). Survival rows are
+            # corrected by what verification showed for each request so far (AcceptanceFeedback).
             table = self._cost_model()
             overhead = table.draft(len(anchors))
-            lengths = schedule_prefix([survival(p.confidence or []) for p in props],
-                                      lambda b: 1.0 / (table.cost(b) + overhead))
-            for a, p, n in zip(anchors, props, lengths):
+            rows = [self._feedback(a.seq).correct(survival(p.confidence or [])) for a, p in zip(anchors, props)]
+            lengths = schedule_prefix(rows, lambda b: 1.0 / (table.cost(b) + overhead))
+            if self._probing:             # a re-probe learns nothing unless something is verified
+                lengths = [max(n, min(1, len(p.token_ids))) for n, p in zip(lengths, props)]
+            for a, p, n, row in zip(anchors, props, lengths, rows):
                 p.num_verify = n
                 # The prediction _worth_drafting uses next time: survival rows, smoothed over steps.
-                row, old = survival(p.confidence or []), a.seq.method_state.get("surv_pred")
+                old = a.seq.method_state.get("surv_pred")
                 a.seq.method_state["surv_pred"] = row if not old or len(old) != len(row) else \
                     [0.5 * (x + y) for x, y in zip(old, row)]
                 prior = self._surv_prior
@@ -300,6 +307,19 @@ class DFlashMethod(SpeculativeMethod):
         if self._num_drafts > 1 and self.measured is not None:   # the first pays one-off allocations
             self.measured.draft.add(len(anchors), spent)
         return props
+
+    @staticmethod
+    def _feedback(seq: Sequence) -> AcceptanceFeedback:
+        fb = seq.method_state.get("accept_fb")
+        if fb is None:
+            fb = seq.method_state["accept_fb"] = AcceptanceFeedback()
+        return fb
+
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        super()._record(seq, num_drafted, num_accepted)
+        prop: Proposal | None = seq.method_state.get("proposal")
+        if self.verify == "confidence" and prop is not None and prop.confidence:
+            self._feedback(seq).observe(survival(prop.confidence), num_drafted, num_accepted)
 
     def _step_costs(self) -> StepCostTable:
         """The profiled cost curve (Algorithm 1's SPS), measured once on first use."""
