@@ -584,3 +584,42 @@ def test_confidence_scheduling_feeds_verification_back(llama_dir, drafters, ar_g
     assert len(seen) == stats["num_verify_steps"] > 0
     assert sum(a for _, a in seen) == stats["num_accepted_tokens"]
     assert all(0 <= a <= n for n, a in seen)
+
+
+@pytest.mark.parametrize("name", ["dspark", "dspark_gated", "dspark_rnn"])
+def test_sequential_head_block_equals_the_position_by_position_formulas(drafters, name):
+    """sample_block (logits written in place, confidences computed for the whole block after
+    the loop, W2 from its transposed copy) against Eq. 4 and Eq. 7 position by position:
+    logits_k = U_k + B(x_{k-1}, ...), x_k = argmax, c_k = sigmoid(w [h_k; W1[x_{k-1}]] + b) / t_k."""
+    from leapfrog.models.dflash_heads import sample_block
+
+    d = load_drafter(str(drafters[name]))
+    d.confidence_head.temperatures = [0.5, 2.0]          # per-position STS temperatures, the rest 1
+    markov, conf = d.markov_head, d.confidence_head
+    gen = torch.Generator().manual_seed(0)
+    vocab, hid = markov.markov_w1.weight.shape[0], conf.proj.in_features - markov.rank
+    base, hidden = torch.randn(3, 4, vocab, generator=gen), torch.randn(3, 4, hid, generator=gen)
+    anchors = torch.tensor([1, 5, 9])
+    with torch.inference_mode():
+        ids, logits, confs = sample_block(base, hidden, anchors, markov, conf, lambda r: r.argmax(-1))
+        prev, state = anchors, None
+        for k in range(4):
+            e = markov.markov_w1.weight[prev]
+            if markov.kind == "vanilla":
+                bias = e @ markov.markov_w2.weight.T
+            elif markov.kind == "gated":
+                g = torch.sigmoid(torch.cat([hidden[:, k], e], -1) @ markov.gate_proj.weight.T + markov.gate_proj.bias)
+                bias = (g * e) @ markov.markov_w2.weight.T
+            else:
+                s = state if state is not None else torch.zeros(3, markov.rank)
+                z = torch.cat([s, e, hidden[:, k]], -1) @ markov.joint_proj.weight.T + markov.joint_proj.bias
+                gate, cand, out = z.chunk(3, -1)
+                state = torch.sigmoid(gate) * s + (1 - torch.sigmoid(gate)) * torch.tanh(cand)
+                bias = torch.tanh(out) @ markov.markov_w2.weight.T
+            row = base[:, k] + bias
+            t = [0.5, 2.0, 1.0, 1.0][k]
+            c = torch.sigmoid((torch.cat([hidden[:, k], e], -1) @ conf.proj.weight.T + conf.proj.bias).squeeze(-1) / t)
+            torch.testing.assert_close(logits[:, k], row, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(confs[:, k], c, atol=1e-6, rtol=1e-5)
+            prev = row.argmax(-1)
+            assert torch.equal(ids[:, k], prev)
