@@ -47,8 +47,13 @@ COUPLET_FORMATS = """## Prompt formats
   4-character phrase (real 横批 or 4-character couplet side) sharing the most characters with the
   couplet, so 横批 is learned as "a four-character phrase on the couplet's theme".
 - Tokenizer: SentencePiece BPE with pieces of at most one character (one token per 汉字),
-  byte fallback for the rare characters outside 99.95% coverage, `add_prefix_space` false.
+  {rare}, `add_prefix_space` false.
 """
+
+RARE_BYTES = "byte fallback for the rare characters outside 99.95% coverage"
+RARE_UNK = ("a rare character outside 99.95% coverage encoded as one `<unk>` (no byte fallback: "
+            "the same vocabulary and ids, the byte pieces unused), so every 上联 is as many tokens "
+            "as characters")
 
 def render(summary: dict, check: CheckResult, folder: Path) -> str:
     cfg = summary["config"]
@@ -97,7 +102,8 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         "",
     ]
     if cfg["name"] == "couplets":
-        lines += [COUPLET_FORMATS]
+        fallback = cfg["tokenizer"].get("byte_fallback", True)
+        lines += [COUPLET_FORMATS.replace("{rare}", RARE_BYTES if fallback else RARE_UNK)]
     # A folder made in several runs lists its commands in training.json's "reproduce".
     commands = summary.get("reproduce") or [cfg["command"] or f"leapfrog train {summary['recipe']}",
                                              f"# or: python -m leapfrog.train.cli {summary['recipe']}"]

@@ -233,8 +233,9 @@ def couplets_swa() -> TrainConfig:
     """`couplets-unk` exporting the mean of the weights after each of its last 500 steps
     (``TrainConfig.average_from``): the fine-tunes above land ±1% apart in length match from
     run to run, and the average over the cosine tail is one way to take that noise out. Same
-    data and trajectory as `couplets-unk`; writes runs/couplets-swa/model, copied over
-    checkpoints/couplets once measured."""
+    data and trajectory as `couplets-unk`; writes runs/couplets-swa/model. Measured 2026-12-01:
+    94.6% length match on all 821 held-out 上联 (777; the shipped model 768), 94.0% on the
+    check's 300, exact McNemar p = 0.25 against the shipped weights: not shipped."""
     cfg = couplets_unk()
     _in_runs(cfg, "couplets-swa")
     cfg.average_from = 0.5
