@@ -33,16 +33,24 @@ class Contender:
     model: str | None = None           # None: the suite's model
 
 
-def latency_contenders(model_dir: Path, gamma: int | None) -> list[Contender]:
-    """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification)."""
+def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] | None = None
+                       ) -> list[Contender]:
+    """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification), or
+    the drafter folders given instead (labelled by their path)."""
     out = [Contender("ar", "ar")]
-    for folder in sorted((model_dir / "drafters").glob("*/config.json")):
-        cfg = json.loads(folder.read_text())
+    if drafters:
+        folders = [(d, Path(d)) for d in drafters]
+    else:
+        folders = [(f.parent.name, f.parent) for f in sorted((model_dir / "drafters").glob("*/config.json"))]
+    for label, folder in folders:
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder}: no config.json (not a drafter folder)")
+        cfg = json.loads((folder / "config.json").read_text())
         method = "dspark" if "Qwen3DSparkModel" in (cfg.get("architectures") or []) else "dflash"
-        opts = {"draft_model": str(folder.parent)}
+        opts = {"draft_model": str(folder)}
         if gamma:
             opts["num_speculative_tokens"] = gamma
-        out.append(Contender(folder.parent.name, method, opts))
+        out.append(Contender(label, method, opts))
     return out
 
 
@@ -59,10 +67,11 @@ def _reset_counters(llm) -> None:
         llm.engine.method.counters = SpecCounters()
 
 
-def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None) -> list[dict]:
+def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
+                drafters: list[str] | None = None) -> list[dict]:
     from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    contenders = latency_contenders(model_dir, gamma)
+    contenders = latency_contenders(model_dir, gamma, drafters)
     engines = [_engine(model_dir, c, 1) for c in contenders]
     for llm in engines:                       # warm-up (and the drafters' first-call costs)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -85,7 +94,8 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
     rows = []
     for c, llm, w, n, f, s in zip(contenders, engines, wall, tokens, forwards, same):
         stats = llm.engine.method.stats()
-        row = {"method": c.label, "kind": c.method, "tokens_per_s": n / w, "output_tokens": n,
+        row = {"method": c.label, "kind": c.method, "draft_model": c.options.get("draft_model"),
+               "tokens_per_s": n / w, "output_tokens": n,
                "tokens_per_forward": n / max(1, f), "tau": stats.get("acceptance_length"),
                "identical_to_ar": f"{s}/{len(prompts)}",
                "acceptance_rate": [round(stats[k], 3) for k in sorted(stats, key=_pos_key)
@@ -152,19 +162,19 @@ def run(args: argparse.Namespace) -> dict:
     prompts = story_prompts(max(args.num_prompts, max(args.concurrency)), tok)
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
         f"{args.num_prompts} prompts at batch 1")
-    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma)
-    drafter = args.throughput_drafter or _best_dspark(latency, model_dir)
+    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters)
+    drafter = args.throughput_drafter or _best_dspark(latency)
     throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
             "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
 
 
-def _best_dspark(rows: list[dict], model_dir: Path) -> str | None:
+def _best_dspark(rows: list[dict]) -> str | None:
     cands = [r for r in rows if r["kind"] == "dspark"]
     if not cands:
         return None
-    return str(model_dir / "drafters" / max(cands, key=lambda r: r["tokens_per_s"])["method"])
+    return max(cands, key=lambda r: r["tokens_per_s"])["draft_model"]
 
 
 def markdown(result: dict) -> str:
@@ -216,5 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative suite")
     g.add_argument("--num-prompts", type=int, default=16, help="held-out openings decoded at batch 1")
     g.add_argument("--gamma", type=int, default=None, help="drafts per step (default: each drafter's block)")
+    g.add_argument("--drafters", nargs="+", default=None, metavar="DIR",
+                   help="drafter folders to compare (default: every one under <model>/drafters/)")
     g.add_argument("--throughput-drafter", default=None,
                    help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")

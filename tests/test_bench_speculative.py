@@ -1,0 +1,41 @@
+"""`leapfrog bench --suite speculative` end to end on the tiny Llama with tiny random drafters in
+the published layouts: every contender's output equals ar's (greedy, lossless), and drafter
+folders given with --drafters replace the shipped ones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_speculative import write_drafter
+
+from leapfrog import bench
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys):
+    dflash = write_drafter(tmp_path / "d" / "dflash", llama_dir)
+    dspark = write_drafter(tmp_path / "d" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
+    out = tmp_path / "res"
+    rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--drafters", str(dflash), str(dspark),
+                     "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "2", "--repeats", "1",
+                     "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "speculative.json").read_text())
+    rows = {r["method"]: r for r in res["latency"]}
+    assert list(rows) == ["ar", str(dflash), str(dspark)]
+    assert [rows[k]["kind"] for k in rows] == ["ar", "dflash", "dspark"]
+    for r in res["latency"]:
+        assert r["identical_to_ar"] == "2/2" and r["output_tokens"] == 2 * 8
+    for name in (str(dflash), str(dspark)):
+        assert rows[name]["tau"] >= 1 and rows[name]["tokens_per_forward"] >= 1
+        assert rows[name]["draft_model"] == name and rows[name]["drafter_layers"] in (1, 2)
+    assert res["throughput_drafter"] == str(dspark)        # the only DSpark drafter given
+    assert {r["concurrency"] for r in res["throughput"]} == {1, 2}
+    assert "| ar |" in capsys.readouterr().out
+
+
+def test_a_drafter_folder_without_config_is_a_clear_error(llama_dir, tmp_path):
+    from leapfrog.bench_methods import latency_contenders
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        latency_contenders(llama_dir, None, [str(tmp_path)])
