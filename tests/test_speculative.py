@@ -365,6 +365,11 @@ def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_
     for a, (k, v, snapshot) in zip(model.attention_layers, before):
         assert a.k_cache is k and a.v_cache is v and torch.equal(a.k_cache, snapshot)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy
+    # Asked for more rows than fit after the context in the model's 256 positions, the profile
+    # keeps rows and context inside them (it indexed past the RoPE table before).
+    limit = model.config["max_position_embeddings"]
+    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=limit, repeats=1)
+    assert table.num_tokens[-1] <= limit // 2 and min(table.seconds) > 0
 
 
 def test_queued_drafter_context_equals_immediate_extension(drafters):

@@ -81,6 +81,11 @@ class StepCostTable:
         KV cache exists (inside an engine), the forward is the engine's own paged step
         (`context` keys of context per row, on a scratch cache swapped in for the duration),
         so the curve has the shape of the steps it prices; otherwise a dense forward."""
+        # The rows sit after `context` cached positions: keep both inside the model's positions
+        # (a model with 256 of them cannot time 256 rows after 64).
+        limit = int(getattr(model, "config", {}).get("max_position_embeddings", 1 << 30))
+        max_tokens = min(max_tokens, max(1, limit // 2))
+        context = max(0, min(context, limit - max_tokens))
         sizes = [b for b in (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
                  if b <= max_tokens]
         layers = getattr(model, "attention_layers", None)

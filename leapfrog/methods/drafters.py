@@ -324,11 +324,7 @@ class DFlashMethod(SpeculativeMethod):
     def _step_costs(self) -> StepCostTable:
         """The profiled cost curve (Algorithm 1's SPS), measured once on first use."""
         if self.step_costs is None:
-            # Profiled rows sit after `context` cached positions: keep both inside the model's
-            # positions (a model with 256 of them cannot time 256 rows after 64).
-            max_tokens = min(256, self.max_positions // 2)
-            self.step_costs = StepCostTable.profile(self.target, self.ctx.device, max_tokens=max_tokens,
-                                                    context=min(64, self.max_positions - max_tokens))
+            self.step_costs = StepCostTable.profile(self.target, self.ctx.device, max_tokens=256)
         return self.step_costs
 
     def _cost_model(self) -> MeasuredCost:
