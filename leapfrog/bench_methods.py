@@ -6,6 +6,9 @@ down mid-run slows every method alike. Reported per method: output tokens/s, wal
 speed-up over `ar`, τ (tokens committed per verify step: accepted drafts + the bonus),
 tokens per target forward, acceptance rate per draft position, and whether the output equals
 `ar` token for token (greedy speculative decoding is lossless, so anything but "all" is a bug).
+A request stops at its end of text or after --new-tokens, as a served request does; past the
+end a story model starts a new text from nothing, which no drafter is trained for and no user
+receives (--ignore-eos measures that too: equal lengths, lower τ).
 
 Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, the DSpark drafter verifying all
 γ drafts (fixed), and the same drafter with confidence-scheduled verification (Algorithm 1).
@@ -68,9 +71,9 @@ def _reset_counters(llm) -> None:
 
 
 def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
-                drafters: list[str] | None = None) -> list[dict]:
+                drafters: list[str] | None = None, ignore_eos: bool = False) -> list[dict]:
     from leapfrog import SamplingParams
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = latency_contenders(model_dir, gamma, drafters)
     engines = [_engine(model_dir, c, 1) for c in contenders]
     for llm in engines:                       # warm-up (and the drafters' first-call costs)
@@ -116,9 +119,9 @@ def _pos_key(k: str) -> int:
 
 
 def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
-                   drafter: str | None, repeats: int) -> list[dict]:
+                   drafter: str | None, repeats: int, ignore_eos: bool = False) -> list[dict]:
     from leapfrog import SamplingParams
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = [Contender("ar", "ar")]
     if drafter:
         contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter}),
@@ -162,11 +165,14 @@ def run(args: argparse.Namespace) -> dict:
     prompts = story_prompts(max(args.num_prompts, max(args.concurrency)), tok)
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
         f"{args.num_prompts} prompts at batch 1")
-    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters)
+    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
+                          args.ignore_eos)
     drafter = args.throughput_drafter or _best_dspark(latency)
-    throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats)
+    throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
+                                args.ignore_eos)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
+            "ignore_eos": args.ignore_eos,
             "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
 
 
@@ -228,5 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=int, default=None, help="drafts per step (default: each drafter's block)")
     g.add_argument("--drafters", nargs="+", default=None, metavar="DIR",
                    help="drafter folders to compare (default: every one under <model>/drafters/)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="decode past the end of text to exactly --new-tokens (default: stop there)")
     g.add_argument("--throughput-drafter", default=None,
                    help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")

@@ -19,9 +19,10 @@ def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys):
     out = tmp_path / "res"
     rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--drafters", str(dflash), str(dspark),
                      "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "2", "--repeats", "1",
-                     "--threads", "1", "--out", str(out)])
+                     "--threads", "1", "--ignore-eos", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "speculative.json").read_text())
+    assert res["ignore_eos"] is True           # so every request decodes exactly 8 tokens
     rows = {r["method"]: r for r in res["latency"]}
     assert list(rows) == ["ar", str(dflash), str(dspark)]
     assert [rows[k]["kind"] for k in rows] == ["ar", "dflash", "dspark"]
