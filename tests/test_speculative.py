@@ -349,6 +349,51 @@ def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_g
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_requests_finishing_one_by_one_do_not_restart_the_reprobe_wait(llama_dir, drafters, monkeypatch):
+    """Under load (drafting never worth it) each finish changes the batch size: the step
+    re-plans, but the doubling re-probe wait goes on, so finishes 20 steps apart cost no extra
+    probe (with a reset on every change: 7 drafts)."""
+    import types
+
+    import leapfrog.methods.drafters as drafters_mod
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(drafters_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
+    llm = LLM(str(llama_dir), method="dspark", draft_model=str(drafters["dspark"]), block_size=4,
+              verify="confidence", step_costs={1: 0.001, 64: 64.0})
+    params = [SamplingParams(max_tokens=20 * (i + 1), temperature=0, ignore_eos=True) for i in range(6)]
+    outs = llm.generate(["Once upon a time"] * 6, params)
+    assert [len(o.token_ids) for o in outs] == [20, 40, 60, 80, 100, 120]
+    method = llm.engine.method
+    # Two steps before drafting is measured (the first draft pays one-off costs and is not
+    # counted), then probes after 16, 32 and 64 skipped steps.
+    assert method._num_drafts <= 5
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_context_cache_projects_queued_rows_only_when_an_entry_is_reused(llama_dir, drafters):
+    """A request that finishes while not drafting is cached with its feature rows queued; a
+    later prefix hit projects them then, and gets exactly the K/V projecting at once gives."""
+    from leapfrog.methods.drafters import load_drafter
+    from leapfrog.models.dflash import ContextCache, DraftContext
+    drafter = load_drafter(str(drafters["dspark"]), torch.device("cpu"), torch.float32)
+    width = drafter.fc.weight.shape[1]
+    feats = torch.randn(10, width, generator=torch.Generator().manual_seed(0))
+    eager, lazy = DraftContext(0), DraftContext(0)
+    drafter.extend_context(eager, feats)
+    drafter.queue_context(lazy, feats[:6])
+    drafter.queue_context(lazy, feats[6:])
+    cache = ContextCache()
+    cache.put(list(range(10)), lazy)
+    assert lazy.num_keys == 0 and lazy.num_pending == 10        # finishing projected nothing
+    assert cache.get(list(range(10)), 7) is None                 # no keys, and nothing to flush with
+    got = cache.get(list(range(10)) + [99], 7, drafter.flush_contexts)
+    assert got is not None and got.num_keys == 7 and lazy.num_pending == 0
+    for k, v, ek, ev in zip(got.keys, got.values, eager.keys, eager.values):
+        torch.testing.assert_close(k, ek[:7])
+        torch.testing.assert_close(v, ev[:7])
+    assert cache.get([5] * 10, 7, drafter.flush_contexts) is None    # another prefix: no hit
+
+
 def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_greedy, monkeypatch):
     """Inside an engine the start-up profile runs the engine's own paged step on scratch
     caches; the real caches (and what is in them) come back untouched."""

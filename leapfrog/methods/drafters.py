@@ -169,10 +169,9 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"drafter taps target layers {bad}; the target has {tcfg['num_hidden_layers']}")
 
     def on_finished(self, seq: Sequence) -> None:
-        ctx = seq.method_state.get("draft_ctx")
-        if ctx is not None and self.drafter is not None:
-            self.drafter.flush_contexts([ctx])
-        self.context_cache.put(seq.token_ids, ctx)
+        # Stored with its queued rows unprojected: they are projected only if a later request
+        # reuses this prefix (ContextCache.get), not for every request that finishes.
+        self.context_cache.put(seq.token_ids, seq.method_state.get("draft_ctx"))
         super().on_finished(seq)
 
     # --- drafter hooks --------------------------------------------------------------------
@@ -191,7 +190,8 @@ class DFlashMethod(SpeculativeMethod):
                 # First chunk. After a prefix-cache hit the target computes no features for the
                 # cached prefix: reuse an earlier sequence's draft K/V for it when there is one
                 # (else the drafter sees less context: lower acceptance, never wrong output).
-                ctx = self.context_cache.get(s.seq.token_ids, s.start_pos) if s.start_pos else None
+                ctx = (self.context_cache.get(s.seq.token_ids, s.start_pos, self.drafter.flush_contexts)
+                       if s.start_pos else None)
                 ctx = s.seq.method_state["draft_ctx"] = ctx or DraftContext(s.start_pos)
             first = row - s.num_query
             self.drafter.queue_context(ctx, feats[first:first + c.num_kv_keep])
@@ -220,7 +220,10 @@ class DFlashMethod(SpeculativeMethod):
 
     # A step that decided not to draft re-probes (drafts anyway, to refresh the predictions the
     # decision rests on) after reprobe_steps skipped steps; each probe that still finds drafting
-    # not worth it doubles the wait, up to max_reprobe_steps; a change of batch size resets it.
+    # not worth it doubles the wait, up to max_reprobe_steps. A change of batch size re-plans at
+    # once (the costs depend on it) but keeps the wait: the predictions a probe refreshes do not
+    # depend on the load, and with requests finishing one by one a reset would probe (draft a
+    # whole batch for nothing) after every finish.
     reprobe_steps = 16
     max_reprobe_steps = 256
 
@@ -237,7 +240,7 @@ class DFlashMethod(SpeculativeMethod):
             return True                   # nothing measured yet
         batch = len(anchors)
         if batch != self._decided_batch:
-            self._decided_batch, self._reprobe_every, self._skipped_steps = batch, self.reprobe_steps, 0
+            self._decided_batch = batch
         elif 0 < self._skipped_steps < self._reprobe_every:
             return self._skip(batch)      # same load, decided already: no need to re-plan
         preds = [a.seq.method_state.get("surv_pred") or self._surv_prior for a in anchors]

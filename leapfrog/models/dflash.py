@@ -13,6 +13,7 @@ models/llama.py. The DSpark heads live in models/dflash_heads.py.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,13 +117,22 @@ class ContextCache:
         while sum(c.num_positions for _, c in self.entries.values()) > self.max_positions:
             self.entries.popitem(last=False)
 
-    def get(self, token_ids: list[int], n: int) -> DraftContext | None:
-        """A context for positions 0..n-1 of `token_ids`, or None."""
+    def get(self, token_ids: list[int], n: int,
+            flush: Callable[[list[DraftContext]], None] | None = None) -> DraftContext | None:
+        """A context for positions 0..n-1 of `token_ids`, or None. Entries may hold queued,
+        unprojected rows (a request that finished while not drafting is stored as it was, so
+        finishing costs nothing): `flush` projects them when such an entry is reused; without
+        it only an entry's projected keys count."""
         for key in reversed(self.entries):
             toks, ctx = self.entries[key]
-            if len(toks) >= n and toks[:n] == token_ids[:n]:
-                self.entries.move_to_end(key)
-                return DraftContext(0, [k[:n] for k in ctx.keys], [v[:n] for v in ctx.values])
+            if len(toks) < n or toks[:n] != token_ids[:n]:
+                continue
+            if ctx.num_keys < n and ctx.pending and flush is not None:
+                flush([ctx])
+            if ctx.num_keys < n:
+                continue
+            self.entries.move_to_end(key)
+            return DraftContext(0, [k[:n] for k in ctx.keys], [v[:n] for v in ctx.values])
         return None
 
 
