@@ -317,12 +317,23 @@ def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The drafting methods' clock moves 1 µs per reading: confidence scheduling's decisions then
+    rest on the step costs a test gives, not on this machine's load."""
+    import types
+
+    import leapfrog.methods.drafters as drafters_mod
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(drafters_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
+
+
 @pytest.mark.parametrize("costs,drafts", [
     ({1: 0.001, 64: 64.0}, False),           # a verified draft costs about a whole decode step: never worth it
     ({1: 0.01, 64: 0.0100001}, True),          # verification is free: always worth drafting
 ])
 def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_greedy, costs, drafts,
-                                                      monkeypatch):
+                                                      fake_clock):
     """Drafting costs time whether or not its tokens are verified: when the predicted schedule
     (drafting time included) cannot beat a plain decode step, the step does not draft at all,
     apart from a re-probe every reprobe_steps steps. The output stays ar's either way.
@@ -331,11 +342,6 @@ def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_g
     given costs alone: every measured step is far from the table's prediction (not a sample)
     and drafting measures as ~free. With the real clock, the costs this machine measures replace
     the table's (as they should in use) and the outcome would depend on the machine's load."""
-    import types
-
-    import leapfrog.methods.drafters as drafters_mod
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(drafters_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
     llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs=costs)
     method = llm.engine.method
     assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
@@ -349,15 +355,10 @@ def test_confidence_scheduling_decides_before_drafting(llama_dir, drafters, ar_g
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_requests_finishing_one_by_one_do_not_restart_the_reprobe_wait(llama_dir, drafters, monkeypatch):
+def test_requests_finishing_one_by_one_do_not_restart_the_reprobe_wait(llama_dir, drafters, fake_clock):
     """Under load (drafting never worth it) each finish changes the batch size: the step
     re-plans, but the doubling re-probe wait goes on, so finishes 20 steps apart cost no extra
     probe (with a reset on every change: 7 drafts)."""
-    import types
-
-    import leapfrog.methods.drafters as drafters_mod
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(drafters_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
     llm = LLM(str(llama_dir), method="dspark", draft_model=str(drafters["dspark"]), block_size=4,
               verify="confidence", step_costs={1: 0.001, 64: 64.0})
     params = [SamplingParams(max_tokens=20 * (i + 1), temperature=0, ignore_eos=True) for i in range(6)]
@@ -368,6 +369,15 @@ def test_requests_finishing_one_by_one_do_not_restart_the_reprobe_wait(llama_dir
     # counted), then probes after 16, 32 and 64 skipped steps.
     assert method._num_drafts <= 5
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_first_reprobe_wait_scales_with_the_batch_below_eight_requests(llama_dir, drafters):
+    """After drafting paid, the wait before the first re-probe is reprobe_steps from 8 requests
+    on and proportionally shorter below (2 steps at one request), never under 1."""
+    method = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence").engine.method
+    assert [method._first_wait(b) for b in (1, 2, 4, 7, 8, 32)] == [2, 4, 8, 14, 16, 16]
+    method.reprobe_steps = 4
+    assert [method._first_wait(b) for b in (1, 2, 8)] == [1, 1, 4]
 
 
 def test_context_cache_projects_queued_rows_only_when_an_entry_is_reused(llama_dir, drafters):

@@ -219,12 +219,12 @@ class DFlashMethod(SpeculativeMethod):
         return props
 
     # A step that decided not to draft re-probes (drafts anyway, to refresh the predictions the
-    # decision rests on) after reprobe_steps skipped steps (fewer below 8 requests:
-    # _first_wait); each probe that still finds drafting
-    # not worth it doubles the wait, up to max_reprobe_steps. A change of batch size re-plans at
-    # once (the costs depend on it) but keeps the wait: the predictions a probe refreshes do not
-    # depend on the load, and with requests finishing one by one a reset would probe (draft a
-    # whole batch for nothing) after every finish.
+    # decision rests on) after reprobe_steps skipped steps (fewer below 8 requests: _first_wait);
+    # each probe that still finds drafting not worth it doubles the wait, up to
+    # max_reprobe_steps. A change of batch size re-plans at once (the costs depend on it) but
+    # keeps the wait: the predictions a probe refreshes do not depend on the load, and with
+    # requests finishing one by one a reset would probe (draft a whole batch for nothing) after
+    # every finish.
     reprobe_steps = 16
     max_reprobe_steps = 256
 
