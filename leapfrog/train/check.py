@@ -107,7 +107,7 @@ def _bare(text: str) -> str:
     return "".join(c for c in text if c not in fmt.PUNCT)
 
 
-def check_couplets(folder: str, num: int = 300, num_keywords: int = 40, seed: int = 0,
+def check_couplets(folder: str, num: int = 0, num_keywords: int = 40, seed: int = 0,
                    data_dir: str | None = None) -> CheckResult:
     model, tok = load(folder)
     pairs = heldout("couplets", data_dir)
@@ -193,7 +193,7 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
     return res
 
 
-def run_check(name: str, folder: str, data_dir: str | None = None, num_pairs: int = 300) -> CheckResult:
+def run_check(name: str, folder: str, data_dir: str | None = None, num_pairs: int = 0) -> CheckResult:
     if name.startswith("stories") and is_diffusion_folder(folder):
         return check_stories_diffusion(folder, data_dir=data_dir)
     if name == "stories":
@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="which check (default: the folder's name)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--num-pairs", type=int, default=300,
-                   help="couplets: held-out pairs to sample (0: all of them)")
+    p.add_argument("--num-pairs", type=int, default=0,
+                   help="couplets: held-out pairs to sample (default 0: every held-out pair, the "
+                        "estimate the README states; a 300-pair sample ran up to 1.5 points high)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = args.name or args.folder.rstrip("/").split("/")[-1]

@@ -118,6 +118,10 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
 
 
 def _origin(summary: dict) -> str:
+    if summary.get("soup"):     # leapfrog.train.soup: a weighted mean of checkpoints' weights
+        parts = " + ".join(f"{p['weight']:g} x `{p['folder']}`" + (f" ({p['recipe']})" if p.get("recipe") else "")
+                           for p in summary["soup"])
+        return f"whose weights are a soup (`python -m leapfrog.train.soup`): {parts}"
     init = summary.get("init")
     if not init:
         return f"trained from scratch by `leapfrog train {summary['recipe']}`"
