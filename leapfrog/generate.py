@@ -11,11 +11,12 @@ from leapfrog.config import DEFAULT_MODEL
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    model_default = "default: the model's generation_config.json, else"
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({model_default} 0.8)")
+    g.add_argument("--top-p", type=float, default=None, help=f"({model_default} 0.95)")
+    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default} 0)")
+    g.add_argument("--min-p", type=float, default=None, help=f"({model_default} 0)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"({model_default} 1.0)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible output)")
@@ -52,10 +53,17 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
-def sampling_from_args(args: argparse.Namespace):
+# when neither the flag nor the model's generation_config.json gives one
+CLI_SAMPLING_FALLBACK = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
+    """Flags first, then the model's generation_config.json (``model_sampling_defaults``), then
+    CLI_SAMPLING_FALLBACK."""
     from leapfrog.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+    defaults = {**CLI_SAMPLING_FALLBACK, **(model_defaults or {})}
+    pick = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in CLI_SAMPLING_FALLBACK}
+    return SamplingParams(max_tokens=args.max_tokens, **pick,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
                           ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
@@ -73,7 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="leapfrog generate", description=__doc__)
     p.add_argument("prompt", nargs="?", default=None,
-                   help="prompt text (default: read stdin if piped, else 'Once upon a time')")
+                   help="prompt text (default: stdin if something is piped, else 'Once upon a time')")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     p.add_argument("--stats", action="store_true", help="print speed and tokens/forward to stderr")
     add_engine_args(p)
@@ -81,9 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     prompt = args.prompt
     if prompt is None:
-        prompt = sys.stdin.read() if not sys.stdin.isatty() else "Once upon a time"
+        piped = sys.stdin.read() if not sys.stdin.isatty() else ""
+        prompt = piped if piped.strip() else "Once upon a time"   # nothing piped: the default
+    from leapfrog.config import resolve_model
+    from leapfrog.sampling_params import model_sampling_defaults
     try:
-        params = sampling_from_args(args)
+        defaults = model_sampling_defaults(resolve_model(args.model))
+    except FileNotFoundError:       # reported by the engine below
+        defaults = {}
+    except ValueError as e:
+        print(f"warning: ignoring the model's sampling defaults: {e}", file=sys.stderr)
+        defaults = {}
+    try:
+        params = sampling_from_args(args, defaults)
     except ValueError as e:
         p.error(str(e))
     from leapfrog.engine import LLMEngine

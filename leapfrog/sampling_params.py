@@ -74,3 +74,43 @@ class SamplingParams:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0)
+
+
+# generation_config.json keys that become request defaults (vLLM's `--generation-config auto`)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(folder) -> dict:
+    """The sampling defaults a checkpoint folder's generation_config.json asks for, as
+    SamplingParams fields, for requests that leave them out: ``do_sample: false`` means greedy
+    (temperature 0, as in transformers); otherwise temperature, top_p, top_k, min_p and
+    repetition_penalty where given. No file: {}. A malformed file or value raises ValueError
+    naming the file and the key."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    out: dict = {}
+    for key in GENERATION_CONFIG_KEYS:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key}={value!r}: expected a number")
+        out[key] = int(value) if key == "top_k" else float(value)
+    if cfg.get("do_sample") is False:       # greedy: the sampling knobs do not apply
+        out = {k: v for k, v in out.items() if k == "repetition_penalty"}
+        out["temperature"] = 0.0
+    try:
+        SamplingParams(**out)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return out

@@ -33,6 +33,26 @@ log = logging.getLogger("leapfrog.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
 
 
+def request_defaults(cfg: ServerConfig) -> dict:
+    """Sampling defaults for requests that leave fields out: the model's generation_config.json
+    (temperature 0 for a greedy model such as `couplets`, 0.7 / top-p 0.9 for `stories`), under
+    an explicit --temperature; temperature 1.0 when neither says. A malformed generation_config
+    is logged, naming the file and the key, and ignored: the server still serves."""
+    from leapfrog.config import resolve_model
+    from leapfrog.sampling_params import model_sampling_defaults
+    try:
+        defaults = model_sampling_defaults(resolve_model(cfg.model))
+    except FileNotFoundError:        # the engine reports a missing model itself
+        defaults = {}
+    except ValueError as exc:
+        log.warning("ignoring the model's sampling defaults: %s", exc)
+        defaults = {}
+    if cfg.default_temperature is not None:
+        defaults["temperature"] = cfg.default_temperature
+    defaults.setdefault("temperature", 1.0)
+    return defaults
+
+
 class ServerState:
     """Everything the handlers share; one per app."""
 
@@ -46,11 +66,12 @@ class ServerState:
         self.started = time.time()
         self.draining = False
         self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
+        self.sampling_defaults = request_defaults(cfg)
 
     def limits(self) -> Limits:
         info = self.engine.info
         return Limits({self.cfg.model_id, str(self.cfg.model)}, info.max_model_len, info.vocab_size,
-                      self.cfg.default_max_tokens, self.cfg.default_temperature, self.cfg.max_n)
+                      self.cfg.default_max_tokens, self.sampling_defaults, self.cfg.max_n)
 
     # --- the gate every generation request passes ------------------------------------------
     def authenticate(self, request: Request) -> str | None:

@@ -48,7 +48,7 @@ class ServerConfig:
     log_level: str = "info"
     # request defaults
     default_max_tokens: int = 256
-    default_temperature: float = 1.0
+    default_temperature: float | None = None   # None: the model's generation_config.json, else 1.0
     max_n: int = 16                            # most choices one request may ask for
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
@@ -83,7 +83,7 @@ HELP = {
     "ssl_keyfile": "TLS private key (PEM)",
     "log_level": "critical, error, warning, info (default), debug, trace",
     "default_max_tokens": "max_tokens for requests that give none (default 256; guide name MAX_TOKENS)",
-    "default_temperature": "temperature for requests that give none (default 1.0; guide name TEMPERATURE)",
+    "default_temperature": "temperature for requests that give none (default: the model's generation_config.json, else 1.0; guide name TEMPERATURE)",
     "max_n": "most choices (n) one request may ask for (default 16)",
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
@@ -289,8 +289,9 @@ def _validate(cfg: ServerConfig) -> None:
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
     for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
-    for key in ("default_temperature", "request_timeout", "rate_limit", "shutdown_timeout"):
+    for key in ("request_timeout", "rate_limit", "shutdown_timeout"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
+    check("default_temperature", cfg.default_temperature is None or cfg.default_temperature >= 0, "must be >= 0")
     check("ssl_keyfile", bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile),
           "ssl_certfile and ssl_keyfile must be given together")
     for key in ("ssl_certfile", "ssl_keyfile", "api_key_file"):

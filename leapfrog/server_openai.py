@@ -26,7 +26,9 @@ class Limits:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
-    default_temperature: float
+    # SamplingParams fields for requests that leave them out: the model's generation_config.json
+    # under the server's explicit defaults (always holds "temperature")
+    defaults: dict
     max_n: int
 
 
@@ -69,11 +71,14 @@ def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens:
     kw: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
                               min_tokens=req.min_tokens,
                               skip_special_tokens=req.skip_special_tokens,
-                              include_stop_str_in_output=req.include_stop_str_in_output,
-                              temperature=limits.default_temperature if req.temperature is None else req.temperature)
-    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if getattr(req, name) is not None:
-            kw[name] = getattr(req, name)
+                              include_stop_str_in_output=req.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is None:
+            value = limits.defaults.get(name)
+        if value is not None:
+            kw[name] = value
     if req.seed is not None:
         kw["seed"] = req.seed + seed_offset
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
