@@ -380,6 +380,64 @@ def test_first_reprobe_wait_scales_with_the_batch_below_eight_requests(llama_dir
     assert [method._first_wait(b) for b in (1, 2, 8)] == [1, 1, 4]
 
 
+def _priced(method, step_ms: tuple[float, float], draft_ms: float) -> None:
+    """Give confidence scheduling fixed costs: a step at B tokens costs a + b * B ms, drafting
+    draft_ms, every draft survives with 0.9 per position (no measurement moves them)."""
+    from leapfrog.methods.confidence_schedule import LinearFit, MeasuredCost, StepCostTable
+    a, b = step_ms
+    method.measured = MeasuredCost(StepCostTable([1, 64], [(a + b) * 1e-3, (a + 64 * b) * 1e-3]))
+    method.measured.draft = LinearFit(intercept=draft_ms * 1e-3)
+    method.measured.draft.num_samples = 1
+    method._surv_prior = [0.9 ** j for j in range(1, 9)]
+
+
+def _anchors(n: int) -> list:
+    import types
+    return [types.SimpleNamespace(seq=types.SimpleNamespace(method_state={})) for _ in range(n)]
+
+
+def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, drafters):
+    """At 8 requests drafting never pays (probes back off to long waits); at 1 it pays (the wait
+    restarts short). Back at 8, the step takes the long wait it had there, instead of probing
+    whole batches again after 2, 4, 8, ... steps (what a burst after a quiet tail cost: 4-5
+    probes per burst of 128 steps, each ~3 decode steps of drafting at 8 requests)."""
+    method = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence").engine.method
+    _priced(method, (1.0, 0.5), 2.0)
+    big, one = _anchors(8), _anchors(1)
+    probes = [method._worth_drafting(big) for _ in range(16 + 1 + 32 + 1)]
+    assert sum(probes) == 2 and method._reprobe_every == 64          # after 16, then 32 skips
+    assert all(method._worth_drafting(one) for _ in range(3))        # drafting pays at one request
+    assert method._reprobe_every == method._first_wait(1) == 2
+    assert not any(method._worth_drafting(big) for _ in range(60))   # 64 again, not 2
+    assert method._reprobe_every == 64
+
+
+def test_drafting_cost_includes_projecting_the_queued_context(llama_dir, drafters, fake_clock, monkeypatch):
+    """Context rows queued while not drafting are projected when drafting resumes: that time is
+    drafting's, and the cost model must see it (left out, it priced drafting ~25% low)."""
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence")
+    method = llm.engine.method
+    import leapfrog.methods.drafters as drafters_mod
+    flush = method.drafter.flush_contexts
+    clock = drafters_mod.time.perf_counter
+
+    def slow_flush(ctxs):                 # reads the clock 1,000 times: 1 ms on the fake clock
+        for _ in range(1000):
+            clock()
+        return flush(ctxs)
+    monkeypatch.setattr(method.drafter, "flush_contexts", slow_flush)
+    from leapfrog.methods.confidence_schedule import LinearFit
+    samples = []
+
+    class Recording(LinearFit):
+        def add(self, x, y):
+            samples.append(y)
+            super().add(x, y)
+    method._cost_model().draft = Recording()
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert samples and min(samples) >= 1e-3
+
+
 def test_context_cache_projects_queued_rows_only_when_an_entry_is_reused(llama_dir, drafters):
     """A request that finishes while not drafting is cached with its feature rows queued; a
     later prefix hit projects them then, and gets exactly the K/V projecting at once gives."""
