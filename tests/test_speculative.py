@@ -412,32 +412,6 @@ def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, draf
     assert method._reprobe_every == 64
 
 
-def test_drafting_cost_includes_projecting_the_queued_context(llama_dir, drafters, fake_clock, monkeypatch):
-    """Context rows queued while not drafting are projected when drafting resumes: that time is
-    drafting's, and the cost model must see it (left out, it priced drafting ~25% low)."""
-    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence")
-    method = llm.engine.method
-    import leapfrog.methods.drafters as drafters_mod
-    flush = method.drafter.flush_contexts
-    clock = drafters_mod.time.perf_counter
-
-    def slow_flush(ctxs):                 # reads the clock 1,000 times: 1 ms on the fake clock
-        for _ in range(1000):
-            clock()
-        return flush(ctxs)
-    monkeypatch.setattr(method.drafter, "flush_contexts", slow_flush)
-    from leapfrog.methods.confidence_schedule import LinearFit
-    samples = []
-
-    class Recording(LinearFit):
-        def add(self, x, y):
-            samples.append(y)
-            super().add(x, y)
-    method._cost_model().draft = Recording()
-    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert samples and min(samples) >= 1e-3
-
-
 def test_context_cache_projects_queued_rows_only_when_an_entry_is_reused(llama_dir, drafters):
     """A request that finishes while not drafting is cached with its feature rows queued; a
     later prefix hit projects them then, and gets exactly the K/V projecting at once gives."""

@@ -287,11 +287,12 @@ class DFlashMethod(SpeculativeMethod):
     def _draft(self, anchors: list[Anchor]) -> list[Proposal]:
         if self.verify == "confidence":
             self._cost_model()            # profiled once, before the drafting clock starts
-        # Context rows queued while not drafting are projected now: part of what drafting costs
-        # (timed with it; outside the per-step clock). Left out, the drafting cost model came out
-        # ~25% low at 8 requests and drafting was chosen where it lost.
-        t0 = time.perf_counter()
+        # Context rows queued while not drafting: projected now, outside both clocks. That work
+        # is per row and paid once whenever drafting happens; timed with drafting, the first
+        # draft after a long skip priced every later one as dear, drafting looked too costly at
+        # one request and was skipped (17-24% of steps drafting against 59-76%).
         self.drafter.flush_contexts([a.seq.method_state["draft_ctx"] for a in anchors])
+        t0 = time.perf_counter()
         cfg, dev = self.drafter.drafter, self.ctx.device
         ids = torch.tensor([[a.token_id] + [cfg.mask_token_id] * (cfg.block_size - 1) for a in anchors],
                            dtype=torch.long, device=dev)
