@@ -36,7 +36,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no pr
 def request_defaults(cfg: ServerConfig) -> dict:
     """Sampling defaults for requests that leave fields out: the model's generation_config.json
     (temperature 0 for a greedy model such as `couplets`, 0.7 / top-p 0.9 for `stories`), under
-    an explicit --temperature; temperature 1.0 when neither says. A malformed generation_config
+    an explicit --default-temperature; temperature 1.0 when neither says. A malformed generation_config
     is logged, naming the file and the key, and ignored: the server still serves."""
     from leapfrog.config import resolve_model
     from leapfrog.sampling_params import model_sampling_defaults
