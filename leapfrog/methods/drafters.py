@@ -290,7 +290,8 @@ class DFlashMethod(SpeculativeMethod):
         # Context rows queued while not drafting: projected now, outside both clocks. That work
         # is per row and paid once whenever drafting happens; timed with drafting, the first
         # draft after a long skip priced every later one as dear, drafting looked too costly at
-        # one request and was skipped (17-24% of steps drafting against 59-76%).
+        # one request and was skipped (drafting on 17-24% of steps in two of three runs, against
+        # 59-93% without).
         self.drafter.flush_contexts([a.seq.method_state["draft_ctx"] for a in anchors])
         t0 = time.perf_counter()
         cfg, dev = self.drafter.drafter, self.ctx.device
