@@ -91,15 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if prompt is None:
         piped = sys.stdin.read() if not sys.stdin.isatty() else ""
         prompt = piped if piped.strip() else "Once upon a time"   # nothing piped: the default
-    from leapfrog.config import resolve_model
-    from leapfrog.sampling_params import model_sampling_defaults
-    try:
-        defaults = model_sampling_defaults(resolve_model(args.model))
-    except FileNotFoundError:       # reported by the engine below
-        defaults = {}
-    except ValueError as e:
-        print(f"warning: ignoring the model's sampling defaults: {e}", file=sys.stderr)
-        defaults = {}
+    from leapfrog.sampling_params import defaults_for_model
+    defaults = defaults_for_model(args.model, lambda msg: print(f"warning: {msg}", file=sys.stderr))
     try:
         params = sampling_from_args(args, defaults)
     except ValueError as e:

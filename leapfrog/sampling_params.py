@@ -114,3 +114,17 @@ def model_sampling_defaults(folder) -> dict:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return out
+
+
+def defaults_for_model(model, warn) -> dict:
+    """model_sampling_defaults for a built-in name or folder: {} when the model cannot be found
+    (whoever loads it reports that), and {} after ``warn(message)`` for a malformed
+    generation_config.json, so a bad file never stops serving."""
+    from leapfrog.config import resolve_model
+    try:
+        return model_sampling_defaults(resolve_model(model))
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        warn(f"ignoring the model's sampling defaults: {exc}")
+        return {}

@@ -38,15 +38,8 @@ def request_defaults(cfg: ServerConfig) -> dict:
     (temperature 0 for a greedy model such as `couplets`, 0.7 / top-p 0.9 for `stories`), under
     an explicit --default-temperature; temperature 1.0 when neither says. A malformed generation_config
     is logged, naming the file and the key, and ignored: the server still serves."""
-    from leapfrog.config import resolve_model
-    from leapfrog.sampling_params import model_sampling_defaults
-    try:
-        defaults = model_sampling_defaults(resolve_model(cfg.model))
-    except FileNotFoundError:        # the engine reports a missing model itself
-        defaults = {}
-    except ValueError as exc:
-        log.warning("ignoring the model's sampling defaults: %s", exc)
-        defaults = {}
+    from leapfrog.sampling_params import defaults_for_model
+    defaults = defaults_for_model(cfg.model, log.warning)
     if cfg.default_temperature is not None:
         defaults["temperature"] = cfg.default_temperature
     defaults.setdefault("temperature", 1.0)

@@ -80,7 +80,7 @@ def test_server_without_temperature_decodes_as_the_model_asks(greedy_server):
     # An explicit temperature still samples: seeded draws differ from the greedy text.
     sampled = {httpx.post(url, json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.5,
                                      "seed": s}).json()["choices"][0]["text"] for s in range(4)}
-    assert sampled != {plain} or len(sampled) > 1
+    assert sampled != {plain}
 
 
 def test_generate_cli_takes_the_models_defaults(llama_dir, tmp_path, capsys):

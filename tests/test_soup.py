@@ -71,7 +71,7 @@ def test_mismatched_folders_are_refused_naming_the_file(pair, tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     shutil.copy(b / "config.json", tmp_path / "bad" / "config.json")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match=r"bad/model\.safetensors: not a readable safetensors file"):
+    with pytest.raises(ValueError, match=r"bad/model\.safetensors: cannot read safetensors"):
         mix([tmp_path / "bad", b], [0.5, 0.5])
     with pytest.raises(ValueError, match="sum to 1"):
         mix([a, b], [0.5, 0.6])

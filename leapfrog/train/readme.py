@@ -251,10 +251,17 @@ def finish_folder(cfg, summary: dict, measure: bool = True) -> CheckResult:
     return check
 
 
+def refresh_folder(folder: str | Path, summary: dict, measure: bool = True) -> CheckResult:
+    """finish_folder for a folder known by its training summary alone (no TrainConfig at hand)."""
+    from leapfrog.train.loop import TrainConfig
+
+    c = summary["config"]
+    cfg = TrainConfig(name=c["name"], out_dir=str(folder), run_dir=c["run_dir"], data_dir=c["data_dir"])
+    return finish_folder(cfg, summary, measure=measure)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
-
-    from leapfrog.train.loop import TrainConfig
 
     torch.set_num_threads(1)
     p = argparse.ArgumentParser(description="Rewrite a checkpoint folder's README.md and SHA256SUMS.")
@@ -263,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     folder = Path(args.folder)
     summary = json.loads((folder / "training.json").read_text())
-    c = summary["config"]
-    cfg = TrainConfig(name=c["name"], out_dir=str(folder), run_dir=c["run_dir"], data_dir=c["data_dir"])
-    check = finish_folder(cfg, summary, measure=not args.no_measure)
+    check = refresh_folder(folder, summary, measure=not args.no_measure)
     print(json.dumps(asdict(check), ensure_ascii=False, indent=2))
     return 0
 

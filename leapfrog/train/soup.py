@@ -31,29 +31,8 @@ REWRITTEN = ("README.md", "SHA256SUMS", "training.json")
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
-    out: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            out.update(load_file(str(path)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
-    return out
-
-
-def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing (not a checkpoint folder)") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    from leapfrog.loader import iter_tensors, weight_files
+    return {name: t for _, name, t in iter_tensors(weight_files(folder))}
 
 
 def mix(folders: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -64,10 +43,12 @@ def mix(folders: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
         raise ValueError("give at least two folders and one weight per folder")
     if any(not math.isfinite(w) or w < 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
         raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
-    base_cfg, base = _config(folders[-1]), _weights(folders[-1])
+    from leapfrog.loader import read_config
+
+    base_cfg, base = read_config(folders[-1]), _weights(folders[-1])
     total = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in base.items()}
     for folder, w in zip(folders, weights):
-        cfg = _config(folder)
+        cfg = read_config(folder)
         for key in ARCH_KEYS:
             if cfg.get(key) != base_cfg.get(key):
                 raise ValueError(f"{folder / 'config.json'}: {key} is {cfg.get(key)!r} but "
@@ -120,17 +101,13 @@ def write_soup(folders: list[str | Path], weights: list[float], out: str | Path,
         loss = validation_loss(out, summary["recipe"], summary["config"].get("data_dir"))
         if loss is not None:
             summary["val_loss"], summary["val_ppl"] = round(loss, 4), round(math.exp(loss), 3)
-    (out / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
-    if summary.get("config"):
-        from leapfrog.train.loop import TrainConfig
-        from leapfrog.train.readme import finish_folder
-
-        c = summary["config"]
-        cfg = TrainConfig(name=c["name"], out_dir=str(out), run_dir=c["run_dir"], data_dir=c["data_dir"])
-        check = finish_folder(cfg, summary, measure=measure)
+    if summary.get("config"):       # training.json, README.md (check rerun), SHA256SUMS
+        from leapfrog.train.readme import refresh_folder
+        check = refresh_folder(out, summary, measure=measure)
         summary = dict(summary, check=check.metrics, check_samples=check.samples)
     else:
         from leapfrog.train.export import write_sha256sums
+        (out / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
         write_sha256sums(out)
     return summary
 

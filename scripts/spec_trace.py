@@ -1,0 +1,71 @@
+"""Confidence-scheduled DSpark under load, step by step (README, speculative benchmark): every
+step that drafts, with the batch size, whether it was a re-probe, the re-probe wait in force,
+the drafting cost the scheduler priced and the drafting time measured (with the projection
+of the context rows queued while not drafting, which the price leaves out); then the time against
+`ar` on the same requests (engines alternating, several rounds).
+
+    .venv/bin/python scripts/spec_trace.py [--concurrency 8] [--rounds 4] [--model stories]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.bench import story_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="stories")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = {"dspark": LLM(args.model, method="dspark", verify="confidence", max_batch_size=32),
+               "ar": LLM(args.model, method="ar", max_batch_size=32)}
+    prompts = story_prompts(args.concurrency, engines["ar"].tokenizer)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0)
+    for llm in engines.values():
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    m = engines["dspark"].engine.method
+    trace: list[dict] = []
+    decide, draft = m._worth_drafting, m._draft
+
+    def traced_decide(anchors):
+        yes = decide(anchors)
+        if yes and m.measured is not None:
+            trace.append({"batch": len(anchors), "probe": m._probing, "wait": m._reprobe_every,
+                          "priced_ms": 1e3 * m.measured.draft(len(anchors))})
+        return yes
+
+    def traced_draft(anchors):
+        t = time.perf_counter()
+        out = draft(anchors)
+        if trace and "measured_ms" not in trace[-1]:
+            trace[-1].update(measured_ms=1e3 * (time.perf_counter() - t),
+                             verified=sum(x.num_verify or 0 for x in out))
+        return out
+    m._worth_drafting, m._draft = traced_decide, traced_draft
+    spent = {"dspark": 0.0, "ar": 0.0}
+    for r in range(args.rounds):
+        for name in (("dspark", "ar") if r % 2 == 0 else ("ar", "dspark")):
+            trace.clear()
+            t = time.perf_counter()
+            engines[name].generate(prompts, params)
+            spent[name] += time.perf_counter() - t
+            if name == "dspark" and r == args.rounds - 1:
+                print(f"round {r + 1}, steps that drafted:")
+                for row in trace:
+                    print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in row.items()))
+    print(f"{args.concurrency} requests, {args.rounds} rounds: confidence-scheduled DSpark "
+          f"{spent['ar'] / spent['dspark']:.3f}x ar")
+
+
+if __name__ == "__main__":
+    main()
