@@ -238,3 +238,44 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     cpu_kernels._clear_stale_lock("leapfrog_cpu_test")
     assert not lock.exists()
+
+
+def _markov_reference(base, w1, w2t, anchor):
+    """Eq. 4 with argmax drafts, position by position in torch."""
+    logits, prev, ids = base.clone(), anchor, []
+    for k in range(base.shape[1]):
+        logits[:, k] += w1[prev] @ w2t
+        prev = logits[:, k].argmax(-1)
+        ids.append(prev)
+    return torch.stack(ids, 1), logits
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+@pytest.mark.parametrize("b,g,v,r", [(1, 8, 4096, 64), (3, 4, 1000, 7), (2, 3, 33, 5), (1, 1, 17, 2)])
+@pytest.mark.parametrize("half", [False, True])
+def test_markov_argmax_equals_the_position_by_position_stage(threads, b, g, v, r, half):
+    """The C++ Markov stage (V split across threads, float16 W2 widened exactly) against the
+    torch loop: the same drafts, the same corrected logits."""
+    gen = torch.Generator().manual_seed(b * 100 + v + r)
+    w1 = torch.randn(v, r, generator=gen)
+    w2t = (torch.randn(r, v, generator=gen) * 0.3).half().float()     # exactly float16
+    base, anchor = torch.randn(b, g, v, generator=gen), torch.randint(0, v, (b,), generator=gen)
+    want_ids, want = _markov_reference(base, w1, w2t, anchor)
+    got = base.clone()
+    ids = mod.markov_argmax(got, w1, w2t.half() if half else w2t, anchor, threads)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_markov_argmax_breaks_ties_and_nans_as_torch_argmax():
+    v = 70                                                   # slices of 32 columns and a tail
+    w1, w2t = torch.zeros(v, 4), torch.zeros(4, v)
+    base = torch.zeros(1, 3, v)
+    base[0, 0, [40, 65]] = 2.0                               # a tie across slices: lowest index
+    base[0, 1, 66] = float("nan")                            # NaN wins, as in torch.argmax
+    base[0, 2, 5] = base[0, 2, 37] = 1.0
+    want = base.argmax(-1)
+    for threads in (1, 2, 3):
+        assert torch.equal(mod.markov_argmax(base.clone(), w1, w2t, torch.tensor([0]), threads), want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.markov_argmax(base.clone(), w1, w2t, torch.tensor([v]), 1)

@@ -486,6 +486,46 @@ def test_queued_drafter_context_equals_immediate_extension(drafters):
             torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_context_projection_equals_the_layer_by_layer_path(drafters, monkeypatch):
+    """flush_contexts' one C++ call (fc, hidden norm, then per draft layer the k/v rows of the
+    packed projection, k norm and RoPE) against the torch modules, at positions past 0."""
+    from leapfrog.layers.cpu_kernels import paged_attention_module
+    from leapfrog.models.dflash import DFlashDraftModel, DraftContext
+    if paged_attention_module() is None:
+        pytest.skip("no C++ compiler: the kernels are optional")
+    model = load_drafter(drafters["dspark"])
+    width = len(model.drafter.target_layer_ids) * model.config["hidden_size"]
+    feats = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (3, 1, 5)]
+    calls = []
+    real = DFlashDraftModel._fused_context_kv
+
+
+    def spy(self, *a):
+        out = real(self, *a)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(DFlashDraftModel, "_fused_context_kv", spy)
+    with torch.inference_mode():
+        fused = [DraftContext(s) for s in (0, 7)]
+        for f in feats:
+            model.queue_context(fused[0], f)
+            model.flush_contexts(fused[:1])
+        model.queue_context(fused[1], feats[2])
+        model.flush_contexts(fused[1:])
+        assert calls == [True] * 4
+        monkeypatch.setattr(DFlashDraftModel, "_fused_context_kv", lambda self, *a: None)
+        plain = [DraftContext(s) for s in (0, 7)]
+        for f in feats:
+            model.queue_context(plain[0], f)
+            model.flush_contexts(plain[:1])
+        model.queue_context(plain[1], feats[2])
+        model.flush_contexts(plain[1:])
+    for a, b in zip(plain, fused):
+        assert a.num_keys == b.num_keys
+        for ka, kb in zip(a.keys + a.values, b.keys + b.values):
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
+
+
 def test_preemption_restarts_the_drafter_context(llama_dir, drafters, ar_greedy):
     llm = _llm(llama_dir, "dflash", drafters["dflash"], kv_cache_tokens=44)
     assert_greedy_match(llm.engine.model, llm.generate(PROMPTS, GREEDY), ar_greedy)
@@ -681,11 +721,16 @@ def test_confidence_scheduling_feeds_verification_back(llama_dir, drafters, ar_g
 
 
 @pytest.mark.parametrize("name", ["dspark", "dspark_gated", "dspark_rnn"])
-def test_sequential_head_block_equals_the_position_by_position_formulas(drafters, name):
+@pytest.mark.parametrize("fused", [False, True])
+def test_sequential_head_block_equals_the_position_by_position_formulas(drafters, name, fused):
     """sample_block (logits written in place, confidences computed for the whole block after
-    the loop, W2 from its transposed copy) against Eq. 4 and Eq. 7 position by position:
+    the loop, W2 from its transposed copy; with argmax drafts and the vanilla head, the C++
+    stage) against Eq. 4 and Eq. 7 position by position:
     logits_k = U_k + B(x_{k-1}, ...), x_k = argmax, c_k = sigmoid(w [h_k; W1[x_{k-1}]] + b) / t_k."""
+    from leapfrog.layers.cpu_kernels import paged_attention_module
     from leapfrog.models.dflash_heads import sample_block
+    if fused and paged_attention_module() is None:
+        pytest.skip("no C++ compiler: the kernels are optional")
 
     d = load_drafter(str(drafters[name]))
     d.confidence_head.temperatures = [0.5, 2.0]          # per-position STS temperatures, the rest 1
@@ -695,7 +740,10 @@ def test_sequential_head_block_equals_the_position_by_position_formulas(drafters
     base, hidden = torch.randn(3, 4, vocab, generator=gen), torch.randn(3, 4, hid, generator=gen)
     anchors = torch.tensor([1, 5, 9])
     with torch.inference_mode():
-        ids, logits, confs = sample_block(base, hidden, anchors, markov, conf, lambda r: r.argmax(-1))
+        if fused:       # argmax drafts: the vanilla head runs as one C++ call, the others stay in torch
+            assert (markov.fused_argmax(base.clone(), anchors) is not None) == (markov.kind == "vanilla")
+        ids, logits, confs = sample_block(base, hidden, anchors, markov, conf,
+                                          None if fused else lambda r: r.argmax(-1))
         prev, state = anchors, None
         for k in range(4):
             e = markov.markov_w1.weight[prev]

@@ -9,6 +9,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -667,11 +668,168 @@ torch::Tensor draft_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::
   return out_mlp(x, paged_decode_attention(q, keys, values, tables, lens, n + T, scale), w, eps);
 }
 
+// The context keys/values of a DFlash/DSpark drafter for T committed positions (§2.1 Eq. 2-3):
+// h = RMSNorm(fc(features)), then for each draft layer k = RoPE(k_norm(h Wk)), v = h Wv. The
+// q rows of each packed qkv weight are skipped (context positions are keys only). feats:
+// [T, m*d] float32 (T <= kSkinnyRows); qkv_w: each layer's packed [(H + 2 KVH) D, d] weight
+// (float32 or its exact float16 copy); qkv_b: its bias or empty; k_norms: [D] or empty.
+// Returns {k_0, v_0, k_1, v_1, ...}, each [T, KVH, D] float32.
+std::vector<torch::Tensor> context_kv(torch::Tensor feats, torch::Tensor fc_w, torch::Tensor fc_b,
+                                      torch::Tensor norm_w, double eps, std::vector<torch::Tensor> qkv_w,
+                                      std::vector<torch::Tensor> qkv_b, std::vector<torch::Tensor> k_norms,
+                                      torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
+                                      int64_t D, double qk_eps) {
+  TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32, "context_kv: feats must be [T, m*d] float32");
+  TORCH_CHECK(qkv_w.size() == qkv_b.size() && qkv_w.size() == k_norms.size(), "context_kv: one weight, bias and k norm per layer");
+  const int64_t T = feats.size(0), kvw = KVH * D;
+  auto h = rms_norm(skinny_linear(feats, fc_w, fc_b), norm_w, eps);
+  auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(cs.dim() == 2 && cs.size(0) == T && sn.sizes() == cs.sizes(), "context_kv: cos, sin must be [T, rot]");
+  const int64_t rot = cs.size(1), half = rot / 2;
+  std::vector<torch::Tensor> out;
+  for (size_t l = 0; l < qkv_w.size(); ++l) {
+    auto w = qkv_w[l].narrow(0, H * D, 2 * kvw);
+    auto b = qkv_b[l].numel() ? qkv_b[l].narrow(0, H * D, 2 * kvw) : qkv_b[l];
+    auto kv = skinny_linear(h, w, b);                     // [T, 2 KVH D]: k then v
+    float* p = kv.data_ptr<float>();
+    const bool norm = k_norms[l].numel() == D;
+    auto kn = norm ? k_norms[l].to(torch::kFloat32).contiguous() : k_norms[l];
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cs.data_ptr<float>() + t * rot;
+      const float* si = sn.data_ptr<float>() + t * rot;
+      for (int64_t hd = 0; hd < KVH; ++hd) {
+        float* v = p + t * 2 * kvw + hd * D;
+        if (norm) rms_inplace(v, kn.data_ptr<float>(), D, static_cast<float>(qk_eps));
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] - x2 * si[i];
+          v[i + half] = x2 * c[i + half] + x1 * si[i + half];
+        }
+      }
+    }
+    out.push_back(kv.narrow(1, 0, kvw).contiguous().view({T, KVH, D}));
+    out.push_back(kv.narrow(1, kvw, kvw).contiguous().view({T, KVH, D}));
+  }
+  return out;
+}
+
+// DSpark's sequential stage with the vanilla Markov head, argmax drafts (§2.2): for k = 0..G-1,
+// logits[:, k] += W1[x_{k-1}] W2^T and x_k = argmax, x_{-1} = the anchor. One call instead of
+// ~6 small torch ops per position. logits: [B, G, V] float32, corrected in place (they are q);
+// w1: [V, r] float32; w2t: [r, V] float32 or its exact float16 copy (W2 transposed: a thread's
+// slice of a row is contiguous); anchor: [B] int64. Returns the drafts [B, G] int64. Each
+// bias element is summed over r in order in registers (64 columns at a time), and the argmax
+// keeps the lowest index among ties with NaN winning (torch.argmax's rule). threads: how many
+// slices of V run in parallel (0: all threads when the work is large enough).
+template <typename wt>
+static void markov_slice(float* row, const float* e, const wt* w2, int64_t R, int64_t V,
+                         int64_t v0, int64_t v1, float& best, int64_t& arg) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t am = v0;
+  bool nan = false;
+  int64_t v = v0;
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool kSimd = std::is_same<wt, float>::value
+#if defined(LEAPFROG_HAVE_F16_SIMD)
+                         || std::is_same<wt, at::Half>::value
+#endif
+      ;
+  if constexpr (kSimd) {
+    for (; v + 64 <= v1; v += 64) {       // 8 independent accumulator chains: both FMA ports busy
+      __m256 b[8];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) b[u] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < R; ++j) {
+        const __m256 ej = _mm256_set1_ps(e[j]);
+        const wt* wj = w2 + j * V + v;
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) b[u] = _mm256_fmadd_ps(ej, load8(wj + 8 * u), b[u]);
+      }
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u)
+        _mm256_storeu_ps(row + v + 8 * u, _mm256_add_ps(_mm256_loadu_ps(row + v + 8 * u), b[u]));
+    }
+    for (; v + 8 <= v1; v += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = 0; j < R; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), load8(w2 + j * V + v), acc);
+      _mm256_storeu_ps(row + v, _mm256_add_ps(_mm256_loadu_ps(row + v), acc));
+    }
+  }
+#endif
+  for (; v < v1; ++v) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < R; ++j) acc += e[j] * static_cast<float>(w2[j * V + v]);
+    row[v] += acc;
+  }
+  for (int64_t i = v0; i < v1 && !nan; ++i) {
+    const float x = row[i];
+    if (x > m || std::isnan(x)) { m = x; am = i; nan = std::isnan(x); }
+  }
+  best = nan ? std::numeric_limits<float>::quiet_NaN() : m;
+  arg = am;
+}
+
+template <typename wt>
+static void markov_argmax_impl(float* lp, const float* e1, const wt* w2, int64_t* pp, int64_t* ip,
+                               int64_t B, int64_t G, int64_t V, int64_t R, int64_t vocab, int64_t parts) {
+  std::vector<float> best(parts * B);
+  std::vector<int64_t> arg(parts * B);
+  // Slices of V on multiples of 64 columns (the vector loop's width).
+  auto cut = [&](int64_t c) { return c == parts ? V : std::min(V, (V * c / parts) / 64 * 64); };
+  for (int64_t k = 0; k < G; ++k) {
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(pp[b] >= 0 && pp[b] < vocab, "markov_argmax: token id out of range");
+    at::parallel_for(0, parts, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t b = 0; b < B; ++b)
+          markov_slice<wt>(lp + (b * G + k) * V, e1 + pp[b] * R, w2, R, V, cut(c), cut(c + 1),
+                           best[c * B + b], arg[c * B + b]);
+    });
+    for (int64_t b = 0; b < B; ++b) {
+      float m = best[b];
+      int64_t am = arg[b];
+      for (int64_t c = 1; c < parts && !std::isnan(m); ++c)
+        if (cut(c) < cut(c + 1) && (best[c * B + b] > m || std::isnan(best[c * B + b]))) {
+          m = best[c * B + b];
+          am = arg[c * B + b];
+        }
+      pp[b] = am;
+      ip[b * G + k] = am;
+    }
+  }
+}
+
+torch::Tensor markov_argmax(torch::Tensor logits, torch::Tensor w1, torch::Tensor w2t, torch::Tensor anchor,
+                            int64_t threads) {
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "markov_argmax: logits must be contiguous [B, G, V] float32");
+  TORCH_CHECK(w1.scalar_type() == torch::kFloat32 && w1.dim() == 2 && w2t.dim() == 2 &&
+              (w2t.scalar_type() == torch::kFloat32 || w2t.scalar_type() == torch::kHalf) &&
+              w2t.size(0) == w1.size(1) && w2t.size(1) == logits.size(2),
+              "markov_argmax: w1 [V, r] float32, w2t [r, V] float32 or float16");
+  const int64_t B = logits.size(0), G = logits.size(1), V = logits.size(2), R = w1.size(1);
+  auto w1c = w1.contiguous(), w2c = w2t.contiguous();
+  auto prev = anchor.to(torch::kInt64).contiguous().clone();
+  auto ids = torch::empty({B, G}, torch::kInt64);
+  // One parallel region per position: worth its wake-up only for a batch's worth of work.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(V / 64,
+      threads > 0 ? threads : (B * V * R >= kMinParallelWork ? at::get_num_threads() : 1)));
+  if (w2c.scalar_type() == torch::kHalf)
+    markov_argmax_impl<at::Half>(logits.data_ptr<float>(), w1c.data_ptr<float>(), w2c.data_ptr<at::Half>(),
+                                 prev.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), B, G, V, R, w1c.size(0), parts);
+  else
+    markov_argmax_impl<float>(logits.data_ptr<float>(), w1c.data_ptr<float>(), w2c.data_ptr<float>(),
+                              prev.data_ptr<int64_t>(), ids.data_ptr<int64_t>(), B, G, V, R, w1c.size(0), parts);
+  return ids;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)");
   m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)");
+  m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)");
+  m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)");
   m.def("pack_panels", &pack_panels, "w [N, K] -> column panels [ceil(N/16), K, 16] float32");
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)");

@@ -369,7 +369,7 @@ class DFlashMethod(SpeculativeMethod):
 
     def _chooser(self, seqs: list[Sequence], temps: list[float]):
         if not any(t > 0 for t in temps):
-            return lambda logits: logits.argmax(-1)
+            return None                   # argmax drafts (sample_block may run them as one C++ call)
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
             ids = logits.argmax(-1)

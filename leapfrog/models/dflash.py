@@ -184,12 +184,15 @@ class DFlashDraftModel(nn.Module):
         if not todo:
             return
         feats = torch.cat([f for c in todo for f in c.pending])
-        h = self.hidden_norm.forward(self.fc.forward(feats))
-        pos = torch.cat([torch.arange(c.num_keys, c.num_positions, device=h.device) + c.start for c in todo])
-        rope = self.rotary_emb.table(pos.clamp(max=self.max_positions - 1), h.dtype)
+        pos = torch.cat([torch.arange(c.num_keys, c.num_positions, device=feats.device) + c.start for c in todo])
+        rope = self.rotary_emb.table(pos.clamp(max=self.max_positions - 1), feats.dtype)
         counts = [c.num_pending for c in todo]
-        for i, layer in enumerate(self.layers):
-            k, v = self._kv(layer, h, rope)
+        kv = self._fused_context_kv(feats, rope)
+        if kv is None:
+            h = self.hidden_norm.forward(self.fc.forward(feats))
+            kv = [t for layer in self.layers for t in self._kv(layer, h, rope)]
+        for i in range(len(self.layers)):
+            k, v = kv[2 * i], kv[2 * i + 1]
             for c, kc, vc in zip(todo, k.split(counts), v.split(counts)):
                 if len(c.keys) <= i:
                     c.keys.append(kc)
@@ -200,6 +203,22 @@ class DFlashDraftModel(nn.Module):
         for c in todo:
             c.pending.clear()
             c.num_pending = 0
+
+    def _fused_context_kv(self, feats: torch.Tensor, rope: tuple) -> list[torch.Tensor] | None:
+        """Context K/V of a few rows as one C++ call (CPU float32 inference, the few-row kernel's
+        sizes): [k_0, v_0, k_1, v_1, ...]; None where it does not apply."""
+        from leapfrog.layers.linear import _skinny_rows_max, kernel_bias, kernel_weight
+        if feats.dim() != 2 or feats.shape[0] > _skinny_rows_max() or not _fused_ok(feats, self.layers):
+            return None
+        attn = [layer.self_attn for layer in self.layers]
+        cos, sin = rope
+        n = feats.shape[0]
+        return cpu_kernels().context_kv(
+            feats, kernel_weight(self.fc), kernel_bias(self.fc), self.hidden_norm.weight, self.hidden_norm.eps,
+            [kernel_weight(a.qkv_proj) for a in attn], [kernel_bias(a.qkv_proj) for a in attn],
+            [a.k_norm.weight if a.qk_norm else torch.empty(0) for a in attn],
+            cos.reshape(n, -1), sin.reshape(n, -1), self.num_heads, self.num_kv_heads, self.head_dim,
+            attn[0].k_norm.eps if attn[0].qk_norm else 0.0)
 
     # --- the block forward -----------------------------------------------------------------
     def forward(self, embeds: torch.Tensor, anchor_pos: torch.Tensor,

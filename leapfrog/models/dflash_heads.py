@@ -64,10 +64,36 @@ class MarkovHead(nn.Module):
         w = self.markov_w2.weight
         if torch.is_grad_enabled() and w.requires_grad:
             return self.markov_w2.forward(x)
+        return x.to(w.dtype) @ self._transposed()[0]
+
+    def _transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W2^T [r, V], and the copy the C++ stage reads: float16 when W2 is exactly float16
+        (checkpoints stored in float16 are; half the bytes per position), else the same."""
+        w = self.markov_w2.weight
         cached = self.__dict__.get("_w2t")
         if cached is None or cached[1] is not w or cached[2] != w._version:
-            cached = self.__dict__["_w2t"] = (w.detach().t().contiguous(), w, w._version)
-        return x.to(cached[0].dtype) @ cached[0]
+            wt = w.detach().t().contiguous()
+            half = wt.half() if wt.dtype == torch.float32 else wt
+            kernel = half if wt.dtype == torch.float32 and torch.equal(half.float(), wt) else wt
+            cached = self.__dict__["_w2t"] = (wt, w, w._version, kernel)
+        return cached[0], cached[3]
+
+    def fused_argmax(self, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole argmax stage of the vanilla head as one C++ call (CPU float32 inference):
+        logits [B, γ, V] float32 corrected in place, drafts [B, γ] returned; None where the
+        kernel does not apply (other heads, devices, dtypes, autograd)."""
+        from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module
+        w1 = self.markov_w1.weight
+        if (self.kind != "vanilla" or not logits.is_contiguous() or not cpu_inference(logits, w1)
+                or torch.is_grad_enabled() and self.markov_w2.weight.requires_grad):
+            return None
+        mod = paged_attention_module()
+        if mod is None:
+            return None
+        _, w2t = self._transposed()
+        if w2t.dtype not in (torch.float32, torch.float16):
+            return None
+        return mod.markov_argmax(logits, w1, w2t, anchor_ids, 0)
 
 
 class ConfidenceHead(nn.Module):
@@ -108,10 +134,10 @@ def build_heads(drafter, hidden: int, vocab: int) -> tuple[MarkovHead | None, Co
 
 def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                  markov: MarkovHead | None, conf: ConfidenceHead | None,
-                 choose: Callable[[torch.Tensor], torch.Tensor]
+                 choose: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The γ-step sequential stage (§2.2 inference loop). base_logits [B, γ, V], hidden [B, γ, d],
-    choose(logits [B, V]) -> ids [B] (argmax or a seeded draw). Returns drafted ids [B, γ], the
+    choose(logits [B, V]) -> ids [B] (a seeded draw), or None for argmax drafts. Returns drafted ids [B, γ], the
     corrected logits [B, γ, V] (q for verification) and confidences [B, γ] (or None).
 
     Only what depends on the token just drawn stays in the loop (the Markov bias and the
@@ -121,15 +147,20 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: to
     its arithmetic, are what drafting costs on a CPU."""
     num = base_logits.shape[1]
     logits = base_logits.float().clone() if markov is not None else base_logits.float()
-    ids = torch.empty(base_logits.shape[0], num, dtype=torch.long, device=base_logits.device)
-    prev, state = anchor_ids, None
-    for k in range(num):
-        row = logits[:, k]
-        if markov is not None:
-            bias, _, state = markov.step(prev, hidden[:, k], state)
-            row.add_(bias.float())
-        prev = choose(row)
-        ids[:, k] = prev
+    fused = markov.fused_argmax(logits, anchor_ids) if markov is not None and choose is None else None
+    if fused is not None:
+        ids = fused
+    else:
+        choose = choose or (lambda row: row.argmax(-1))
+        ids = torch.empty(base_logits.shape[0], num, dtype=torch.long, device=base_logits.device)
+        prev, state = anchor_ids, None
+        for k in range(num):
+            row = logits[:, k]
+            if markov is not None:
+                bias, _, state = markov.step(prev, hidden[:, k], state)
+                row.add_(bias.float())
+            prev = choose(row)
+            ids[:, k] = prev
     confs = None
     if conf is not None:
         e = None
