@@ -39,7 +39,9 @@ class Contender:
 def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] | None = None
                        ) -> list[Contender]:
     """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification), or
-    the drafter folders given instead (labelled by their path)."""
+    the drafter folders given instead (labelled by their path); a DSpark drafter with a
+    confidence head also with confidence-scheduled verification (how many of the γ drafts to
+    verify chosen per step, Algorithm 1), the setting a deployment would use."""
     out = [Contender("ar", "ar")]
     if drafters:
         folders = [(d, Path(d)) for d in drafters]
@@ -54,6 +56,8 @@ def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] |
         if gamma:
             opts["num_speculative_tokens"] = gamma
         out.append(Contender(label, method, opts))
+        if method == "dspark" and cfg.get("enable_confidence_head"):
+            out.append(Contender(f"{label}, confidence-scheduled", method, {**opts, "verify": "confidence"}))
     return out
 
 
