@@ -499,27 +499,26 @@ def test_fused_context_projection_equals_the_layer_by_layer_path(drafters, monke
     calls = []
     real = DFlashDraftModel._fused_context_kv
 
-
     def spy(self, *a):
         out = real(self, *a)
         calls.append(out is not None)
         return out
+
+    def project() -> list[DraftContext]:
+        """Three chunks into a context from 0, one into a context from 7, flushed as they come."""
+        ctxs = [DraftContext(s) for s in (0, 7)]
+        with torch.inference_mode():
+            for f in feats:
+                model.queue_context(ctxs[0], f)
+                model.flush_contexts(ctxs[:1])
+            model.queue_context(ctxs[1], feats[2])
+            model.flush_contexts(ctxs[1:])
+        return ctxs
     monkeypatch.setattr(DFlashDraftModel, "_fused_context_kv", spy)
-    with torch.inference_mode():
-        fused = [DraftContext(s) for s in (0, 7)]
-        for f in feats:
-            model.queue_context(fused[0], f)
-            model.flush_contexts(fused[:1])
-        model.queue_context(fused[1], feats[2])
-        model.flush_contexts(fused[1:])
-        assert calls == [True] * 4
-        monkeypatch.setattr(DFlashDraftModel, "_fused_context_kv", lambda self, *a: None)
-        plain = [DraftContext(s) for s in (0, 7)]
-        for f in feats:
-            model.queue_context(plain[0], f)
-            model.flush_contexts(plain[:1])
-        model.queue_context(plain[1], feats[2])
-        model.flush_contexts(plain[1:])
+    fused = project()
+    assert calls == [True] * 4
+    monkeypatch.setattr(DFlashDraftModel, "_fused_context_kv", lambda self, *a: None)
+    plain = project()
     for a, b in zip(plain, fused):
         assert a.num_keys == b.num_keys
         for ka, kb in zip(a.keys + a.values, b.keys + b.values):

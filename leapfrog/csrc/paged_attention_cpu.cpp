@@ -94,6 +94,14 @@ static inline __m256 load8(const at::Half* p) {
 #define LEAPFROG_HAVE_F16_SIMD 1
 #endif
 
+// Weight types the AVX2 loops widen with load8: float32, and float16 where F16C is available.
+template <typename wt>
+static constexpr bool kSimdWeight = std::is_same<wt, float>::value
+#if defined(LEAPFROG_HAVE_F16_SIMD)
+                                    || std::is_same<wt, at::Half>::value
+#endif
+    ;
+
 // Float32 (or, with F16C, float16) caches with D a multiple of 8 (every model we serve): one task per sequence walks
 // its slots once, in order, and serves every query head from each key and value row (a
 // slot's rows for all KV heads are contiguous), with explicit FMA for both products. A large
@@ -259,11 +267,7 @@ static inline void skinny_group(const float* x0, const float* x1, const wt* cons
                                 float acc[2][4]) {
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  constexpr bool kSimd = std::is_same<wt, float>::value
-#if defined(LEAPFROG_HAVE_F16_SIMD)
-                         || std::is_same<wt, at::Half>::value
-#endif
-      ;
+  constexpr bool kSimd = kSimdWeight<wt>;
   if constexpr (kSimd) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
@@ -729,11 +733,7 @@ static void markov_slice(float* row, const float* e, const wt* w2, int64_t R, in
   bool nan = false;
   int64_t v = v0;
 #if defined(__AVX2__) && defined(__FMA__)
-  constexpr bool kSimd = std::is_same<wt, float>::value
-#if defined(LEAPFROG_HAVE_F16_SIMD)
-                         || std::is_same<wt, at::Half>::value
-#endif
-      ;
+  constexpr bool kSimd = kSimdWeight<wt>;
   if constexpr (kSimd) {
     for (; v + 64 <= v1; v += 64) {       // 8 independent accumulator chains: both FMA ports busy
       __m256 b[8];
