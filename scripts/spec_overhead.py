@@ -11,37 +11,15 @@ queuing features (observe) next to `ar`'s forwards.
 """
 from __future__ import annotations
 
-import argparse
 import time
-
-import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.bench import story_prompts
-
-
-def _timed(obj, name: str, acc: list[float]) -> None:
-    """Wrap obj.name so that its wall time adds up in acc[0]."""
-    inner = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            acc[0] += time.perf_counter() - t
-    setattr(obj, name, wrapper)
+from spec_common import parse_load_args, timed
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="stories")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_load_args(__doc__)
 
     def never_drafting() -> LLM:
         return LLM(args.model, method="dspark", verify="confidence", max_batch_size=32)
@@ -64,8 +42,8 @@ def main() -> None:
     runner = {"ar": [0.0], "dspark, never drafting": [0.0]}
     observe = [0.0]
     for name, acc in runner.items():
-        _timed(engines[name].engine.runner, "run", acc)
-    _timed(engines["dspark, never drafting"].engine.method, "observe", observe)
+        timed(engines[name].engine.runner, "run", acc)
+    timed(engines["dspark, never drafting"].engine.method, "observe", observe)
 
     rates = {name: [] for name in engines}
     for r in range(args.rounds):

@@ -8,24 +8,15 @@ of the context rows queued while not drafting, which the price leaves out); then
 """
 from __future__ import annotations
 
-import argparse
 import time
-
-import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.bench import story_prompts
+from spec_common import parse_load_args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="stories")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_load_args(__doc__)
     engines = {"dspark": LLM(args.model, method="dspark", verify="confidence", max_batch_size=32),
                "ar": LLM(args.model, method="ar", max_batch_size=32)}
     prompts = story_prompts(args.concurrency, engines["ar"].tokenizer)

@@ -1,0 +1,44 @@
+"""What the speculative-decoding scripts share: their command line (a model, how many
+concurrent requests, rounds, new tokens per request, CPU threads) and a wall-clock wrapper.
+Imported after
+leapfrog, as the benchmarks run: `import leapfrog` chooses passive OpenMP waiting, which only
+takes effect if it happens before torch loads (a script that imported torch first ran with
+spinning workers, under which a speculative cycle's many small parallel regions cost less)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import leapfrog  # noqa: F401  (before torch: OMP_WAIT_POLICY)
+import torch
+
+
+def parse_load_args(doc: str, extra=None) -> argparse.Namespace:
+    """Parse the shared flags (the script's docstring's first line as the description), plus
+    those `extra(parser)` adds, and set torch's CPU threads to --threads."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if extra is not None:
+        extra(p)
+    p.add_argument("--model", default="stories")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def timed(obj, name: str, acc: list[float]) -> None:
+    """Wrap obj.name so that its wall time adds up in acc[0] (and its calls in acc[1] if given)."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t
+            if len(acc) > 1:
+                acc[1] += 1
+    setattr(obj, name, wrapper)
