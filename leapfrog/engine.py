@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
 from leapfrog.methods import method_class
+from leapfrog.methods.base import Batch
 from leapfrog.outputs import RequestMetrics, RequestOutput
 from leapfrog.runner import ModelRunner
 from leapfrog.sampling import Sampler
@@ -22,6 +24,8 @@ from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler import Scheduler, SchedulerConfig
 from leapfrog.sequence import Sequence
 from leapfrog.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("leapfrog.engine")
 
 
 @dataclass(slots=True)
@@ -165,12 +169,8 @@ class LLMEngine:
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        changed: list[Sequence] = []
+        changed = self._run_batch(batch) if batch.seqs else []
         if batch.seqs:
-            self.method.prepare(batch)
-            out = self.runner.run(batch, want_hidden=bool(getattr(self.method, "wants_hidden", False)))
-            commits = self.method.commit(batch, out)
-            changed = self.scheduler.apply(batch, commits)
             self.stats.num_steps += 1
         elsewhere = [s for s in self.scheduler.finished_outside_step
                      if s.request_id in self.requests and s not in changed]
@@ -179,11 +179,48 @@ class LLMEngine:
         for seq in changed + elsewhere:
             req = self.requests[seq.request_id]
             if req.stream or seq.is_finished:
-                outs.append(self._output(seq))
+                outs.append(self._output_or_error(seq))
             else:   # offline request: nothing to report until it finishes
                 self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
                 req.counted_tokens = seq.num_output_tokens
         return outs
+
+    def _run_batch(self, batch: Batch) -> list[Sequence]:
+        """One forward over `batch`, committed. If preparing, running or committing raises, the
+        batch is split in halves and each half is run on its own, down to the requests whose
+        processing fails: those alone finish with an error, the rest of the batch goes on.
+        Nothing was applied when it raised (KV slots past num_computed are rewritten next time),
+        so a retried half starts from the same state."""
+        try:
+            self.method.prepare(batch)
+            out = self.runner.run(batch, want_hidden=bool(getattr(self.method, "wants_hidden", False)))
+            commits = self.method.commit(batch, out)
+        except Exception as exc:
+            if len(batch.seqs) > 1:
+                half = len(batch.seqs) // 2
+                return (self._run_batch(replace(batch, seqs=batch.seqs[:half]))
+                        + self._run_batch(replace(batch, seqs=batch.seqs[half:])))
+            seq = batch.seqs[0].seq
+            log.exception("request %s failed in its step", seq.request_id)
+            self.scheduler.finish(seq, f"error:{type(exc).__name__}: {exc}")
+            return []
+        return self.scheduler.apply(batch, commits)
+
+    def _output_or_error(self, seq: Sequence) -> RequestOutput:
+        """_output, or for a request whose detokenizing or stop-string check raised, an
+        error output for that request alone."""
+        try:
+            return self._output(seq)
+        except Exception as exc:
+            log.exception("request %s failed while emitting its output", seq.request_id)
+            self.scheduler.finish(seq, "error")
+            seq.finish_reason = f"error:{type(exc).__name__}: {exc}"   # also when it had finished
+            req = self.requests.pop(seq.request_id, None)
+            if req is not None:
+                self.stats.num_finished += 1
+            return RequestOutput(seq.request_id, req.prompt if req else None,
+                                 seq.token_ids[:seq.num_prompt_tokens], "", list(seq.output_ids), True,
+                                 seq.finish_reason, self._metrics(seq), "", [], None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]

@@ -66,15 +66,18 @@ class Sampler:
 
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
+        g.manual_seed(seed if seed < 1 << 64 else seed % (1 << 64))   # a request's seed + choice index
         return g
 
     def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Target distribution per row after penalties, temperature and filters (sampled rows;
         greedy rows become one-hot). Speculative verification compares against this."""
         logits = apply_penalties(logits.clone(), seqs)
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
-        logits = filter_logits(logits / temps.unsqueeze(-1), *self._filters(seqs, logits.device))
+        # greedy rows (temperature under GREEDY_BELOW_TEMPERATURE) become one-hot below; dividing
+        # them by a tiny temperature would only overflow
+        temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs],
+                             device=logits.device)
+        logits = filter_logits(logits / temps.unsqueeze(-1), *self._filters(seqs, logits.device, logits.shape[-1]))
         probs = logits.softmax(-1)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.any()):
@@ -82,8 +85,8 @@ class Sampler:
             probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
         return probs
 
-    def _filters(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
-        top_k = torch.tensor([max(s.params.top_k, 0) for s in seqs], device=device)
+    def _filters(self, seqs: list[Sequence], device: torch.device, vocab: int) -> tuple[torch.Tensor, ...]:
+        top_k = torch.tensor([min(max(s.params.top_k, 0), vocab) for s in seqs], device=device)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
         return top_k, top_p, min_p

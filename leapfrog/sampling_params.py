@@ -1,9 +1,18 @@
 """SamplingParams: what a request asks of the sampler and of the stopping rules."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP_STRINGS = 64              # stop strings are searched in the text every step
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# Temperatures below this sample greedily: dividing logits by 1e-300 overflows to inf and NaN
+# (vLLM's _SAMPLING_EPS has the same role).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)      # what torch.Generator.manual_seed accepts
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(slots=True)
@@ -36,44 +45,69 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
+        """Raise ValueError naming the offending field. Every number is range-checked here, so
+        that no value can reach a tensor constructor (where an out-of-range int fails the
+        whole batch's step, not just this request)."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            bad("max_tokens", "must be an integer")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                bad(name, "must be an integer")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not _is_finite(getattr(self, name)):
+                bad(name, "must be a finite number")
         if self.max_tokens < 1 or self.max_tokens > MAX_TOKENS_LIMIT:
             bad("max_tokens", f"must be between 1 and {MAX_TOKENS_LIMIT}")
-        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
-                or not 0 <= self.min_tokens <= self.max_tokens):
+        if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
-        if self.top_k < -1:
-            bad("top_k", "must be -1, 0 (off) or positive")
+        if not -1 <= self.top_k <= INT64_MAX:
+            bad("top_k", "must be -1, 0 (off) or a positive 64-bit integer")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not 1e-3 <= self.repetition_penalty <= 1e6:     # 1e-300 would divide logits to inf
+            bad("repetition_penalty", "must be in [0.001, 1e6]")
         if not -2 <= self.presence_penalty <= 2:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be an integer in [-2^63, 2^64 - 1]")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # generation_config.json keys that become request defaults (vLLM's `--generation-config auto`)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from leapfrog import server_schema
 from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.server_config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.server_engine import AsyncEngine, EngineError, Generation, RequestTimeout
@@ -64,7 +66,8 @@ class ServerState:
     def limits(self) -> Limits:
         info = self.engine.info
         return Limits({self.cfg.model_id, str(self.cfg.model)}, info.max_model_len, info.vocab_size,
-                      self.cfg.default_max_tokens, self.sampling_defaults, self.cfg.max_n)
+                      self.cfg.default_max_tokens, self.sampling_defaults, self.cfg.max_n,
+                      info.max_prompt_chars)
 
     # --- the gate every generation request passes ------------------------------------------
     def authenticate(self, request: Request) -> str | None:
@@ -91,11 +94,50 @@ class ServerState:
                            {"Retry-After": retry_after_header(wait)})
 
     def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
+        if len(prep.requests) > self.capacity:     # retrying can never help: not a 429
+            raise bad_request(f"this request asks for {len(prep.requests)} generations (n x prompts) but the "
+                              f"server holds at most {self.capacity} at once (max_batch_size + max_queue_size)",
+                              "n", "too_many_generations")
         if self.engine.num_in_flight + len(prep.requests) > self.capacity:
             self.metrics.reject("queue_full")
             raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
                            "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
         return Generation(self.engine, prep.requests, priority, arrival, stream)
+
+
+PROBE_PATHS = frozenset({"/health", "/healthz", "/ready"})   # open even with authentication on
+OFF_LOOP_BYTES = 64 << 10     # bodies this large are parsed and tokenized in a worker thread
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (by Content-Length before reading,
+    else while reading), and with 415 unless it is JSON: a browser may send text/plain or a form
+    from any web page without asking first (no CORS preflight), JSON it may not."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, not {ctype!r} (curl: add "
+                       "-H 'Content-Type: application/json')", "invalid_request_error", None,
+                       "unsupported_media_type")
+    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes "
+                       "(max_body_bytes)", "invalid_request_error", None, "body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def off_loop_if_big(size: int, fn: Callable, *args: Any) -> Any:
+    """Parsing and tokenizing a large body takes long enough to stall every other client's
+    stream if done on the event loop; a small one is cheaper inline than a thread hop."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -182,9 +224,21 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
         log.exception("unhandled error")
         return as_api_error(exc).response()
 
+    @app.middleware("http")
+    async def _authenticate_everything(request: Request, call_next: Callable) -> Any:
+        """With authentication on, every endpoint but the probes needs it: /metrics, /docs and
+        /openapi.json too (the generation routes check again, for the caller's identity)."""
+        if state.auth.enabled and request.url.path not in PROBE_PATHS:
+            try:
+                state.authenticate(request)
+            except APIError as exc:
+                return exc.response()
+        return await call_next(request)
+
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
+    server_schema.install(app, state.auth.enabled)
     return app
 
 
@@ -230,15 +284,9 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         """The simple contract: prompt + max_tokens (or max_length) -> text, counts, timing."""
         arrival = time.perf_counter()
         state.admit(request)
-        req = parse_body(await request.body(), GenerateRequest)
-        limits = state.limits()
-        check_model(req.model, limits)
-        if req.max_tokens is not None and req.max_length not in (None, req.max_tokens):
-            raise bad_request("max_tokens and max_length disagree", "max_length")
-        ids = encode_prompt(req.prompt, state.engine.tokenizer)
-        check_prompt(ids, limits)
-        max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
-        prep = Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
+        raw = await read_body(request, state.cfg.max_body_bytes)
+        req, prep = await off_loop_if_big(len(raw), _prepare_generate, raw, state.limits(), state.engine.tokenizer)
+        ids = prep.prompts[0]
         gen = state.open(prep, req.priority, arrival, req.stream)
         if req.stream:
             def render(i: int, out: Any) -> dict | None:
@@ -257,6 +305,22 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
                            "tokens_per_s": len(out.token_ids) / total if total > 0 else 0.0}}
 
 
+def _prepare_generate(raw: bytes, limits: Limits, tok: Any) -> tuple[GenerateRequest, Prepared]:
+    req = parse_body(raw, GenerateRequest)
+    check_model(req.model, limits)
+    if req.max_tokens is not None and req.max_length not in (None, req.max_tokens):
+        raise bad_request("max_tokens and max_length disagree", "max_length")
+    ids = encode_prompt(req.prompt, tok, limits)
+    check_prompt(ids, limits)
+    max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
+    return req, Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
+
+
+def _parse_and_prepare(raw: bytes, kind: type, prepare: Callable, limits: Limits, tok: Any) -> tuple[Any, Prepared]:
+    req = parse_body(raw, kind)
+    return req, prepare(req, limits, tok)
+
+
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     # Completions and chat differ only in their request type, prompt preparation and
     # response shapes; one handler body serves both.
@@ -264,9 +328,9 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
                      body: Callable, id_prefix: str) -> Any:
         arrival = time.perf_counter()
         state.admit(request)
-        req = parse_body(await request.body(), kind)
+        raw = await read_body(request, state.cfg.max_body_bytes)
         tok = state.engine.tokenizer
-        prep = prepare(req, state.limits(), tok)
+        req, prep = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, prepare, state.limits(), tok)
         gen = state.open(prep, req.priority, arrival, req.stream)
         rid, created, model = new_id(id_prefix), now(), state.cfg.model_id
         if req.stream:
@@ -284,6 +348,11 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await handle(request, ChatRequest, prepare_chat, _stream_chat, chat_body, "chatcmpl")
 
 
+def _context(out: Any, num_sent: int) -> list[int]:
+    """Token ids before the first logprob entry not yet streamed."""
+    return out.prompt_token_ids + [e["token_id"] for e in out.logprobs[:num_sent]]
+
+
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
@@ -294,7 +363,7 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
         counts[i] = len(out.token_ids)
         lp = None
         if req.logprobs is not None and out.logprobs:
-            lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i])
+            lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i], _context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
             offsets[i] += sum(len(t) for t in lp["tokens"])
         if not out.delta_text and not out.finished and lp is None:
@@ -319,7 +388,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         counts[i] = len(out.token_ids)
         lp = None
         if req.logprobs and out.logprobs:
-            lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok)
+            lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok, _context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
         if not out.delta_text and not out.finished and lp is None:
             return None
@@ -375,9 +444,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT, readiness turns false at once (so a load balancer stops sending)
-    while uvicorn finishes the requests in flight, up to shutdown_timeout."""
+    """On SIGTERM/SIGINT the server drains: readiness answers 503 at once (so a load balancer
+    stops sending) and new generations get 503, while the requests in flight finish, up to
+    shutdown_timeout; then uvicorn shuts down and the process exits 0. A second signal stops
+    at once."""
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.config.app.state.leapfrog.draining = True
-        super().handle_exit(sig, frame)
+        state: ServerState = self.config.app.state.leapfrog
+        if state.draining:          # second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        state.draining = True
+        log.info("draining: %d requests in flight", state.engine.num_in_flight)
+        threading.Thread(target=self._exit_when_drained, args=(state,), daemon=True).start()
+
+    def _exit_when_drained(self, state: ServerState) -> None:
+        deadline = time.monotonic() + (state.cfg.shutdown_timeout or float("inf"))   # 0: no limit
+        while state.engine.num_in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True

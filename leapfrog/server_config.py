@@ -52,6 +52,7 @@ class ServerConfig:
     max_n: int = 16                            # most choices one request may ask for
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
+    max_body_bytes: int = 4 << 20              # larger request bodies get 413 before being read
     request_timeout: float = 600.0             # seconds; 0 = none
     rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
     rate_limit_burst: int = 0                  # bucket size; 0 = max(1, 2 x rate_limit)
@@ -85,6 +86,7 @@ HELP = {
     "default_max_tokens": "max_tokens for requests that give none (default 256; guide name MAX_TOKENS)",
     "default_temperature": "temperature for requests that give none (default: the model's generation_config.json, else 1.0; guide name TEMPERATURE)",
     "max_n": "most choices (n) one request may ask for (default 16)",
+    "max_body_bytes": "largest request body accepted, in bytes (default 4 MiB; larger gets 413)",
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
     "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
@@ -285,7 +287,7 @@ def _validate(cfg: ServerConfig) -> None:
     check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
     check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
           "expected critical, error, warning, info, debug or trace")
-    for key in ("default_max_tokens", "max_n"):
+    for key in ("default_max_tokens", "max_n", "max_body_bytes"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
     for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")

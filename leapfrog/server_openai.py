@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import SEED_RANGE, SamplingParams
 from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, _Sampling, bad_request, field_of
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -30,6 +30,7 @@ class Limits:
     # under the server's explicit defaults (always holds "temperature")
     defaults: dict
     max_n: int
+    max_prompt_chars: int = 0       # 0: no limit
 
 
 @dataclass(slots=True)
@@ -47,17 +48,24 @@ def check_model(model: str | None, limits: Limits) -> None:
 def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
     if not ids:
         raise bad_request("prompt is empty", param, "empty_prompt")
-    if any(t < 0 or t >= limits.vocab_size for t in ids):
-        raise bad_request(f"prompt token ids must be in [0, {limits.vocab_size})", param, "invalid_token_id")
     if len(ids) >= limits.max_model_len:
         raise bad_request(f"prompt has {len(ids)} tokens but the model's context is {limits.max_model_len} "
                           "tokens, leaving no room to generate", param, "context_length_exceeded")
+    if any(t < 0 or t >= limits.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {limits.vocab_size})", param, "invalid_token_id")
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Any) -> list[int]:
+def check_prompt_chars(text: str, limits: Limits, param: str = "prompt") -> None:
+    if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
+        raise bad_request(f"prompt has {len(text)} characters, more than can fit the model's context of "
+                          f"{limits.max_model_len} tokens", param, "context_length_exceeded")
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:      # encode("") is [BOS], which would pass as a prompt
             raise bad_request("prompt is empty", "prompt", "empty_prompt")
+        check_prompt_chars(prompt, limits)
         return tokenizer.encode(prompt)
     return list(prompt)
 
@@ -79,8 +87,9 @@ def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens:
             value = limits.defaults.get(name)
         if value is not None:
             kw[name] = value
-    if req.seed is not None:
-        kw["seed"] = req.seed + seed_offset
+    if req.seed is not None:      # choice j of n draws with seed + j, wrapped into 64 bits
+        seed = req.seed + seed_offset
+        kw["seed"] = seed % (1 << 64) if req.seed <= SEED_RANGE[1] < seed else seed
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw["stop_token_ids"] = list(req.stop_token_ids or [])
     try:
@@ -110,7 +119,7 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
         raise bad_request("prompt is empty", "prompt", "empty_prompt")
-    ids = [encode_prompt(x, tokenizer) for x in prompts]
+    ids = [encode_prompt(x, tokenizer, limits) for x in prompts]
     prep = Prepared(ids)
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)
@@ -121,7 +130,7 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------
-def render_chat(req: ChatRequest, tokenizer: Any) -> list[int]:
+def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
     messages = []
     for m in req.messages:
         content = m.content
@@ -130,6 +139,7 @@ def render_chat(req: ChatRequest, tokenizer: Any) -> list[int]:
         messages.append({"role": m.role, "content": content or ""})
     if not messages:
         raise bad_request("messages must not be empty", "messages", "empty_prompt")
+    check_prompt_chars("".join(m["content"] + m["role"] for m in messages), limits, "messages")
     if getattr(tokenizer, "has_chat_template", False):
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
@@ -152,7 +162,7 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
         raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
-    ids = render_chat(req, tokenizer)
+    ids = render_chat(req, tokenizer, limits)
     check_prompt(ids, limits, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
@@ -179,29 +189,53 @@ def usage(prep: Prepared, num_completion_tokens: int) -> dict:
             "total_tokens": prompt + num_completion_tokens}
 
 
-def _token_str(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+PIECE_CONTEXT = 4     # tokens decoded before a token to find the text it adds
 
 
-def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int) -> dict:
-    """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}."""
-    tokens, lps, tops, offsets = [], [], [], []
+def _piece(tokenizer: Any, before: list[int], token_id: int) -> str:
+    """The text `token_id` adds after the tokens `before`. Decoding a token alone loses its
+    leading space (SentencePiece strips it at the start of a text), so returned tokens would not
+    join back into the completion; decoding it after some context and taking the difference
+    keeps it. A token that ends inside a multi-byte character adds nothing yet; the token that
+    completes the character carries all of it (as the streamed text does)."""
+    window = before[-PIECE_CONTEXT:]
+    head = tokenizer.decode(window).rstrip("\ufffd")        # special tokens skipped, as in the text
+    full = tokenizer.decode(window + [token_id]).rstrip("\ufffd")
+    if full.startswith(head) and len(full) > len(head):
+        return full[len(head):]
+    alone = tokenizer.decode([token_id], skip_special_tokens=False)
+    special = not tokenizer.decode([token_id]) and alone     # e.g. </s>: shown by name
+    return alone if special or not full.startswith(head) else ""
+
+
+def _pieces(entries: list[dict], tokenizer: Any, context: list[int]):
+    """Per entry: (chosen piece, [(alternative piece, logprob), ...]), each after its context."""
+    before = list(context[-PIECE_CONTEXT:])
     for e in entries:
-        tok = _token_str(tokenizer, e["token_id"])
+        tops = [(_piece(tokenizer, before, i), lp) for i, lp in e["top"]]
+        yield _piece(tokenizer, before, e["token_id"]), tops
+        before = before[1 - PIECE_CONTEXT:] + [e["token_id"]]
+
+
+def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int, context: list[int]) -> dict:
+    """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}; `context` is
+    the token ids before the first entry (prompt and earlier output), `offset` its text length
+    within the completion."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, context)):
         tokens.append(tok)
         lps.append(e["logprob"])
-        tops.append({_token_str(tokenizer, i): lp for i, lp in e["top"]})
+        tops.append(dict(alternatives))
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
-    def one(token_id: int, lp: float) -> dict:
-        tok = _token_str(tokenizer, token_id)
+def chat_logprobs(entries: list[dict], tokenizer: Any, context: list[int]) -> dict:
+    def one(tok: str, lp: float) -> dict:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-    return {"content": [{**one(e["token_id"], e["logprob"]),
-                         "top_logprobs": [one(i, lp) for i, lp in e["top"]]} for e in entries]}
+    return {"content": [{**one(tok, e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in alternatives]}
+                        for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, context))]}
 
 
 def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, prep: Prepared, tok: Any,
@@ -209,7 +243,8 @@ def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, pre
     choices = []
     for i in range(len(prep.requests)):
         out = final[i]
-        lp = completion_logprobs(out.logprobs or [], tok, 0) if req.logprobs is not None else None
+        lp = (completion_logprobs(out.logprobs or [], tok, 0, out.prompt_token_ids)
+              if req.logprobs is not None else None)
         choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
     n_out = sum(len(o.token_ids) for o in final.values())
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -221,7 +256,7 @@ def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared,
     choices = []
     for i in range(len(prep.requests)):
         out = final[i]
-        lp = chat_logprobs(out.logprobs or [], tok) if req.logprobs else None
+        lp = chat_logprobs(out.logprobs or [], tok, out.prompt_token_ids) if req.logprobs else None
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
                         "logprobs": lp, "finish_reason": finish_reason(out)})
     n_out = sum(len(o.token_ids) for o in final.values())

@@ -34,7 +34,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinity are not numbers a request can mean (Python's json accepts `NaN`)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _Sampling(_Strict):
@@ -86,7 +87,7 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)   # tool_calls etc. pass through
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)   # tool_calls etc. pass through
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -109,8 +110,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:          # e.g. an integer of more than 4,300 digits
+        raise bad_request(f"request body has a number out of range: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    _check_strings(data, "")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -122,6 +126,26 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
             raise bad_request(f"missing required field {loc!r}", loc, "missing_field") from None
         got = json.dumps(err.get("input"))[:80]
         raise bad_request(f"{loc}: {err['msg'].lower()} (got {got})", loc, "invalid_type") from None
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate (\\ud800); Python keeps it in the str, and it
+    cannot be encoded (tokenizers, logs and responses fail on it). Reject it naming the field."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                name = path or "body"
+                raise bad_request(f"{name}: contains a lone UTF-16 surrogate, which is not valid Unicode",
+                                  name, "invalid_unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, path or "body")
+            _check_strings(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}.{i}")
 
 
 def _is_type_tag(part: str) -> bool:
