@@ -10,7 +10,8 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 serve: setup            ## start the server with the built-in model
 	$(VENV)/bin/leapfrog serve
 
-test: setup             ## run the test suite
+test: setup             ## run the test suite (the import layering first)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
 
 bench: setup

@@ -10,12 +10,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("leapfrog.server", "start the HTTP server (default: built-in model, port 8080)"),
+    "serve": ("leapfrog.serve.app", "start the HTTP server (default: built-in model, port 8080)"),
     "generate": ("leapfrog.generate", "generate text from a prompt, streaming to stdout"),
-    "bench": ("leapfrog.bench", "benchmark leapfrog against peers and decoding methods"),
+    "bench": ("leapfrog.bench.cli", "benchmark leapfrog against peers and decoding methods"),
     "train": ("leapfrog.train.cli", "train a built-in model or drafter from a recipe"),
-    "eval": ("leapfrog.evaluate", "quality metrics for a model and decoding method"),
-    "info": ("leapfrog.model_info", "total and active parameters of a model, from its config.json"),
+    "eval": ("leapfrog.eval.evaluate", "quality metrics for a model and decoding method"),
+    "info": ("leapfrog.models.info", "total and active parameters of a model, from its config.json"),
 }
 
 

@@ -6,7 +6,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,7 +15,7 @@ from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
 from leapfrog.methods import method_class
-from leapfrog.methods.base import Batch
+from leapfrog.methods.base import Batch, MethodContext
 from leapfrog.outputs import RequestMetrics, RequestOutput
 from leapfrog.runner import ModelRunner
 from leapfrog.sampling import Sampler
@@ -26,18 +25,6 @@ from leapfrog.sequence import Sequence
 from leapfrog.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("leapfrog.engine")
-
-
-@dataclass(slots=True)
-class MethodContext:
-    """What a decoding method may use; methods build their own drafters from it."""
-    model: torch.nn.Module
-    model_path: Path
-    tokenizer: Tokenizer
-    sampler: Sampler
-    device: torch.device
-    dtype: torch.dtype
-    draft_model: str | None = None
 
 
 @dataclass(slots=True)

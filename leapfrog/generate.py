@@ -5,77 +5,7 @@ import argparse
 import sys
 import time
 
-from leapfrog.config import DEFAULT_MODEL
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    model_default = "default: the model's generation_config.json, else"
-    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({model_default} 0.8)")
-    g.add_argument("--top-p", type=float, default=None, help=f"({model_default} 0.95)")
-    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default} 0)")
-    g.add_argument("--min-p", type=float, default=None, help=f"({model_default} 0)")
-    g.add_argument("--repetition-penalty", type=float, default=None, help=f"({model_default} 1.0)")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible output)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--min-tokens", type=int, default=0,
-                   help="no end of text (or stop token id) before this many tokens")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or built-in name (default {DEFAULT_MODEL})")
-    g.add_argument("--method", default=None, help="decoding method (default: the model's best lossless one, else ar)")
-    g.add_argument("--draft-model", default=None, help="drafter checkpoint folder for speculative methods")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
-    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine or method option, e.g. --option block_size=32 (repeatable)")
-
-
-def parse_options(pairs: list[str]) -> dict:
-    import json
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--option {pair!r}: expected KEY=VALUE")
-        key, value = pair.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-# when neither the flag nor the model's generation_config.json gives one
-CLI_SAMPLING_FALLBACK = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
-    """Flags first, then the model's generation_config.json (``model_sampling_defaults``), then
-    CLI_SAMPLING_FALLBACK."""
-    from leapfrog.sampling_params import SamplingParams
-    defaults = {**CLI_SAMPLING_FALLBACK, **(model_defaults or {})}
-    pick = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in CLI_SAMPLING_FALLBACK}
-    return SamplingParams(max_tokens=args.max_tokens, **pick,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
-                          ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    from leapfrog.methods import default_method
-    kw = dict(method=args.method or default_method(args.model), draft_model=args.draft_model,
-              device=args.device, dtype=args.dtype, **parse_options(args.option))
-    if args.num_threads:
-        kw["num_threads"] = args.num_threads
-    return kw
+from leapfrog.options import add_engine_args, add_sampling_args, engine_kwargs, sampling_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

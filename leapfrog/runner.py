@@ -26,8 +26,8 @@ class ModelRunner:
         self._allocate_cache(num_blocks * block_size, kv_dtype)
         self.cpu_decode_kernel = False
         if device.type == "cpu":
-            from leapfrog.layers.cpu_kernels import paged_attention_module
-            self.cpu_decode_kernel = paged_attention_module() is not None
+            from leapfrog.layers.cpu_kernels import cpu_kernels
+            self.cpu_decode_kernel = cpu_kernels() is not None
 
     def _allocate_cache(self, num_slots: int, dtype: torch.dtype) -> None:
         for attn in self.model.attention_layers:

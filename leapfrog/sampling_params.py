@@ -76,7 +76,7 @@ class SamplingParams:
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            bad("seed", f"must be an integer in [-2^63, 2^64 - 1]")
+            bad("seed", "must be an integer in [-2^63, 2^64 - 1]")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
         self._validate_stops(bad)

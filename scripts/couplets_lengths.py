@@ -14,7 +14,7 @@ from math import comb
 import torch
 
 from leapfrog.train.check import _strip_eos, generate, load
-from leapfrog.train.data import heldout
+from leapfrog.data.corpus import heldout
 
 
 def right_lengths(folder: str, ups: list[str], extra: dict) -> list[bool]:

@@ -17,4 +17,4 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 $PIP install -q -e ".[dev]"
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
-"$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import paged_attention_module as m; m()" || true
+"$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true

@@ -17,7 +17,7 @@ import collections
 import time
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.bench import story_prompts
+from leapfrog.bench.common import story_prompts
 from spec_common import parse_load_args, timed
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = parse_load_args(__doc__, _options)
     import torch
 
-    from leapfrog.layers.cpu_kernels import paged_attention_module
+    from leapfrog.layers.cpu_kernels import cpu_kernels
     from leapfrog.methods import drafters
     from leapfrog.models.dflash import DFlashDraftModel
     from leapfrog.models.dflash_heads import MarkovHead
@@ -102,7 +102,7 @@ def main() -> None:
           f"{1e3 * mc.cost(1):.2f} / {1e3 * mc.cost(5):.2f} / {1e3 * mc.cost(9):.2f}, drafting "
           f"{1e3 * mc.draft(1):.2f}; drafts verified (share of drafting steps): "
           + ", ".join(f"{n}: {c / total:.0%}" for n, c in sorted(chosen.items())))
-    mod = paged_attention_module()
+    mod = cpu_kernels()
     head = m.drafter.markov_head
     if mod is not None and head is not None and head.kind == "vanilla":
         vocab = head.markov_w1.weight.shape[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.bench import story_prompts
+from leapfrog.bench.common import story_prompts
 from spec_common import parse_load_args, timed
 
 

@@ -9,7 +9,9 @@ import math
 import pytest
 from test_diffusion import MASK, diffusion_folder
 
-from leapfrog import bench, evaluate, metrics_text
+from leapfrog.bench import cli as bench
+from leapfrog.eval import evaluate
+from leapfrog.eval import metrics as metrics_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,7 +88,7 @@ def test_semi_threshold_reaches_the_multi_block_configs_only():
     ar alone; without it the configs are the plain grid."""
     import argparse
 
-    from leapfrog.bench_diffusion import configs
+    from leapfrog.bench.diffusion import configs
 
     args = argparse.Namespace(ar_model="stories", model="stories-diffusion", num_blocks=[1, 3],
                               thresholds=[0.7], semi_threshold=0.5)

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_speculative import write_drafter
 
-from leapfrog import bench
+from leapfrog.bench import cli as bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,6 +41,6 @@ def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys):
 
 
 def test_a_drafter_folder_without_config_is_a_clear_error(llama_dir, tmp_path):
-    from leapfrog.bench_methods import latency_contenders
+    from leapfrog.bench.speculative import latency_contenders
     with pytest.raises(FileNotFoundError, match="no config.json"):
         latency_contenders(llama_dir, None, [str(tmp_path)])

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leapfrog.layers.cpu_kernels import paged_attention_module
+from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.layers.linear import Linear, PackedLinear
 from leapfrog.layers.norm import RMSNorm
 
-mod = paged_attention_module()
+mod = cpu_kernels()
 pytestmark = pytest.mark.skipif(mod is None, reason="no C++ compiler: the kernels are optional")
 
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import write_mini_data
 
-from leapfrog.train import data
+from leapfrog.data import corpus as data
 from leapfrog.train.diffusion import (MULTI, SINGLE, DiffusionSpec, attention_mask, block_causal_mask,
                                       chain_masks, diffusion_loss, group_layout, make_batch, pack,
                                       reference_decode)

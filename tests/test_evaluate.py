@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from leapfrog import metrics_text as mt
-from leapfrog.evaluate import (COUPLET_METRICS, SPEED_METRICS, STORY_METRICS, continuation_text, main,
+from leapfrog.eval import metrics as mt
+from leapfrog.eval.evaluate import (COUPLET_METRICS, SPEED_METRICS, STORY_METRICS, continuation_text, main,
                                sequence_nll)
 
 # --- rep-n, distinct-n ----------------------------------------------------------------------

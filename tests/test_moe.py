@@ -19,7 +19,7 @@ from conftest import VOCAB, _common, write_tokenizer
 from leapfrog import LLM, SamplingParams
 from leapfrog.layers.moe import MoESpec, SparseMoE
 from leapfrog.loader import CheckpointError, load_model
-from leapfrog.model_info import param_report
+from leapfrog.models.info import param_report
 from test_parity import PROMPTS, hf_greedy, hf_model, record_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -445,7 +445,7 @@ def test_moe_training_lowers_the_loss_with_the_balancing_term():
 
 
 def test_moe_recipe_exports_a_folder_both_engines_read_alike(tmp_path, monkeypatch):
-    from leapfrog.train import data
+    from leapfrog.data import corpus as data
     from leapfrog.train.export import verify_sha256sums
     from leapfrog.train.loop import ModelShape, train
     from leapfrog.train.recipes import RECIPES, tiny

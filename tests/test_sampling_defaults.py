@@ -12,10 +12,10 @@ import pytest
 
 from test_server_common import ServerThread
 
-from leapfrog.server import request_defaults
-from leapfrog.server_config import ServerConfig
-from leapfrog.server_openai import Limits, sampling_params
-from leapfrog.server_protocol import CompletionRequest
+from leapfrog.serve.app import request_defaults
+from leapfrog.serve.config import ServerConfig
+from leapfrog.serve.openai_api import Limits, sampling_params
+from leapfrog.serve.protocol import CompletionRequest
 from leapfrog.sampling_params import model_sampling_defaults
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from leapfrog.bench import main as bench_main
+from leapfrog.bench.cli import main as bench_main
 from test_server_common import ServerThread
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from leapfrog.server import DrainingServer, create_app
-from leapfrog.server_config import build_config
+from leapfrog.serve.app import DrainingServer, create_app
+from leapfrog.serve.config import build_config
 
 
 def free_port() -> int:

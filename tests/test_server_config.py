@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from leapfrog.server import build_parser, main
-from leapfrog.server_config import ConfigError, build_config, flags_from_args
+from leapfrog.serve.app import build_parser, main
+from leapfrog.serve.config import ConfigError, build_config, flags_from_args
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -186,7 +186,7 @@ def test_logprob_tokens_join_into_text(server):
 def test_logprob_pieces_keep_sentencepiece_spaces():
     """Decoded alone, a SentencePiece token loses its leading space; after its context it keeps it."""
     from pathlib import Path
-    from leapfrog.server_openai import completion_logprobs
+    from leapfrog.serve.openai_api import completion_logprobs
     from leapfrog.tokenizer import Tokenizer
     tok = Tokenizer.from_folder(Path(__file__).parent.parent / "checkpoints" / "stories")
     text = "Once upon a time, there was a little cat named Tom."

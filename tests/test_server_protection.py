@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from leapfrog.server_auth import jwt_encode
+from leapfrog.serve.auth import jwt_encode
 from test_server_common import ServerThread, assert_error, pace_engine, still_works
 
 

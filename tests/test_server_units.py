@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, jwt_decode, jwt_encode
-from leapfrog.server_metrics import ServerMetrics
+from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, jwt_decode, jwt_encode
+from leapfrog.serve.metrics import ServerMetrics
 
 
 def test_jwt_roundtrip_and_rejections():

@@ -489,9 +489,9 @@ def test_queued_drafter_context_equals_immediate_extension(drafters):
 def test_fused_context_projection_equals_the_layer_by_layer_path(drafters, monkeypatch):
     """flush_contexts' one C++ call (fc, hidden norm, then per draft layer the k/v rows of the
     packed projection, k norm and RoPE) against the torch modules, at positions past 0."""
-    from leapfrog.layers.cpu_kernels import paged_attention_module
+    from leapfrog.layers.cpu_kernels import cpu_kernels
     from leapfrog.models.dflash import DFlashDraftModel, DraftContext
-    if paged_attention_module() is None:
+    if cpu_kernels() is None:
         pytest.skip("no C++ compiler: the kernels are optional")
     model = load_drafter(drafters["dspark"])
     width = len(model.drafter.target_layer_ids) * model.config["hidden_size"]
@@ -726,9 +726,9 @@ def test_sequential_head_block_equals_the_position_by_position_formulas(drafters
     the loop, W2 from its transposed copy; with argmax drafts and the vanilla head, the C++
     stage) against Eq. 4 and Eq. 7 position by position:
     logits_k = U_k + B(x_{k-1}, ...), x_k = argmax, c_k = sigmoid(w [h_k; W1[x_{k-1}]] + b) / t_k."""
-    from leapfrog.layers.cpu_kernels import paged_attention_module
+    from leapfrog.layers.cpu_kernels import cpu_kernels
     from leapfrog.models.dflash_heads import sample_block
-    if fused and paged_attention_module() is None:
+    if fused and cpu_kernels() is None:
         pytest.skip("no C++ compiler: the kernels are optional")
 
     d = load_drafter(str(drafters[name]))

@@ -11,8 +11,9 @@ import torch
 
 from conftest import write_mini_data
 
-from leapfrog.train import couplets as fmt
-from leapfrog.train import data
+from leapfrog.data import couplets as fmt
+from leapfrog.train import couplets as examples
+from leapfrog.data import corpus as data
 from leapfrog.train.export import verify_sha256sums
 from leapfrog.train.loop import ModelShape, build_model, length_weights, loss_on, make_optimizer, train
 from leapfrog.train.recipes import tiny
@@ -68,7 +69,7 @@ def test_couplet_formats_round_trip():
     assert completion == fmt.keyword_completion("天若有情天亦老", "月如无恨月常圆", "花好月圆")
     assert fmt.parse_keyword_completion(completion) == {"上联": "天若有情天亦老", "下联": "月如无恨月常圆", "横批": "花好月圆"}
     assert fmt.pair_text("天若有情", "月如无恨") == "天若有情<sep>月如无恨"
-    assert fmt.ScrollPool(["花好月圆", "万象更新"]).pick("花开富贵", "月满乾坤") == "花好月圆"
+    assert examples.ScrollPool(["花好月圆", "万象更新"]).pick("花开富贵", "月满乾坤") == "花好月圆"
 
 
 def test_long_couplets_are_oversampled_in_pair_mode_only():
@@ -77,8 +78,8 @@ def test_long_couplets_are_oversampled_in_pair_mode_only():
     from collections import Counter
     pairs = [("天若有情天亦老", "月如无恨月常圆"), ("春风又绿江南岸呀", "明月何时照我还呢"), ("山高", "水长")]
     spring = [("福满门", "春满园", "万象更新")]
-    base = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1)
-    more = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1, long_repeats=2)
+    base = examples.build_examples(pairs, spring, seed=3, spring_repeats=1)
+    more = examples.build_examples(pairs, spring, seed=3, spring_repeats=1, long_repeats=2)
     extra = Counter(more) - Counter(base)
     assert extra == Counter({fmt.pair_text("春风又绿江南岸呀", "明月何时照我还呢"): 2})
     assert not Counter(base) - Counter(more)
@@ -89,8 +90,8 @@ def test_mirrored_long_couplets_swap_the_sides():
     from collections import Counter
     pairs = [("天若有情天亦老", "月如无恨月常圆"), ("春风又绿江南岸呀", "明月何时照我还呢"), ("山高", "水长")]
     spring = [("福满门", "春满园", "万象更新")]
-    base = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1)
-    more = fmt.build_examples(pairs, spring, seed=3, spring_repeats=1, mirrored=1)
+    base = examples.build_examples(pairs, spring, seed=3, spring_repeats=1)
+    more = examples.build_examples(pairs, spring, seed=3, spring_repeats=1, mirrored=1)
     assert Counter(more) - Counter(base) == Counter({fmt.pair_text("明月何时照我还呢", "春风又绿江南岸呀"): 1})
     assert not Counter(base) - Counter(more)
 
@@ -172,7 +173,7 @@ def trained(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     cfg = tiny("stories", root / "out", root / "run")
     cfg.data_dir, cfg.max_steps = str(data_dir), 6
-    import leapfrog.train.data as d
+    import leapfrog.data.corpus as d
     old = d.CACHE_DIR
     d.CACHE_DIR = root / "cache"
     try:
@@ -229,14 +230,14 @@ def test_joined_pairs_answer_clause_by_clause():
     pairs of unequal length or with punctuation of their own are never used."""
     pairs = [("天若有情", "月如无恨"), ("春风又绿江南", "明月何时照我"), ("山高水长", "海阔天空"),
              ("长短", "不一样长"), ("有，逗号", "也，不行")]
-    joined = fmt.join_pairs(pairs, 50, random.Random(0))
+    joined = examples.join_pairs(pairs, 50, random.Random(0))
     answer = {u: d for u, d in pairs[:3]}
     assert len(joined) == 50
     for up, down in joined:
         ups, downs = up.split("，"), down.split("，")
         assert 2 <= len(ups) <= 3 and len(up) == len(down)
         assert [answer[u] for u in ups] == downs
-    assert fmt.join_pairs([("长短", "不一样长")], 5, random.Random(0)) == []
+    assert examples.join_pairs([("长短", "不一样长")], 5, random.Random(0)) == []
 
 
 def test_distilled_stream_is_the_parents_own_text(trained, data_dir, monkeypatch):
@@ -472,7 +473,7 @@ def test_couplets_tokenizer_without_byte_fallback_gives_a_rare_character_one_unk
     assert sp.encode(f"{common}{rare[0]}{common}") == [*plain, 0, *plain]   # (it fuses a run of them)
     # rare-character pairs: each replaced character is one <unk>
     pairs = data.train_items("couplets", str(data_dir))["pairs"]
-    for up, _ in fmt.rare_char_pairs(pairs, 20, _random.Random(0), in_vocab):
+    for up, _ in examples.rare_char_pairs(pairs, 20, _random.Random(0), in_vocab):
         assert len(tok(up, add_special_tokens=False).input_ids) == len(up)
     # continued from the byte-fallback model: the saved folder encodes with the <unk> rule
     cont = tiny("couplets", tmp_path / "out2", tmp_path / "run2")

@@ -84,10 +84,10 @@ class Attention(nn.Module):
         return o[g.q_valid]
 
     def _paged_decode(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
-        from leapfrog.layers.cpu_kernels import paged_attention_module
+        from leapfrog.layers.cpu_kernels import cpu_kernels
         b = g.ctx_lens.shape[0]
         qg = q[g.row_start:g.row_start + b] if g.out_rows is None else q.index_select(0, g.out_rows)
-        o = paged_attention_module().paged_decode_attention(
+        o = cpu_kernels().paged_decode_attention(
             qg, self.k_cache, self.v_cache, g.block_tables, g.ctx_lens, g.block_size, self.scale)
         return o.to(q.dtype)
 

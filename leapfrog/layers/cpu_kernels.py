@@ -37,7 +37,7 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
-def paged_attention_module():
+def cpu_kernels():
     """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
     global _module, _tried
     if _tried:
@@ -47,7 +47,7 @@ def paged_attention_module():
         return None
     try:
         from torch.utils.cpp_extension import load
-        src = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
+        src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
         cflags = ["-O3", "-march=native", "-fopenmp"]
         # Named by the source's hash: checkouts of other versions build side by side instead of
         # rebuilding over each other, and copies of this version share one build.
@@ -57,7 +57,7 @@ def paged_attention_module():
         _module = load(name=name, sources=[str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                        verbose=False)
     except Exception as e:  # no compiler, headers missing, ...: fall back to SDPA
-        print(f"[leapfrog] CPU attention kernel unavailable, using SDPA ({type(e).__name__}: {e})",
+        print(f"[leapfrog] CPU kernels unavailable, using the torch paths ({type(e).__name__}: {e})",
               file=sys.stderr)
         _module = None
     return _module

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 
 
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 
 
 class RMSNorm(nn.Module):

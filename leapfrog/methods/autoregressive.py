@@ -8,7 +8,7 @@ from leapfrog.sampling import Sampler
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.engine import MethodContext
+    from leapfrog.methods.base import MethodContext
 
 
 class AutoregressiveMethod:

@@ -8,11 +8,26 @@ KV slots to keep (the rest are rolled back).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from leapfrog.sampling import Sampler
 from leapfrog.sequence import Sequence
+from leapfrog.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class MethodContext:
+    """What a decoding method may use; methods build their own drafters from it."""
+    model: torch.nn.Module
+    model_path: Path
+    tokenizer: Tokenizer
+    sampler: Sampler
+    device: torch.device
+    dtype: torch.dtype
+    draft_model: str | None = None
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ from leapfrog.sampling import Sampler, apply_penalties, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.engine import MethodContext
+    from leapfrog.methods.base import MethodContext
 
 
 @dataclass(slots=True)

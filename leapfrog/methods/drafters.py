@@ -30,7 +30,7 @@ from leapfrog.models.dflash_heads import sample_block
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.engine import MethodContext
+    from leapfrog.methods.base import MethodContext
 
 # Frozen copies of the target's tables that DeepSpec checkpoints carry (§2.8): the target's own
 # embedding and LM head are used instead.

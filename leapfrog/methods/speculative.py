@@ -26,7 +26,7 @@ from leapfrog.sampling import Sampler, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.engine import MethodContext
+    from leapfrog.methods.base import MethodContext
 
 
 @dataclass(slots=True)

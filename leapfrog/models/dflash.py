@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 from leapfrog.layers.linear import Linear
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding

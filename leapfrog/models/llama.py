@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapfrog.layers.attention import Attention, AttnMetadata
-from leapfrog.layers.cpu_kernels import cpu_inference, paged_attention_module as cpu_kernels
+from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 from leapfrog.layers.linear import Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm

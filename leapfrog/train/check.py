@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from leapfrog.train import couplets as fmt
-from leapfrog.train.data import heldout
+from leapfrog.data import couplets as fmt
+from leapfrog.data.stories import story_opening
+from leapfrog.eval.metrics import rep_n
+from leapfrog.data.corpus import heldout
 
 
 @dataclass(slots=True)
@@ -54,22 +55,6 @@ def generate(model, tok, prompts: list[str], batch_size: int = 16, **kwargs) -> 
             ids = model.generate(**enc, pad_token_id=tok.pad_token_id, **kwargs)
         outs += [row[enc.input_ids.shape[1]:].tolist() for row in ids]
     return outs
-
-
-def rep_n(items: list, n: int = 4) -> float:
-    grams = [tuple(items[i:i + n]) for i in range(len(items) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def story_opening(story: str) -> str:
-    """The first sentence (at least ~6 words) of a story: the prompt to continue."""
-    sentences = re.split(r"(?<=[.!?])\s+", story.split("\n")[0])
-    opening = ""
-    for s in sentences:
-        opening = f"{opening} {s}".strip()
-        if len(opening.split()) >= 6:
-            break
-    return opening
 
 
 def _strip_eos(ids: list[int], eos: int) -> list[int]:

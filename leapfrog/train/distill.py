@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leapfrog.train import data
+from leapfrog.data import corpus as data
 from leapfrog.train.drafter import regenerate
 
 
@@ -61,7 +61,7 @@ def extended(prep, path: Path, make_docs):
 
 def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -> list[str]:
     """Openings of `num_sequences` distinct training stories, chosen by `seed`."""
-    from leapfrog.train.check import story_opening
+    from leapfrog.data.stories import story_opening
 
     stories = data.train_items(name, data_dir)["stories"]
     rng = np.random.default_rng([seed, 7])
@@ -104,7 +104,7 @@ class RejectionSpec:
 
 def same_punctuation(up: str, down: str) -> bool:
     """Punctuation at the same places on both sides (the clause structure of a couplet)."""
-    from leapfrog.train.couplets import PUNCT
+    from leapfrog.data.couplets import PUNCT
 
     return len(up) == len(down) and all((a in PUNCT) == (b in PUNCT) for a, b in zip(up, down))
 
@@ -141,7 +141,7 @@ def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_di
     from transformers import AutoTokenizer
 
     from leapfrog import LLM, SamplingParams
-    from leapfrog.train.couplets import pair_text
+    from leapfrog.data.couplets import pair_text
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
 

@@ -31,10 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from leapfrog.train.data import REPO_ROOT
+from leapfrog.data.corpus import REPO_ROOT
 
 
 @dataclass(slots=True)
@@ -106,10 +105,10 @@ def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_ev
 
 def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train, val) regenerated sequences, cached per target and size."""
-    from leapfrog.train.check import story_opening
-    from leapfrog.train.data import heldout, train_items
+    from leapfrog.data.stories import story_opening
+    from leapfrog.data.corpus import heldout, train_items
 
-    from leapfrog.train.data import fingerprint
+    from leapfrog.data.corpus import fingerprint
 
     # Next to the run folders (runs/drafter-data/), shared by every variant of one target.
     key = fingerprint(str(Path(target_dir).resolve()), r.num_regen, r.num_val, r.regen_tokens, r.seed, r.data_dir)

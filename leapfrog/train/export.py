@@ -84,7 +84,7 @@ def _init_summary(folder: str | None) -> dict | None:
     path = Path(folder) / "training.json"
     past = json.loads(path.read_text()) if path.is_file() else {}
     keep = ("recipe", "steps", "tokens_seen", "wall_s", "val_loss", "val_parts")
-    from leapfrog.train.data import REPO_ROOT
+    from leapfrog.data.corpus import REPO_ROOT
     try:
         folder = str(Path(folder).resolve().relative_to(REPO_ROOT))
     except ValueError:

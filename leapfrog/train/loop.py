@@ -193,7 +193,7 @@ def length_weights(tok, extra: float) -> torch.Tensor:
     """Per-id target weights: 1 everywhere, 1 + ``extra`` on </s> and on the punctuation pieces.
     In a couplet those targets are where a side's length (and each clause's) is decided: the
     下联 must stop, or put its comma, exactly where the 上联 did."""
-    from leapfrog.train.couplets import PUNCT
+    from leapfrog.data.couplets import PUNCT
 
     w = torch.ones(len(tok))
     ids = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in sorted(PUNCT)]

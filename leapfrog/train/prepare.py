@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from leapfrog.train import couplets, data
+from leapfrog.data import corpus as data
+from leapfrog.train import couplets
 from leapfrog.train.tokenizer import TokenizerSpec, export_hf_tokenizer, train_sentencepiece
 
 FORMAT_VERSION = 1

@@ -17,7 +17,7 @@ DATA_NOTES = {
     "stories": (
         "TinyStories (Eldan & Li 2023, CDLA-Sharing-1.0) from `../shared/data/stories/`: "
         "`tinystories_cased.txt` + `tinystories_valid.txt` (4% of these held out by a hash of the "
-        "story, see `leapfrog.train.data.heldout`) and `tinystories_lowercase.txt` (training only). "
+        "story, see `leapfrog.data.corpus.heldout`) and `tinystories_lowercase.txt` (training only). "
         "`classics.txt` is not used (different register). Each story is `<s> story </s>`; training "
         "windows are random 256-token slices of the concatenated stream."
     ),
@@ -182,7 +182,7 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
 
 
 def _repo_relative(path: str) -> str:
-    from leapfrog.train.data import REPO_ROOT
+    from leapfrog.data.corpus import REPO_ROOT
     try:
         return str(Path(path).resolve().relative_to(REPO_ROOT))
     except ValueError:
@@ -191,7 +191,7 @@ def _repo_relative(path: str) -> str:
 
 def _model_name(folder: Path) -> str:
     """The built-in name of a folder under checkpoints/, else its path from the repository root."""
-    from leapfrog.train.data import REPO_ROOT
+    from leapfrog.data.corpus import REPO_ROOT
 
     folder = Path(folder).resolve()
     if folder.parent.name == "checkpoints":
@@ -211,7 +211,7 @@ def _architecture(m: dict) -> str:
 def _mlp(m: dict, folder: Path) -> str:
     if not m.get("num_experts"):
         return f"MLP {m['intermediate_size']}"
-    from leapfrog.model_info import param_report
+    from leapfrog.models.info import param_report
 
     active = param_report(json.loads((Path(folder) / "config.json").read_text())).active
     return (f"MLP: {m['num_experts']} SwiGLU experts of width {m['moe_intermediate_size']}, "

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from leapfrog.train.data import REPO_ROOT
+from leapfrog.data.corpus import REPO_ROOT
 from leapfrog.train.diffusion import DiffusionSpec
 from leapfrog.train.loop import ModelShape, TrainConfig
 from leapfrog.train.tokenizer import TokenizerSpec

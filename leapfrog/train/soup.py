@@ -136,7 +136,7 @@ def _summary(folder: Path) -> dict | None:
 
 
 def _display(folder: Path) -> str:
-    from leapfrog.train.data import REPO_ROOT
+    from leapfrog.data.corpus import REPO_ROOT
     try:
         return str(folder.resolve().relative_to(REPO_ROOT))
     except ValueError:

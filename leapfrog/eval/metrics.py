@@ -19,8 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from leapfrog.train.check import rep_n
-from leapfrog.train.couplets import PUNCT
+from leapfrog.data.couplets import PUNCT
 
 __all__ = ["rep_n", "mean_rep_n", "distinct_n", "words", "hanzi_length", "length_match",
            "char_bleu", "corpus_char_bleu", "SentenceEmbedder"]
@@ -29,6 +28,12 @@ __all__ = ["rep_n", "mean_rep_n", "distinct_n", "words", "hanzi_length", "length
 def words(text: str) -> list[str]:
     """Whitespace words, as leapfrog.train.check counts them (so the rep-4 numbers agree)."""
     return text.split()
+
+
+def rep_n(items: list, n: int = 4) -> float:
+    """Share of repeated n-grams in one sequence of words or token ids: 1 - distinct / total."""
+    grams = [tuple(items[i:i + n]) for i in range(len(items) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def mean_rep_n(texts: Sequence[Sequence[Any]], n: int) -> float:

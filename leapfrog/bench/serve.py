@@ -49,7 +49,7 @@ class RequestResult:
 def prompts(num: int, max_words: int, seed: int) -> list[str]:
     """Openings of held-out stories (our own split); synthetic sentences without the data."""
     try:
-        from leapfrog.train.data import heldout
+        from leapfrog.data.corpus import heldout
         texts = heldout("stories")
     except Exception:
         texts = []

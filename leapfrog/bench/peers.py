@@ -1,18 +1,6 @@
-"""`leapfrog bench`: leapfrog side by side with peers, in one process, one run.
-
-Suites:
-  peers   the same checkpoint and prompts through leapfrog and through transformers
-          `generate` (and llama.cpp's llama-bench when a build is found): single-request decode
-          tokens/s and total output tokens/s at several concurrencies, reported as ratios.
-  speculative  decoding methods against `ar` on one engine (bench_methods.py): batch-1 speed-up,
-          τ and tokens per target forward for every shipped drafter, and throughput at several
-          concurrencies with and without confidence-scheduled verification.
-  diffusion  block-diffusion decoding (bench_diffusion.py): `ar` against single- and multi-block
-          decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
-Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
-Speed targets live here, never in tests; ratios are taken against a baseline measured in the
-same run, so a busy machine slows both sides alike.
-"""
+"""The peers suite: the same checkpoint and prompts through leapfrog and through transformers
+`generate` (and llama.cpp's llama-bench when a build is found): single-request decode tokens/s
+and total output tokens/s at several concurrencies, reported as ratios."""
 from __future__ import annotations
 
 import argparse
@@ -26,26 +14,10 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.config import DEFAULT_MODEL, resolve_model
+from leapfrog.config import resolve_model
 
 
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def story_prompts(num: int, tokenizer, max_prompt_tokens: int = 32) -> list[list[int]]:
-    """Openings of held-out stories (our own split); synthetic text if the data is absent."""
-    try:
-        from leapfrog.train.data import heldout
-        texts = heldout("stories")
-    except (FileNotFoundError, ImportError):
-        texts = [f"Once upon a time there was a little {w} who liked to play."
-                 for w in ("cat", "dog", "girl", "boy", "bird", "fish", "bear", "fox")]
-    prompts = []
-    for i in range(num):
-        ids = tokenizer.encode(texts[i % len(texts)])
-        prompts.append(ids[:max_prompt_tokens])
-    return prompts
+from leapfrog.bench.common import log, story_prompts
 
 
 # --- leapfrog -------------------------------------------------------------------------------
@@ -214,52 +186,3 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="peers", choices=["peers", "speculative", "diffusion"],
-                   help="what to measure (default peers)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=None,
-                   help="concurrent requests (default: 1 4 16 64 for peers, 1 8 32 for speculative)")
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept")
-    p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
-                   help="a llama.cpp source tree with a build/ (e.g. built from the llama-cpp-python sdist, "
-                   "research/serving.md §3): its converter makes an f32 GGUF of the same weights and its "
-                   "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
-    p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
-    p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
-    from leapfrog import bench_diffusion, bench_methods
-    bench_methods.add_arguments(p)
-    bench_diffusion.add_arguments(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--serve" in argv:          # load against a running server: bench_serve.py
-        from leapfrog import bench_serve
-        return bench_serve.main(argv)
-    args = build_parser().parse_args(argv)
-    if args.suite == "speculative":
-        from leapfrog import bench_methods as suite
-        args.concurrency = args.concurrency or [1, 8, 32]
-    elif args.suite == "diffusion":
-        from leapfrog import bench_diffusion as suite
-    else:
-        suite = sys.modules[__name__]
-        args.concurrency = args.concurrency or [1, 4, 16, 64]
-    result = suite.run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
-    table = suite.markdown(result)
-    (out / f"{args.suite}.md").write_text(table + "\n")
-    suite.plot(result, out / f"{args.suite}.png")
-    print(table)
-    log(f"wrote {out}/{args.suite}.json, .md, .png")
-    return 0

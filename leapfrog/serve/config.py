@@ -322,7 +322,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def flags_from_args(args: argparse.Namespace) -> dict:
-    from leapfrog.generate import parse_options
+    from leapfrog.options import parse_options
     flags = {k: v for k, v in vars(args).items() if k in KEYS or k == "config"}
     if args.option:
         flags["method_options"] = parse_options(args.option)

@@ -170,9 +170,9 @@ def sampling(args: argparse.Namespace, index: int, max_tokens: int):
 
 
 def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
-    from leapfrog import metrics_text as mt
-    from leapfrog.train.check import story_opening
-    from leapfrog.train.data import heldout
+    from leapfrog.eval import metrics as mt
+    from leapfrog.data.stories import story_opening
+    from leapfrog.data.corpus import heldout
     device = llm.engine.device
     stories = heldout("stories", args.data_dir)
     scorer = None
@@ -222,9 +222,9 @@ def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[st
 
 
 def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
-    from leapfrog import metrics_text as mt
-    from leapfrog.train.couplets import pair_text
-    from leapfrog.train.data import heldout
+    from leapfrog.eval import metrics as mt
+    from leapfrog.data.couplets import pair_text
+    from leapfrog.data.corpus import heldout
     device = llm.engine.device
     # A seeded shuffle rather than the first N: the file is grouped by source (SOURCE.md).
     pairs = heldout("couplets", args.data_dir)
@@ -255,7 +255,7 @@ def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from leapfrog.generate import add_engine_args
+    from leapfrog.options import add_engine_args
     p = argparse.ArgumentParser(prog="leapfrog eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fill_defaults(args: argparse.Namespace) -> None:
     from leapfrog.config import resolve_model
-    from leapfrog.train.data import heldout
+    from leapfrog.data.corpus import heldout
     if args.task is None:
         name = resolve_model(args.model).name
         args.task = "couplets" if name.startswith("couplet") else "stories"
@@ -297,7 +297,7 @@ def fill_defaults(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> EvalResult:
     from leapfrog import LLM
-    from leapfrog.generate import engine_kwargs
+    from leapfrog.options import engine_kwargs
     fill_defaults(args)
     kwargs = engine_kwargs(args)
     log(f"loading {args.model} with method {kwargs['method']}")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.bench import log
-from leapfrog.bench_methods import Contender
+from leapfrog.bench.common import log
+from leapfrog.bench.speculative import Contender
 from leapfrog.config import DEFAULT_MODEL, resolve_model
 
 MB_TPF, MB_PPL, AR_SPEED, AR_PPL = 1.5, 0.05, 2.0, 0.10     # the issue's targets
@@ -53,8 +53,8 @@ def configs(args: argparse.Namespace) -> list[Contender]:
 
 
 def opening_prompts(num: int) -> list[str]:
-    from leapfrog.train.check import story_opening
-    from leapfrog.train.data import heldout
+    from leapfrog.data.stories import story_opening
+    from leapfrog.data.corpus import heldout
     return [story_opening(s) for s in heldout("stories")[:num]]
 
 
@@ -89,8 +89,8 @@ def run_batched(engines: list, prompts: list[str], new_tokens: int, repeats: int
 
 def quality(texts: list[list[str]], prompts: list[str], judge: str, device) -> list[dict]:
     """Judge ppl, rep-4 and coherence of each config's texts (`leapfrog eval`'s functions)."""
-    from leapfrog import metrics_text as mt
-    from leapfrog.evaluate import judge_perplexity, load_scorer
+    from leapfrog.eval import metrics as mt
+    from leapfrog.eval.evaluate import judge_perplexity, load_scorer
     log(f"quality: perplexity under {judge}, rep-4, coherence (all-MiniLM-L6-v2)")
     scorer, embedder, out = load_scorer(judge, device), mt.SentenceEmbedder(str(device)), []
     for ts in texts:
@@ -127,7 +127,7 @@ def check_targets(rows: list[dict]) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from leapfrog import LLM, SamplingParams
-    from leapfrog.evaluate import continuation_text
+    from leapfrog.eval.evaluate import continuation_text
     from leapfrog.methods.diffusion import DiffusionCounters
 
     # --model's default is the AR model, which cannot decode by diffusion: this suite's is ours.

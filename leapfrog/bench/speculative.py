@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.bench import log
+from leapfrog.bench.common import log
 from leapfrog.config import resolve_model
 
 
@@ -164,7 +164,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
 
 def run(args: argparse.Namespace) -> dict:
     from leapfrog import LLM
-    from leapfrog.bench import story_prompts
+    from leapfrog.bench.common import story_prompts
 
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)

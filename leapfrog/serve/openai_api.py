@@ -13,7 +13,7 @@ from typing import Any
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SEED_RANGE, SamplingParams
-from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, _Sampling, bad_request, field_of
+from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, _Sampling, bad_request, field_of
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template

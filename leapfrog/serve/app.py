@@ -21,17 +21,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from leapfrog import server_schema
-from leapfrog.server_auth import AuthError, Authenticator, RateLimiter, retry_after_header
-from leapfrog.server_config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
-from leapfrog.server_engine import AsyncEngine, EngineError, Generation, RequestTimeout
-from leapfrog.server_metrics import ServerMetrics
-from leapfrog.server_openai import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
+from leapfrog.serve import schema as server_schema
+from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
+from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
+from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
+from leapfrog.serve.metrics import ServerMetrics
+from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
-from leapfrog.server_protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
+from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
 
-log = logging.getLogger("leapfrog.server")
+log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
 
 

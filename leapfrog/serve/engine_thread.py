@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
-from leapfrog.server_metrics import ServerMetrics
+from leapfrog.serve.metrics import ServerMetrics
 
-log = logging.getLogger("leapfrog.server")
+log = logging.getLogger("leapfrog.serve.app")
 
 
 class RequestTimeout(Exception):

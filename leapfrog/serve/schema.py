@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from leapfrog.server_protocol import ChatRequest, CompletionRequest, GenerateRequest
+from leapfrog.serve.protocol import ChatRequest, CompletionRequest, GenerateRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,

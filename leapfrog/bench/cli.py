@@ -1,0 +1,73 @@
+"""`leapfrog bench`: leapfrog side by side with peers, in one process, one run.
+
+Suites:
+  peers   the same checkpoint and prompts through leapfrog and through transformers
+          `generate` (and llama.cpp's llama-bench when a build is found): single-request decode
+          tokens/s and total output tokens/s at several concurrencies, reported as ratios.
+  speculative  decoding methods against `ar` on one engine (speculative.py): batch-1 speed-up,
+          τ and tokens per target forward for every shipped drafter, and throughput at several
+          concurrencies with and without confidence-scheduled verification.
+  diffusion  block-diffusion decoding (diffusion.py): `ar` against single- and multi-block
+          decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
+Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
+Speed targets live here, never in tests; ratios are taken against a baseline measured in the
+same run, so a busy machine slows both sides alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from leapfrog.bench import diffusion, peers, speculative
+from leapfrog.bench.common import log
+from leapfrog.config import DEFAULT_MODEL
+
+SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="peers", choices=["peers", "speculative", "diffusion"],
+                   help="what to measure (default peers)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="concurrent requests (default: 1 4 16 64 for peers, 1 8 32 for speculative)")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept")
+    p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
+                   help="a llama.cpp source tree with a build/ (e.g. built from the llama-cpp-python sdist, "
+                   "research/serving.md §3): its converter makes an f32 GGUF of the same weights and its "
+                   "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
+    p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
+    p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
+    speculative.add_arguments(p)
+    diffusion.add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--serve" in argv:          # load against a running server: serve.py
+        from leapfrog.bench import serve
+        return serve.main(argv)
+    args = build_parser().parse_args(argv)
+    suite = SUITES[args.suite]
+    if args.suite == "speculative":
+        args.concurrency = args.concurrency or [1, 8, 32]
+    elif args.suite == "peers":
+        args.concurrency = args.concurrency or [1, 4, 16, 64]
+    result = suite.run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
+    table = suite.markdown(result)
+    (out / f"{args.suite}.md").write_text(table + "\n")
+    suite.plot(result, out / f"{args.suite}.png")
+    print(table)
+    log(f"wrote {out}/{args.suite}.json, .md, .png")
+    return 0
