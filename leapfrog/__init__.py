@@ -2,7 +2,7 @@
 import os
 
 # OpenMP's default active wait spins threads between the many small ops of a decode step; on a
-# CPU shared with other work that made steps 10-35x slower (measured on 2 cores). Passive wait
+# CPU shared with other work that makes decode steps many times slower. Passive wait
 # must be chosen before torch loads, so it is set here; export OMP_WAIT_POLICY to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from leapfrog.sampling_params import SamplingParams

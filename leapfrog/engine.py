@@ -8,14 +8,13 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
 
 from leapfrog.block_manager import BlockManager
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
 from leapfrog.methods import method_class
-from leapfrog.methods.base import Batch, MethodContext
+from leapfrog.methods.base import Batch, Method, MethodContext
 from leapfrog.outputs import RequestMetrics, RequestOutput
 from leapfrog.runner import ModelRunner
 from leapfrog.sampling import Sampler
@@ -65,17 +64,17 @@ class LLMEngine:
         self.sampler = Sampler(self.device, self.config.seed)
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
                             self.device, self.dtype, draft_model)
-        self.method = method_class(method)(ctx, **method_options)
+        self.method: Method = method_class(method)(ctx, **method_options)
         self.method_name = method
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
-            for module in [self.model, *(v for v in vars(self.method).values() if isinstance(v, nn.Module))]:
+            for module in [self.model, *self.method.modules()]:
                 compact_cpu_weights(module)
         # KV blocks hold whole attention blocks, so prefix-cache hits and rollbacks end on the
         # block-causal grid, where a block's KV no longer depends on tokens after it.
         if self.config.block_size % self.method.attn_block_size:
             self.config = self.config.replace(
                 block_size=math.lcm(self.config.block_size, self.method.attn_block_size))
-        step = getattr(self.method, "max_step_tokens", 1)   # query tokens one decode step needs
+        step = self.method.max_step_tokens      # query tokens one decode step needs
         if step > self.config.max_num_batched_tokens:
             raise ValueError(f"engine option max_num_batched_tokens={self.config.max_num_batched_tokens}: "
                              f"method {method!r} feeds {step} query tokens per sequence and step")
@@ -86,7 +85,7 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(self.config.max_batch_size, self.config.max_num_batched_tokens,
                                     self.max_model_len, self.config.chunked_prefill)
         # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).
-        eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + list(getattr(self.method, "eos_token_ids", ()))))
+        eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + list(self.method.eos_token_ids)))
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, eos)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -180,7 +179,7 @@ class LLMEngine:
         so a retried half starts from the same state."""
         try:
             self.method.prepare(batch)
-            out = self.runner.run(batch, want_hidden=bool(getattr(self.method, "wants_hidden", False)))
+            out = self.runner.run(batch)
             commits = self.method.commit(batch, out)
         except Exception as exc:
             if len(batch.seqs) > 1:
@@ -262,11 +261,10 @@ class LLMEngine:
         m = seq.metrics
         n = seq.num_output_tokens
         end = m.finished_time or time.perf_counter()
-        acc = getattr(self.method, "acceptance_length", None)
         return RequestMetrics(
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=n, num_forwards=m.num_forwards,
             tokens_per_forward=n / m.num_forwards if m.num_forwards else 0.0,
-            acceptance_length=acc(seq) if callable(acc) else None,
+            acceptance_length=self.method.acceptance_length(seq),
             time_to_first_token=(m.first_token_time - m.arrival_time) if m.first_token_time else None,
             total_time=end - m.arrival_time, num_cached_prompt_tokens=m.num_cached_prompt_tokens,
             num_preemptions=m.num_preemptions)

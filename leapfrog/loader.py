@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded index too).
 
 Every failure names the file and the problem: an unsupported architecture, a missing or
-truncated shard, a tensor whose shape does not match, a SHA256SUMS mismatch.
+truncated shard, a tensor whose shape does not match, a SHA256SUMS mismatch. Target models
+load with load_model; the drafters of the speculative methods (z-lab DFlash and DeepSpec DSpark
+checkpoints) with find_drafter and load_drafter.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from leapfrog.config import resolve_model
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.layers.moe import expert_target
 from leapfrog.models import model_class
+from leapfrog.models.dflash import DFlashDraftModel
 
 
 class CheckpointError(ValueError):
@@ -107,7 +111,7 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
         except ValueError as e:
             raise CheckpointError(f"{f}: {name}: {e}") from None
         loaded.add(f"{target}:{shard}")
-    _check_complete(model, packed, loaded, files)
+    check_complete(model, packed, loaded, files)
 
 
 def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:
@@ -125,7 +129,9 @@ def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
-def _check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list[Path]) -> None:
+def check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list[Path]) -> None:
+    """Refuse a model some of whose parameters no checkpoint tensor filled. `loaded` holds
+    "param:shard" for every tensor loaded; `packed` is the model's packed_modules."""
     missing = []
     for pname, p in model.named_parameters():
         if hasattr(p, "missing_parts"):      # stacked experts know which expert tensors arrived
@@ -161,4 +167,69 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
     load_weights(model, weight_files(folder))
+    return model.eval()
+
+
+# Frozen copies of the target's tables that DeepSpec checkpoints carry: the target's own
+# embedding and LM head are used instead.
+SHARED_TENSORS = {"embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight"}
+
+
+def find_drafter(model_path: str | os.PathLike, method: str = "", draft_model: str | None = None) -> Path:
+    """Where the drafter is: `draft_model` (a folder, a built-in model name, or a variant name
+    under the model folder's `drafters/`); else the drafter the model folder's `leapfrog.json`
+    names for this method ({"drafters": {"dspark": "drafters/..."}}); else `drafter/`."""
+    model_dir = Path(model_path)
+    if draft_model:
+        variant = model_dir / "drafters" / str(draft_model)
+        if variant.is_dir():
+            return variant
+        return resolve_model(draft_model)
+    meta = model_dir / "leapfrog.json"
+    if meta.is_file():
+        named = (json.loads(meta.read_text()).get("drafters") or {}).get(method)
+        if named:
+            if not (model_dir / named).is_dir():
+                raise ValueError(f"{meta}: drafter {named!r} for method {method!r} is missing")
+            return model_dir / named
+    folder = model_dir / "drafter"
+    if folder.is_dir():
+        return folder
+    raise ValueError(f"{model_path}: no drafter for method {method!r}; pass draft_model=<folder> "
+                     f"or ship one in {folder}")
+
+
+def load_drafter(folder: str | os.PathLike, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    """A z-lab DFlash or DeepSpec DSpark checkpoint folder -> DFlashDraftModel."""
+    folder = Path(folder)
+    verify_manifest(folder)
+    cfg = read_config(folder)
+    try:
+        with torch.device(device):
+            model = DFlashDraftModel(cfg)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    files = weight_files(folder)
+    loaded: set[str] = set()
+    for f, name, tensor in iter_tensors(files):
+        name = name.removeprefix("model.") if name.startswith("model.layers.") else name
+        if name in SHARED_TENSORS or "rotary_emb" in name:
+            continue
+        target, shard = name, None
+        for src, (dst, shard_id) in model.packed_modules.items():
+            if name.startswith("layers.") and f".{src}." in name:   # not markov_head.gate_proj
+                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if target not in params:
+            raise CheckpointError(f"{f}: unexpected tensor {name} for a {model.drafter.kind} drafter")
+        param = params[target]
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype), shard)
+        except ValueError as e:
+            raise CheckpointError(f"{f}: {name}: {e}") from None
+        loaded.add(f"{target}:{shard}")
+    check_complete(model, model.packed_modules, loaded, files)
     return model.eval()

@@ -1,4 +1,4 @@
-"""Batch -> tensors -> model forward -> logits (and hidden states when the method asks).
+"""Batch -> tensors -> model forward -> logits (and the hidden rows of the layers the method taps).
 
 Queries of all sequences are flattened into one [T] token row (varlen, as vLLM does).
 Attention is computed per group: sequences that feed at most `small_query` tokens (decode,
@@ -127,8 +127,8 @@ class ModelRunner:
 
     # --- the forward ----------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: Batch, want_hidden: bool = False) -> StepOutput:
+    def run(self, batch: Batch) -> StepOutput:
         ids, pos, meta, logit_rows = self.prepare(batch)
         hidden, captured = self.model(ids, pos, meta, batch.capture_layers)
         logits = self.model.compute_logits(hidden[logit_rows])
-        return StepOutput(logits, hidden if want_hidden else None, captured)
+        return StepOutput(logits, captured)

@@ -76,11 +76,11 @@ class Scheduler:
         """(known, extra) query tokens for `seq` under the budget, or None if none fit.
 
         The method's extra slots come whole, after every known token; a method asks for them
-        once at most `max_known_with_extra` known tokens are left (default 1: the last sampled
-        token). Otherwise the known tokens are chunked, and a chunk ends on the
+        once at most `Method.max_known_with_extra` known tokens are left (default 1: the last
+        sampled token). Otherwise the known tokens are chunked, and a chunk ends on the
         attention-block grid, where its KV no longer depends on later tokens of its block."""
         known = seq.num_uncomputed
-        ask = known <= getattr(self.method, "max_known_with_extra", 1)
+        ask = known <= self.method.max_known_with_extra
         extra = self.method.num_extra_tokens(seq) if ask else 0
         if known + extra <= budget:
             return known, extra

@@ -48,7 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
-    method_state: dict[str, Any] = field(default_factory=dict)   # owned by the decoding method
+    method_state: Any = None       # the decoding method's record of this sequence (its own type)
     logprobs: list[dict] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()     # the engine's end tokens (min_tokens bans them)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "sep_token", "cls_token")
-# Names diffusion checkpoints use for their mask token (research/diffusion.md §1.7 table).
+# Names diffusion checkpoints use for their mask token (SDAR, Fast-dLLM v2, LLaDA2 and Dream checkpoints).
 MASK_NAMES = ("<mask>", "<|mask|>", "<MASK>", "|<MASK>|", "<|mdm_mask|>")
 REPLACEMENT_CHAR = "\ufffd"
 

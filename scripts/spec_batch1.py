@@ -69,13 +69,13 @@ def main() -> None:
     drafters.sample_block = sample_block
     chosen = collections.Counter()
     cm = engines["confidence"].engine.method
-    real_draft = cm._draft
+    real_draft = cm.propose
 
     def draft(anchors):
         props = real_draft(anchors)
         chosen.update(p.num_verify for p in props)
         return props
-    cm._draft = draft
+    cm.propose = draft
 
     wall = dict.fromkeys(engines, 0.0)
     toks = dict.fromkeys(engines, 0)
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"dspark, ms per cycle ({cycles} cycles, {toks['dspark'] / cycles:.2f} tokens each):")
     for name, (secs, _) in parts.items():
         print(f"  {name:20s} {1e3 * secs / cycles:6.2f}")
-    mc = cm.measured
+    mc = cm.policy.measured
     total = sum(chosen.values())
     print("confidence-scheduled: measured step ms at 1 / 5 / 9 tokens "
           f"{1e3 * mc.cost(1):.2f} / {1e3 * mc.cost(5):.2f} / {1e3 * mc.cost(9):.2f}, drafting "

@@ -35,7 +35,7 @@ def main() -> None:
     for name, llm in engines.items():
         m = llm.engine.method
         if name.startswith("dspark"):
-            m._worth_drafting = lambda anchors, m=m: m._skip(len(anchors))   # skip every step
+            m.policy.should_draft = lambda records: False      # skip every step
         if name.endswith("no capture"):
             m.capture_layers = ()
             m.observe = lambda *a, **k: None

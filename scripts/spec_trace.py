@@ -24,14 +24,15 @@ def main() -> None:
     for llm in engines.values():
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     m = engines["dspark"].engine.method
+    policy = m.policy
     trace: list[dict] = []
-    decide, draft = m._worth_drafting, m._draft
+    decide, draft = policy.should_draft, m.propose
 
-    def traced_decide(anchors):
-        yes = decide(anchors)
-        if yes and m.measured is not None:
-            trace.append({"batch": len(anchors), "probe": m._probing, "wait": m._reprobe_every,
-                          "priced_ms": 1e3 * m.measured.draft(len(anchors))})
+    def traced_decide(records):
+        yes = decide(records)
+        if yes and policy.measured is not None:
+            trace.append({"batch": len(records), "probe": policy.probing, "wait": policy.reprobe_wait,
+                          "priced_ms": 1e3 * policy.measured.draft(len(records))})
         return yes
 
     def traced_draft(anchors):
@@ -41,7 +42,7 @@ def main() -> None:
             trace[-1].update(measured_ms=1e3 * (time.perf_counter() - t),
                              verified=sum(x.num_verify or 0 for x in out))
         return out
-    m._worth_drafting, m._draft = traced_decide, traced_draft
+    policy.should_draft, m.propose = traced_decide, traced_draft
     spent = {"dspark": 0.0, "ar": 0.0}
     for r in range(args.rounds):
         for name in (("dspark", "ar") if r % 2 == 0 else ("ar", "dspark")):

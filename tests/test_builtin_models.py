@@ -76,3 +76,72 @@ def test_offline_text_equals_streamed_text_with_sentencepiece():
     while engine.has_unfinished():
         streamed += "".join(o.delta_text for o in engine.step())
     assert streamed == offline and offline.startswith(" ")   # the first word keeps its space
+
+
+# --- the shipped models stay reproducible: their recorded commands build the same configs -----
+
+SHIPPED_DRAFTERS = sorted(p.parent for p in CHECKPOINT_DIRS[0].glob("*/drafters/*/training.json")) \
+    if CHECKPOINT_DIRS[0].is_dir() else []
+NOT_TRAINING = {"command", "out_dir", "run_dir"}     # where a run wrote, not what it trained
+
+
+def _from_repo_root(value):
+    """Paths recorded on the machine that trained, from the repository root on."""
+    if isinstance(value, dict):
+        return {k: _from_repo_root(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_repo_root(v) for v in value]
+    return re.sub(r"^/.*?/(?=(checkpoints|runs)/)", "", value) if isinstance(value, str) else value
+
+
+def _disagreements(recorded: dict, current: dict, where: str = "") -> list[str]:
+    """Options both configs have and set differently, and recorded options that no longer exist
+    but were on (a removed option must have been off in a shipped run)."""
+    out = []
+    for key, value in recorded.items():
+        if key in NOT_TRAINING and not where:
+            continue
+        if key not in current:
+            if value:
+                out.append(f"{where}{key}={value!r} recorded, no such option now")
+        elif isinstance(value, dict) and isinstance(current[key], dict):
+            out += _disagreements(value, current[key], f"{where}{key}.")
+        elif value != current[key]:
+            out.append(f"{where}{key}: recorded {value!r}, now {current[key]!r}")
+    return out
+
+
+@pytest.mark.parametrize("folder", [p for p in BUILTIN if (p / "training.json").is_file()], ids=lambda p: p.name)
+def test_the_recorded_command_still_builds_the_shipped_config(folder):
+    """`leapfrog train` with the command line recorded in training.json builds the config that
+    trained the shipped weights, and every recipe the folder names (its own, its initial
+    model's, its soup ingredients', its Reproduce commands') is one `leapfrog train` knows."""
+    import json
+    import shlex
+    from dataclasses import asdict
+
+    from leapfrog.train.cli import config_for
+    from leapfrog.train.recipes import RECIPES
+
+    summary = json.loads((folder / "training.json").read_text())
+    recorded = summary["config"]
+    cfg, _ = config_for(shlex.split(recorded["command"])[2:])
+    current = json.loads(json.dumps(asdict(cfg), default=str))
+    assert _disagreements(_from_repo_root(recorded), _from_repo_root(current)) == []
+    named = {summary["recipe"], (summary.get("init") or {}).get("recipe")}
+    named |= {s.get("recipe") for s in summary.get("soup", [])}
+    named |= set(re.findall(r"leapfrog train ([\w-]+)", "\n".join(summary.get("reproduce") or [])))
+    assert named - {None} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("folder", SHIPPED_DRAFTERS, ids=lambda p: p.name)
+def test_the_recorded_command_still_builds_the_shipped_drafter_recipe(folder):
+    import json
+    import shlex
+    from dataclasses import asdict
+
+    from leapfrog.train.drafter import recipe_for
+
+    recorded = json.loads((folder / "training.json").read_text())["recipe"]
+    r, _ = recipe_for(shlex.split(recorded["command"])[3:])
+    assert _disagreements({k: v for k, v in recorded.items() if k != "command"}, asdict(r)) == []

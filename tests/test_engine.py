@@ -154,3 +154,49 @@ def test_bf16_on_cpu_tracks_fp32(llama_dir):
     assert (half - full).abs().max() < 0.05 * full.abs().max()
     out = LLM(str(llama_dir), dtype="bfloat16").generate(["Once upon"], GREEDY)[0]
     assert out.metrics.num_output_tokens == 16
+
+
+def test_a_method_needs_only_prepare_and_commit(llama_dir, llm, monkeypatch):
+    """The engine, scheduler and runner ask a method only for what methods/base.Method
+    declares, each member with a default: a subclass that implements prepare() and commit()
+    alone decodes (here it delegates to ar's, so the output is ar's)."""
+    import leapfrog.engine
+    from leapfrog.methods.autoregressive import AutoregressiveMethod
+    from leapfrog.methods.base import Method
+
+    class Minimal(Method):
+        def __init__(self, ctx, **options) -> None:
+            self.inner = AutoregressiveMethod(ctx)
+
+        def prepare(self, batch) -> None:
+            self.inner.prepare(batch)
+
+        def commit(self, batch, out):
+            return self.inner.commit(batch, out)
+
+    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: Minimal)
+    minimal = LLM(str(llama_dir), method="minimal", block_size=4)
+    outs = minimal.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert all(o.metrics.acceptance_length is None for o in outs)
+    assert minimal.engine.method.stats() == {}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """`from leapfrog.x import _name` (or `import leapfrog.x._y`) inside the package: a name
+    another module needs is public there."""
+    import ast
+    from pathlib import Path
+
+    import leapfrog
+    root = Path(leapfrog.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leapfrog"):
+                bad += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Import):
+                bad += [f"{path.relative_to(root)}: {a.name}" for a in node.names
+                        if a.name.startswith("leapfrog") and any(p.startswith("_") for p in a.name.split("."))]
+    assert not bad, bad

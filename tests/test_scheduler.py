@@ -1,6 +1,6 @@
 """Scheduler with a fake decoding method and no model.
 
-FakeMethod implements the Method protocol: `num_extra_tokens` asks for k draft slots, `prepare`
+FakeMethod is a Method (methods/base.py): `num_extra_tokens` asks for k draft slots, `prepare`
 feeds the known tokens (plus k dummy drafts), and `commit` appends `1 + accepted` tokens and
 keeps `num_known + accepted` KV slots, i.e. for a decode step `1 + accepted`, rolling back the
 rejected drafts exactly as speculative decoding does. Every step also checks the invariants
@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 
 from leapfrog.block_manager import BlockManager
-from leapfrog.methods.base import Batch, Commit
+from leapfrog.methods.base import Batch, Commit, Method
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler import Scheduler, SchedulerConfig
 from leapfrog.sequence import Sequence, SequenceStatus
@@ -23,10 +23,8 @@ TOKEN = 7
 DRAFT = 3
 
 
-class FakeMethod:
+class FakeMethod(Method):
     name = "fake"
-    attn_block_size = 1
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, k: int = 0, next_token: Callable[[Sequence], int] | None = None,
                  accept: Callable[[Sequence, int], int] | None = None) -> None:
@@ -62,9 +60,6 @@ class FakeMethod:
 
     def on_finished(self, seq: Sequence) -> None:
         self.finished.append(seq.request_id)
-
-    def stats(self) -> dict[str, float]:
-        return {}
 
 
 def make(num_blocks=64, k=0, prefix=True, eos=(2,), **cfg):

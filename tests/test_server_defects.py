@@ -248,13 +248,13 @@ def test_sigterm_drains_answers_503_and_exits_0(llama_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
+        deadline, ready = time.time() + 180, False     # a loaded CI machine starts slowly
+        while time.time() < deadline and not ready and proc.poll() is None:
             try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
+                ready = httpx.get(url + "/ready", timeout=1).status_code == 200
             except httpx.TransportError:
                 time.sleep(0.1)
+        assert ready, "server not ready"
         # 16 choices one at a time (batch of 1): seconds of work still in flight at SIGTERM
         body = {"prompt": "Once", "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 16}
         seen = {"ready": None, "new": None, "events": 0}

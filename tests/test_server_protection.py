@@ -143,8 +143,10 @@ def test_auth_and_rate_limit(llama_dir, tmp_path):
         old = jwt_encode({"sub": "alice", "exp": time.time() - 3600}, "s3cret")
         forged = jwt_encode({"sub": "alice"}, "not-the-secret")
         assert post(s, "/generate", body, headers={"Authorization": f"Bearer {good}"}).status_code == 200
-        assert_error(post(s, "/generate", body, headers={"Authorization": f"Bearer {old}"}), 401)
-        assert_error(post(s, "/generate", body, headers={"Authorization": f"Bearer {forged}"}), 401)
+        err = assert_error(post(s, "/generate", body, headers={"Authorization": f"Bearer {old}"}), 401)
+        assert "expired" in err["message"]
+        err = assert_error(post(s, "/generate", body, headers={"Authorization": f"Bearer {forged}"}), 401)
+        assert "signature" in err["message"] and forged not in err["message"]
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
@@ -232,17 +234,16 @@ def test_serve_cli_subprocess_sigterm(llama_dir):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        deadline, ready = time.time() + 180, False     # a loaded CI machine starts slowly
+        while time.time() < deadline and not ready and proc.poll() is None:
             try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
+                ready = httpx.get(url + "/ready", timeout=1).status_code == 200
             except httpx.TransportError:
                 time.sleep(0.1)
+        assert ready, proc.stderr.read() if proc.poll() is not None else "not ready in time"
         still_works(url)
         proc.send_signal(signal.SIGTERM)
-        # uvicorn drains, then re-raises the signal so the exit status says "terminated"
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0      # drained, then a clean exit
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import re
+import time
 
 import pytest
 
@@ -11,19 +14,34 @@ from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, jwt_decod
 from leapfrog.serve.metrics import ServerMetrics
 
 
+def _b64(obj: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+
 def test_jwt_roundtrip_and_rejections():
-    tok = jwt_encode({"sub": "bob", "exp": 2000}, "k")
-    assert jwt_decode(tok, "k", now=1000)["sub"] == "bob"
+    now = time.time()
+    tok = jwt_encode({"sub": "bob", "exp": now + 60}, "k")
+    assert jwt_decode(tok, "k")["sub"] == "bob"
+    assert jwt_decode(jwt_encode({"sub": "bob", "exp": now - 10}, "k"), "k")["sub"] == "bob"   # 30 s leeway
     with pytest.raises(AuthError, match="expired"):
-        jwt_decode(tok, "k", now=3000)
+        jwt_decode(jwt_encode({"sub": "bob", "exp": now - 3600}, "k"), "k")
+    with pytest.raises(AuthError, match="not valid yet"):
+        jwt_decode(jwt_encode({"sub": "bob", "nbf": now + 3600}, "k"), "k")
     with pytest.raises(AuthError, match="signature"):
-        jwt_decode(tok, "other", now=1000)
-    # alg=none with the signature stripped must not pass
-    head = base64.urlsafe_b64encode(json.dumps({"alg": "none"}).encode()).rstrip(b"=").decode()
-    with pytest.raises(AuthError):
-        jwt_decode(f"{head}.{tok.split('.')[1]}.", "k", now=1000)
+        jwt_decode(tok, "other")
+    body = tok.split(".")[1]
+    # the header's alg is not trusted: alg=none with the signature stripped, or another HMAC, must not pass
+    for alg in ("none", "HS512"):
+        with pytest.raises(AuthError, match="HS256"):
+            jwt_decode(f"{_b64({'alg': alg, 'typ': 'JWT'})}.{body}.", "k")
     with pytest.raises(AuthError, match="malformed"):
         jwt_decode("a.b", "k")
+    with pytest.raises(AuthError, match="malformed"):
+        jwt_decode("a.b.c", "k")                       # the header is not base64 JSON
+    signing_input = f"{_b64({'alg': 'HS256'})}.bm90IGpzb24"     # a correctly signed payload "not json"
+    sig = base64.urlsafe_b64encode(hmac.new(b"k", signing_input.encode(), hashlib.sha256).digest())
+    with pytest.raises(AuthError, match="malformed"):
+        jwt_decode(f"{signing_input}.{sig.rstrip(b'=').decode()}", "k")
 
 
 def test_authenticator_identities():
@@ -68,3 +86,44 @@ def test_prometheus_exposition_is_well_formed():
     assert 'model_name="m\\"odel"' in text
     assert "leapfrog:num_requests_running{model_name=" in text
     assert 'leapfrog:method_num_steps_total{method="ar"' in text
+
+
+def test_prometheus_series_names_are_stable():
+    """Dashboards and scrapers know these names, types and labels (vLLM's, under `leapfrog:`)."""
+    m = ServerMetrics("tiny")
+    m.observe("request_tokens_per_forward", 1.0)
+    m.finished("stop")
+    m.reject("queue_full")
+    m.publish({}, "dspark", {"num_drafted_tokens": 3, "acceptance-rate": 0.5})
+    text = m.render()
+    types = re.findall(r"^# TYPE leapfrog:(\S+) (\S+)$", text, re.M)
+    assert types == [
+        ("num_requests_running", "gauge"), ("num_requests_waiting", "gauge"), ("kv_cache_usage_perc", "gauge"),
+        ("kv_cache_num_blocks", "gauge"), ("kv_cache_used_blocks", "gauge"), ("tokens_per_forward", "gauge"),
+        ("prefix_cache_queries_total", "counter"), ("prefix_cache_hits_total", "counter"),
+        ("engine_steps_total", "counter"), ("prompt_tokens_total", "counter"),
+        ("generation_tokens_total", "counter"), ("request_forwards_total", "counter"),
+        ("num_preemptions_total", "counter"), ("request_success_total", "counter"),
+        ("http_requests_rejected_total", "counter"),
+        ("time_to_first_token_seconds", "histogram"), ("inter_token_latency_seconds", "histogram"),
+        ("time_per_output_token_seconds", "histogram"), ("e2e_request_latency_seconds", "histogram"),
+        ("request_tokens_per_forward", "histogram"),
+        ("method_acceptance_rate", "gauge"), ("method_num_drafted_tokens_total", "counter")]
+    assert "# HELP leapfrog:prompt_tokens_total Prompt tokens processed.\n" in text
+    assert 'leapfrog:request_success_total{finished_reason="stop",model_name="tiny"} 1' in text
+    assert 'leapfrog:http_requests_rejected_total{model_name="tiny",reason="queue_full"} 1' in text
+    assert 'leapfrog:method_num_drafted_tokens_total{method="dspark",model_name="tiny"} 3' in text
+    assert 'leapfrog:request_tokens_per_forward_bucket{le="1",model_name="tiny"} 1' in text   # not le="1.0"
+    assert 'le="0.0025"' in text and 'le="+Inf"' in text
+    assert "_created" not in text and "_total_total" not in text
+    # the library's own parser reads it back
+    from prometheus_client.parser import text_string_to_metric_families
+    assert len(list(text_string_to_metric_families(text))) == len(types)
+
+
+def test_prometheus_registries_are_per_server():
+    a, b = ServerMetrics("a"), ServerMetrics("b")
+    a.add("generation_tokens", 7)
+    assert 'leapfrog:generation_tokens_total{model_name="a"} 7' in a.render()
+    text = b.render()
+    assert 'model_name="a"' not in text and 'leapfrog:generation_tokens_total{model_name="b"} 0' in text

@@ -15,8 +15,9 @@ from leapfrog.data import couplets as fmt
 from leapfrog.train import couplets as examples
 from leapfrog.data import corpus as data
 from leapfrog.train.export import verify_sha256sums
-from leapfrog.train.loop import ModelShape, build_model, length_weights, loss_on, make_optimizer, train
+from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer, train
 from leapfrog.train.recipes import tiny
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
@@ -83,41 +84,6 @@ def test_long_couplets_are_oversampled_in_pair_mode_only():
     extra = Counter(more) - Counter(base)
     assert extra == Counter({fmt.pair_text("春风又绿江南岸呀", "明月何时照我还呢"): 2})
     assert not Counter(base) - Counter(more)
-
-
-def test_mirrored_long_couplets_swap_the_sides():
-    """mirrored adds pair-mode copies of every long pair with the 下联 as the prompt, nothing else."""
-    from collections import Counter
-    pairs = [("天若有情天亦老", "月如无恨月常圆"), ("春风又绿江南岸呀", "明月何时照我还呢"), ("山高", "水长")]
-    spring = [("福满门", "春满园", "万象更新")]
-    base = examples.build_examples(pairs, spring, seed=3, spring_repeats=1)
-    more = examples.build_examples(pairs, spring, seed=3, spring_repeats=1, mirrored=1)
-    assert Counter(more) - Counter(base) == Counter({fmt.pair_text("明月何时照我还呢", "春风又绿江南岸呀"): 1})
-    assert not Counter(base) - Counter(more)
-
-
-def test_length_weights_count_end_and_punctuation_targets_more():
-    """The weighted loss is the weighted mean of per-target cross-entropies (weights 1 + extra
-    on </s> and punctuation ids), only while training; validation stays the plain mean."""
-    import torch.nn.functional as F
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "，": 3, "天": 4, "地": 5}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
-                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    w = length_weights(tok, 2.0)
-    assert w.tolist() == [1.0, 1.0, 3.0, 3.0, 1.0, 1.0]
-    torch.manual_seed(0)
-    model = build_model(ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                   intermediate_size=64, max_position=32), vocab_size=6)
-    x = torch.tensor([[1, 4, 3, 5, 2, 4, 5]])
-    inp, tgt = x[:, :-1], x[:, 1:]
-    ce = F.cross_entropy(model(input_ids=inp).logits[0].float(), tgt[0], reduction="none")
-    want = (ce * w[tgt[0]]).sum() / w[tgt[0]].sum()
-    assert torch.allclose(loss_on(model, inp, tgt, "fp32", w), want, atol=1e-6)
-    model.eval()
-    assert torch.allclose(loss_on(model, inp, tgt, "fp32", w), ce.mean(), atol=1e-6)
 
 
 def test_oversampling_long_couplets_keeps_the_vocabulary(data_dir, tmp_path):
@@ -224,22 +190,6 @@ def test_resume_continues_from_saved_step(trained, capsys):
     assert state["history"]["train"][:6] == saved["history"]["train"]
 
 
-def test_joined_pairs_answer_clause_by_clause():
-    """join_pairs: each synthetic 上联 is 2-3 real 上联 joined by "，", its 下联 the same pairs'
-    下联 in the same order, so both sides have equal length with the commas in the same places;
-    pairs of unequal length or with punctuation of their own are never used."""
-    pairs = [("天若有情", "月如无恨"), ("春风又绿江南", "明月何时照我"), ("山高水长", "海阔天空"),
-             ("长短", "不一样长"), ("有，逗号", "也，不行")]
-    joined = examples.join_pairs(pairs, 50, random.Random(0))
-    answer = {u: d for u, d in pairs[:3]}
-    assert len(joined) == 50
-    for up, down in joined:
-        ups, downs = up.split("，"), down.split("，")
-        assert 2 <= len(ups) <= 3 and len(up) == len(down)
-        assert [answer[u] for u in ups] == downs
-    assert examples.join_pairs([("长短", "不一样长")], 5, random.Random(0)) == []
-
-
 def test_distilled_stream_is_the_parents_own_text(trained, data_dir, monkeypatch):
     """train.distill: the training stream becomes the parent's continuations of training-story
     openings (<s> prompt completion), greedy ones equal to the parent's greedy generation, and a
@@ -266,29 +216,6 @@ def test_distilled_stream_is_the_parents_own_text(trained, data_dir, monkeypatch
     monkeypatch.setattr(distill, "regenerate", no_generation)
     again = distill.distilled(prep, "stories", spec, cfg.seed, str(data_dir))
     assert [int(t) for t in again.train] == stream
-
-
-def test_grow_depth_keeps_the_logits_and_trains_the_new_layers():
-    """train.grow: copies with zeroed output projections leave the logits unchanged, sit right
-    after the chosen layers, and get gradients once their projections move."""
-    from leapfrog.train.grow import grow_depth, insert_positions
-
-    assert insert_positions(4, 2) == [1, 3] and insert_positions(4, 4) == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="grow"):
-        insert_positions(2, 3)
-    torch.manual_seed(0)
-    model = build_model(ModelShape(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1,
-                                   intermediate_size=64, max_position=64), vocab_size=50)
-    x = torch.randint(0, 50, (2, 12))
-    before = model(x).logits
-    q_of_layer1 = model.model.layers[1].self_attn.q_proj.weight.clone()
-    grow_depth(model, 2)
-    assert model.config.num_hidden_layers == len(model.model.layers) == 6
-    assert torch.equal(model.model.layers[2].self_attn.q_proj.weight, q_of_layer1)
-    assert not model.model.layers[2].mlp.down_proj.weight.any()
-    assert torch.allclose(model(x).logits, before, atol=1e-6)
-    model(x).logits.sum().backward()
-    assert model.model.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
 
 
 def _couplets_parent(data_dir, tmp_path):
@@ -363,8 +290,6 @@ def test_length_forced_candidates_keep_the_punctuation_of_the_up_line(data_dir, 
     from leapfrog.train import distill
 
     assert distill.same_punctuation("春风，绿柳", "秋雨，红枫") and not distill.same_punctuation("春风，绿柳", "秋雨红，枫")
-    assert distill.loops_more("贵为尚书，俭若寒士", "死者生，死者生，死者")
-    assert not distill.loops_more("吹吹打打打打吹吹", "笑笑啼啼啼啼笑笑") and not distill.loops_more("春风", "秋雨")
     cfg, prep, parent, ups = _couplets_parent(data_dir, tmp_path)
     asked = []
 
@@ -511,3 +436,14 @@ def test_weight_averaging_exports_the_mean_of_the_tail_steps(data_dir, tmp_path,
         assert torch.allclose(tensor, want, atol=1e-6), name
         assert not torch.equal(tensor, seen[-1][name])
     assert summary["steps"] == 6
+
+
+def test_train_help_lists_every_recipe_with_its_one_description():
+    """A recipe is described once, by its function's docstring; `leapfrog train --help` reads it."""
+    from leapfrog.train.cli import build_parser
+    from leapfrog.train.recipes import RECIPES, describe
+
+    text = build_parser().format_help()
+    for name, make in RECIPES.items():
+        assert describe(name) and make.__doc__.strip().startswith(describe(name))
+        assert f"  {name}: {describe(name)}\n" in text

@@ -17,7 +17,7 @@ tokens/s, and the speed-up over `ar` (ratio of tokens/s, so texts that end early
 Then all prompts as one batch (throughput): output tokens/s, best of --repeats interleaved runs.
 Quality of the batch-1 texts, with `leapfrog eval`'s functions: perplexity under --ar-model
 (the judge), rep-4 over words, coherence (MiniLM, opening vs continuation).
-Targets (issue 6), checked per row: multi-block tokens/forward >= 1.5x single-block at the same
+Targets, checked per row: multi-block tokens/forward >= 1.5x single-block at the same
 threshold with judge ppl at most 5% above single-block's; a diffusion config >= 2x `ar`'s
 batch-1 speed with judge ppl at most 10% above `ar`'s.
 """

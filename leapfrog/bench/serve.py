@@ -6,7 +6,7 @@ can carry several tokens), ITL = gaps between chunks, e2e. Per load level: mean 
 each, request and token throughput. Load levels are fixed concurrencies (all requests sent at
 once, at most C in flight) or Poisson arrival rates (gamma gaps with --burstiness; 1 = Poisson).
 One asyncio client drives everything: on a small machine, client threads would compete with
-the server for cores (research/serving.md §3.4).
+the server for cores.
 Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: o
     param.data.copy_(tensor)
 
 
-def _skinny_rows_max() -> int:
+def skinny_rows_max() -> int:
     """Largest row count sent to the CPU skinny-matmul kernel: with one thread it matches the
     BLAS kernel up to ~16 rows, with two or more it is 1.5-2x faster up to ~32 (it reads each
     weight row once; the BLAS kernel re-streams the weights from L3 for every few rows and
@@ -43,7 +43,7 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         mod = cpu_kernels()
         if mod is not None:
             b = layer.bias if layer.bias is not None else _EMPTY
-            if rows <= _skinny_rows_max():
+            if rows <= skinny_rows_max():
                 w = kernel_weight(layer)
                 return mod.skinny_linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
             panels = kernel_panels(layer)

@@ -12,7 +12,7 @@ so one `MoESpec` read from config.json covers them:
   `topk_group` best of `n_group` expert groups, a group scored by the sum of its two best
   experts, before the top-k; the chosen raw scores are renormalised and multiplied by
   `routed_scaling_factor`; `num_shared_experts` always-on experts are added
-  (research/diffusion.md §1.5).
+  (the LLaDA2.0 technical report, inclusionAI 2025).
 
 Expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down, the layout transformers keeps
 in memory), so no Python loop runs per token: with few (token, expert) pairs (decode) the chosen

@@ -1,28 +1,22 @@
 """`ar`: one token per forward, the baseline every other method must match."""
 from __future__ import annotations
 
-from leapfrog.methods.base import Batch, Commit, StepOutput
 from typing import TYPE_CHECKING
 
+from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.sampling import Sampler
-from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
     from leapfrog.methods.base import MethodContext
 
 
-class AutoregressiveMethod:
+class AutoregressiveMethod(Method):
     name = "ar"
-    attn_block_size = 1
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, ctx: "MethodContext", **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method 'ar': {', '.join(sorted(options))}")
         self.sampler: Sampler = ctx.sampler
-
-    def num_extra_tokens(self, seq: Sequence) -> int:
-        return 0
 
     def prepare(self, batch: Batch) -> None:
         for s in batch.seqs:
@@ -40,9 +34,3 @@ class AutoregressiveMethod:
             else:  # a prefill chunk that does not reach the end: only its KV is kept
                 commits.append(Commit([], s.num_known, counted_forward=False))
         return commits
-
-    def on_finished(self, seq: Sequence) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {}

@@ -1,15 +1,16 @@
 """The seam between the engine and a decoding method.
 
-The scheduler and runner know only this protocol. Each step a method says how many query
-tokens a sequence needs beyond its known tokens (drafts, a diffusion canvas) and how the
-queries attend; after the forward it says which tokens to commit and how many of the step's
-KV slots to keep (the rest are rolled back).
+The scheduler, runner and engine know only the `Method` base class below: every member they
+use is declared there, with its default. Each step a method says how many query tokens a
+sequence needs beyond its known tokens (drafts, a diffusion canvas) and how the queries attend;
+after the forward it says which tokens to commit and how many of the step's KV slots to keep
+(the rest are rolled back). What a method remembers of a sequence between steps lives in
+`Sequence.method_state`, a record of the method's own type.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -72,32 +73,53 @@ class Commit:
 @dataclass(slots=True)
 class StepOutput:
     logits: torch.Tensor                   # [sum(num_logits), V] fp32, in batch order
-    hidden: torch.Tensor | None = None     # [num_tokens, H] final hidden rows (when asked)
     captured: list[torch.Tensor] = field(default_factory=list)   # per capture layer [num_tokens, H]
 
     def split(self, batch: Batch) -> list[torch.Tensor]:
         return list(self.logits.split([s.num_logits for s in batch.seqs]))
 
 
-class Method(Protocol):
-    name: str
-    attn_block_size: int
-    capture_layers: tuple[int, ...]
+class Method:
+    """A decoding method: what the scheduler, runner and engine ask of one, with defaults.
+
+    Subclasses implement prepare() and commit(); the rest has a default that suits a method
+    whose steps feed only known tokens (`ar`)."""
+    name: str = "method"
+    attn_block_size: int = 1               # 1: causal; B: bidirectional within absolute blocks of B
+    capture_layers: tuple[int, ...] = ()   # target layers whose hidden rows StepOutput.captured holds
+    # num_extra_tokens() is asked once at most this many known tokens are left to feed: 1, drafts
+    # follow the last token; a diffusion canvas follows the prompt's partial block and any
+    # committed blocks whose KV is not stored yet.
+    max_known_with_extra: int = 1
+    max_step_tokens: int = 1               # query tokens one decode step feeds per sequence
+    eos_token_ids: tuple[int, ...] = ()    # end-of-text ids the engine stops on besides the tokenizer's
 
     def num_extra_tokens(self, seq: Sequence) -> int:
-        """Query slots beyond the known tokens, for a sequence whose known tokens all fit.
-        Asked when at most `max_known_with_extra` known tokens are left (an optional method
-        attribute, default 1: drafts follow the last token; a diffusion canvas follows the
-        prompt's partial block and any committed blocks whose KV is not stored yet)."""
+        """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""
+        return 0
 
     def prepare(self, batch: Batch) -> None:
         """Fill query_ids and num_logits of every ScheduledSeq."""
+        raise NotImplementedError
 
     def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
         """Decide, per ScheduledSeq in order, what to append and what KV to keep."""
+        raise NotImplementedError
 
     def on_finished(self, seq: Sequence) -> None:
-        """Release per-sequence state (preempted sequences restart from scratch)."""
+        """Release per-sequence state (finished, aborted, or preempted: a preempted sequence
+        restarts from scratch)."""
+        seq.method_state = None
 
     def stats(self) -> dict[str, float]:
         """Method-specific counters for metrics (drafted/accepted tokens, ...)."""
+        return {}
+
+    def acceptance_length(self, seq: Sequence) -> float | None:
+        """τ of a speculative method: tokens committed per verify step; None for the others."""
+        return None
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Models the method runs besides the target (a drafter), for the engine to prepare
+        their weights as it does the target's."""
+        return []

@@ -1,12 +1,14 @@
-"""DSpark's hardware-aware prefix scheduler (research/speculative.md §2.4, Algorithm 1).
+"""The pieces of DSpark's hardware-aware prefix scheduler (Algorithm 1 of the DSpark paper),
+which verify.ConfidencePolicy puts together: the algorithm, the step-cost model it prices
+steps with, and the per-request feedback that corrects the confidences.
 
 Each request r carries survival probabilities a_{r,j} = Π_{i<=j} c_{r,i} of its drafts. Verifying
 ℓ_r drafts costs 1 + ℓ_r query tokens in the next target forward and is expected to commit
 1 + Σ_{j<=ℓ_r} a_{r,j} tokens. The scheduler maximises Θ = τ · SPS(B), where SPS(B) is target
 forwards per second at B batch tokens, greedily over candidates sorted by a (ties: earlier
 position first), and stops at the first candidate that does not raise Θ. The early break is
-what keeps it lossless (§2.4 non-anticipation, App. A): a_{r,j+1} depends on the sampled x_j,
-and without the break x_j could influence its own admission.
+what keeps it lossless (the DSpark paper's non-anticipation argument): a_{r,j+1} depends on
+the sampled x_j, and without the break x_j could influence its own admission.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def schedule_prefix(surv: list[list[float]], sps: Callable[[int], float]) -> lis
 @dataclass(slots=True)
 class StepCostTable:
     """Seconds per target forward at B batch tokens, piecewise linear between profiled points
-    (vLLM PR #47808 profiles such a curve at start-up; §2.4)."""
+    (vLLM PR #47808 profiles such a curve at start-up)."""
     num_tokens: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
@@ -94,7 +96,7 @@ class StepCostTable:
         try:
             secs = []
             for b in sizes:
-                step = _paged_step(model, layers, b, context, device) if paged else \
+                step = paged_step(model, layers, b, context, device) if paged else \
                     (lambda ids=torch.zeros(1, b, dtype=torch.long, device=device): model.forward_dense(ids))
                 step()                                     # warm-up: first-call allocations
                 best = float("inf")
@@ -150,13 +152,12 @@ class MeasuredCost:
 
     The start-up profile times a bare forward once, on whatever the machine was doing then. A
     real step also schedules, samples and commits, and a machine that becomes busier or quieter
-    changes every cost; deciding on the profile alone, confidence scheduling kept declining to
-    draft on a busy machine where verifying every draft ran 1.4-1.5x `ar`. A profile scaled by
-    one factor is not enough either: from run to run it came out at 1.4-2.5 ms for a 1-token
-    step and with a different shape, so the widths the engine runs at are priced from their own
-    measurements. Drafting grows with the requests drafted for (one average priced drafting for
-    one request at what 32 had cost). A step far from the prediction (outside [1/ratio, ratio]
-    times it: an idle gap between requests, a stall) is not a sample."""
+    changes every cost, so decisions on the profile alone go wrong. Scaling the profile by one
+    factor is not enough either: its level and its shape vary from run to run, so the widths
+    the engine runs at are priced from their own measurements. Drafting grows with the requests
+    drafted for (one average would price drafting for one request at what many had cost). A
+    step far from the prediction (outside [1/ratio, ratio] times it: an idle gap between
+    requests, a stall) is not a sample."""
     table: StepCostTable
     alpha: float = 0.1
     min_samples: int = 3
@@ -205,7 +206,7 @@ class AcceptanceFeedback:
     over the positions actually verified, and `correct` scales a new row by
     (seen_j + prior) / (predicted_j + prior): `prior` pseudo-counts keep the ratio near 1
     until a request has shown a few steps. The corrected row stays non-increasing and <= 1.
-    Only past steps enter it, so the decision stays non-anticipating (lossless, §2.4)."""
+    Only past steps enter it, so the decision stays non-anticipating (lossless)."""
     decay: float = 0.9
     prior: float = 2.0
     predicted: list[float] = field(default_factory=list)
@@ -235,7 +236,7 @@ class AcceptanceFeedback:
         return out
 
 
-def _paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
+def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
                 device: torch.device) -> Callable[[], None]:
     """A paged forward of b query rows after `context` cached positions, as the runner builds
     it for verification (one kernel row per query, its keys a prefix), on scratch caches."""

@@ -1,4 +1,5 @@
-"""`diffusion`: block-diffusion decoding over the paged KV cache (research/diffusion.md §1.2, §2.3).
+"""`diffusion`: block-diffusion decoding over the paged KV cache (BD3-LM, Arriola et al. 2025;
+SDAR; Fast-dLLM v2; LLaDA2).
 
 The sequence is cut into blocks of B tokens on the absolute position grid; attention is
 bidirectional inside a block and causal across blocks (Batch.attn_block_size = B), so the
@@ -17,7 +18,7 @@ are fed as mask tokens, which block-causal attention keeps from changing anythin
 The floor applies to slot 0 and to a later block only while its predecessor's progress (as the
 step saw it) is at least `semi_threshold` (τ_semi), so a block is not forced on an immature
 prefix. N = 1 is single-block decoding (SDAR / Fast-dLLM v2). Defaults τ = 0.9, τ_add = 0.1,
-τ_semi = 0.9 are Diffulex's (research/diffusion.md §2.3).
+τ_semi = 0.9 are Diffulex's.
 
 Exact KV: a block's KV is kept only when it was computed with the whole block known. A block
 finished in step s is fed again in step s+1 with its final tokens, in front of the window
@@ -26,7 +27,7 @@ step (MBD overlaps it with later blocks, Fast-dLLM v2 reuses it), so no forward 
 Under the block-causal mask the window cannot tell the difference, so tokens equal those of a
 separate store pass.
 
-Logit shift (Fast-dLLM v2 §1.4): position i is predicted from the row of position i-1. The
+Logit shift (Fast-dLLM v2): position i is predicted from the row of position i-1. The
 first position of a block then needs the last row of the previous block; once that block is
 cached its row is no longer fed, so the row is carried from the step that stored it.
 
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
+from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
 from leapfrog.models.diffusion_families import diffusion_spec
 from leapfrog.sampling import Sampler, apply_penalties, token_logprobs
 from leapfrog.sequence import Sequence
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Canvas:
-    """A sequence's undecided future; survives preemption, so recompute keeps the text."""
+    """A sequence's undecided future (its Sequence.method_state); survives preemption, so
+    recompute keeps the text."""
     decided: dict[int, int] = field(default_factory=dict)     # position -> token, past the committed text
     logprobs: dict[int, dict] = field(default_factory=dict)   # position -> entry, when the request asks
     num_active: int = 1                                       # active slots from the first unfinished block
@@ -99,9 +101,8 @@ def _fraction(name: str, value: object, low_open: bool) -> float:
     return float(value)
 
 
-class DiffusionMethod:
+class DiffusionMethod(Method):
     name = "diffusion"
-    capture_layers: tuple[int, ...] = ()
     # The canvas follows any number of known tokens: the prompt (prefill and first step share a
     # forward when the budget allows) and committed blocks whose KV is not stored yet.
     max_known_with_extra = 1 << 62
@@ -122,7 +123,7 @@ class DiffusionMethod:
         self.block_size = self.attn_block_size = spec.block_size
         self.mask_token_id = spec.mask_token_id
         self.logit_shift = int(spec.logit_shift)
-        self.eos_token_ids = list(spec.eos_token_ids)     # the engine stops on these too
+        self.eos_token_ids = tuple(spec.eos_token_ids)    # the engine stops on these too
         self._eos = set(spec.eos_token_ids)
         self.max_positions = int(config.get("max_position_embeddings", 1 << 30))
         self.max_step_tokens = num_blocks * self.block_size      # the engine checks its token budget
@@ -131,7 +132,9 @@ class DiffusionMethod:
 
     # --- the window ---------------------------------------------------------------------------
     def _canvas(self, seq: Sequence) -> Canvas:
-        return seq.method_state.setdefault("diffusion", Canvas())
+        if seq.method_state is None:
+            seq.method_state = Canvas()
+        return seq.method_state
 
     def num_extra_tokens(self, seq: Sequence) -> int:
         n = len(seq.token_ids)
@@ -153,7 +156,7 @@ class DiffusionMethod:
         done = max(0, min(hi, num_committed) - lo) + sum(lo <= p < hi for p in canvas.decided)
         return done / self.block_size
 
-    # --- Method protocol ------------------------------------------------------------------------
+    # --- Method ---------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> None:
         for s in batch.seqs:
             seq, end = s.seq, s.start_pos + s.num_query
@@ -185,9 +188,9 @@ class DiffusionMethod:
 
     def on_finished(self, seq: Sequence) -> None:
         if seq.is_finished:
-            seq.method_state.pop("diffusion", None)
-        elif "diffusion" in seq.method_state:   # preempted: decided tokens stay, the carry is recomputed
-            seq.method_state["diffusion"].carry = None
+            seq.method_state = None
+        elif seq.method_state is not None:   # preempted: decided tokens stay, the carry is recomputed
+            seq.method_state.carry = None
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()

@@ -1,9 +1,9 @@
 """Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward.
 
-Per decoding step a sequence feeds [last committed token, d_1..d_k] (DESIGN.md "One step":
-query = last token + k drafts, num_logits = k+1). Row j of the target's logits is the
-distribution of the token after d_j, so one forward checks every draft and yields one more
-token (the bonus). Verification is the standard lossless rule (research/speculative.md §2.5):
+Per decoding step a sequence feeds [last committed token, d_1..d_k] (query = last token + k
+drafts, num_logits = k+1). Row j of the target's logits is the distribution of the token after
+d_j, so one forward checks every draft and yields one more token (the bonus). Verification is
+the standard lossless rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
 accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
 normalize(max(0, p_j - q_j)); if all k survive, draw the bonus from p_k. Greedy requests have
 one-hot p (Sampler.probs), which reduces the rule to "accept while d_j == argmax p_j".
@@ -12,7 +12,10 @@ Drafting happens at the end of commit(), right after the verify pass ("propose a
 verify", as vLLM's proposers do): the target's hidden states of the kept positions are at
 hand then, and the next step's num_extra_tokens() can say exactly how many drafts a sequence
 carries (the scheduler budgets tokens before prepare()). Subclasses implement observe()
-(take the kept rows' captured hidden states) and propose() (draft from the new anchors).
+(take the kept rows' captured hidden states) and propose() (draft from the new anchors). The
+method's verify policy (verify.py) may skip drafting for a step and says how many of each
+request's drafts are verified; what the method keeps of a request between steps is its
+SpecState (Sequence.method_state).
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
+from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
+from leapfrog.methods.verify import FixedPolicy, VerifyPolicy, VerifyRecord
 from leapfrog.sampling import Sampler, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
     from leapfrog.methods.base import MethodContext
+    from leapfrog.models.dflash import DraftContext
 
 
 @dataclass(slots=True)
@@ -35,8 +40,8 @@ class Proposal:
     anchor_pos: int
     token_ids: list[int]
     probs: torch.Tensor | None = None          # [k, V] draft distribution q; None: one-hot (argmax drafts)
-    confidence: list[float] | None = None      # per-position conditional acceptance estimates (DSpark §2.1)
-    num_verify: int | None = None              # how many drafts to verify (confidence scheduling); None: all
+    confidence: list[float] | None = None      # per-position conditional acceptance estimates (DSpark's confidence head)
+    num_verify: int | None = None              # how many drafts to verify (the verify policy's); None: all
 
 
 @dataclass(slots=True)
@@ -51,14 +56,23 @@ class Anchor:
 
 
 @dataclass(slots=True)
-class SeqSpecStats:
-    """Kept in seq.method_state across preemption so τ survives on_finished()."""
+class SpecState:
+    """A speculative request's record between steps (its Sequence.method_state). on_finished()
+    releases the drafts, the drafter's context and the policy's record; τ's counters and the
+    fallback flag stay (metrics read τ after the request finished; a preempted request keeps
+    them)."""
+    proposal: Proposal | None = None           # drafts for the next step
+    context: "DraftContext | None" = None      # the drafter's K/V of the request's kept positions
+    verify: VerifyRecord = field(default_factory=VerifyRecord)   # what the verify policy learned of it
     num_verify_steps: int = 0
     num_emitted_tokens: int = 0                # accepted + bonus over all verify steps
     drafting_off: bool = False                 # fallback: acceptance collapsed, decode as ar
 
+    def release(self) -> None:
+        self.proposal, self.context, self.verify = None, None, VerifyRecord()
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from `probs` [V] by the exponential race, as Sampler.draw does."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
@@ -66,7 +80,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def verify_drafts(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor | None,
                   generator: torch.Generator | None = None) -> list[int]:
-    """The lossless acceptance rule (research/speculative.md §2.5) for one sequence.
+    """The lossless acceptance rule (Leviathan et al. 2023; Chen et al. 2023) for one sequence.
 
     p: [k+1, V] target distributions (row j: token after d_j); draft_ids: [k];
     q: [k, V] draft distributions, or None when the drafts were argmax picks (q one-hot).
@@ -74,7 +88,7 @@ def verify_drafts(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor | No
     """
     k = draft_ids.numel()
     if k == 0:
-        return [_draw(p[0], generator)]
+        return [draw_token(p[0], generator)]
     rows = torch.arange(k, device=p.device)
     px = p[rows, draft_ids]
     qx = q[rows, draft_ids] if q is not None else torch.ones_like(px)
@@ -83,12 +97,12 @@ def verify_drafts(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor | No
     n = int(ok.to(torch.int32).cumprod(0).sum())   # leading run of accepted drafts
     out = draft_ids[:n].tolist()
     if n == k:
-        return out + [_draw(p[k], generator)]
+        return out + [draw_token(p[k], generator)]
     qn = q[n] if q is not None else torch.zeros_like(p[n]).index_fill_(0, draft_ids[n:n + 1], 1.0)
     residual = (p[n] - qn).clamp_(min=0)
     if float(residual.sum()) <= 1e-12:             # p == q up to rounding: p itself is the residual
         residual = p[n]
-    return out + [_draw(residual, generator)]
+    return out + [draw_token(residual, generator)]
 
 
 def greedy_accept(target_ids: list[int], draft_ids: list[int]) -> list[int]:
@@ -134,19 +148,17 @@ class SpecCounters:
         return out
 
 
-class SpeculativeMethod:
-    """Lossless draft-and-verify behind the Method protocol; subclasses supply the drafter."""
+class SpeculativeMethod(Method):
+    """Lossless draft-and-verify; subclasses supply the drafter (and may set a verify policy)."""
     name = "speculative"
-    attn_block_size = 1
-    capture_layers: tuple[int, ...] = ()
 
     # fallback="ar" or "parallel": a request whose τ stays below fallback_tau after fallback_min_steps verify
-    # steps stops drafting (issue 5: acceptance collapse must not cost more than ar).
+    # steps stops drafting (acceptance collapse must not cost more than ar).
     fallback_min_steps = 8
     fallback_tau = 1.2
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4,
-                 fallback: str = "none") -> None:
+                 fallback: str = "none", policy: VerifyPolicy | None = None) -> None:
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         if fallback not in ("none", "ar", "parallel"):
@@ -157,6 +169,7 @@ class SpeculativeMethod:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.max_positions = int(getattr(ctx.model, "config", {}).get("max_position_embeddings", 1 << 30))
         self.counters = SpecCounters()
+        self.policy: VerifyPolicy = policy or FixedPolicy()
 
     # --- drafter hooks (subclasses) --------------------------------------------------------
     def observe(self, batch: Batch, out: StepOutput, commits: list[Commit]) -> None:
@@ -166,12 +179,17 @@ class SpeculativeMethod:
         """Draft up to num_speculative_tokens tokens after each anchor."""
         return [Proposal(a.pos, []) for a in anchors]
 
-    def on_verified(self, batch: Batch) -> None:
-        """The step's forward and verification are done; drafting for the next step follows."""
+    # --- Method ----------------------------------------------------------------------------
+    @staticmethod
+    def state(seq: Sequence) -> SpecState:
+        """The sequence's SpecState, made on first use."""
+        if seq.method_state is None:
+            seq.method_state = SpecState()
+        return seq.method_state
 
-    # --- Method protocol -------------------------------------------------------------------
     def num_extra_tokens(self, seq: Sequence) -> int:
-        prop: Proposal | None = seq.method_state.get("proposal")
+        st: SpecState | None = seq.method_state
+        prop = st.proposal if st is not None else None
         if prop is None or prop.anchor_pos != len(seq.token_ids) - 1 or seq.params.needs_penalties:
             return 0    # penalties depend on the drafts before each row: verify them one by one (ar)
         k = len(prop.token_ids) if prop.num_verify is None else prop.num_verify
@@ -182,7 +200,7 @@ class SpeculativeMethod:
     def prepare(self, batch: Batch) -> None:
         for s in batch.seqs:
             known = s.seq.token_ids[s.start_pos:s.start_pos + s.num_known]
-            drafts = s.seq.method_state["proposal"].token_ids[:s.num_extra] if s.num_extra else []
+            drafts = s.seq.method_state.proposal.token_ids[:s.num_extra] if s.num_extra else []
             s.query_ids = known + drafts
             s.num_logits = (1 + s.num_extra) if s.reaches_end else 0
 
@@ -191,28 +209,37 @@ class SpeculativeMethod:
         self.observe(batch, out, commits)
         anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
                    for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
-        self.on_verified(batch)
-        for a, prop in zip(anchors, self.propose(anchors) if anchors else []):
-            a.seq.method_state["proposal"] = prop
+        self.policy.observe_step(batch.num_tokens)
+        for a, prop in zip(anchors, self._proposals(anchors) if anchors else []):
+            self.state(a.seq).proposal = prop
         return commits
+
+    def _proposals(self, anchors: list[Anchor]) -> list[Proposal]:
+        """propose(), unless the verify policy finds drafting not worth it this step."""
+        if self.policy.should_draft([self.state(a.seq).verify for a in anchors]):
+            props = self.propose(anchors)
+        else:
+            self.counters.num_skipped_drafts += len(anchors)
+            props = [Proposal(a.pos, []) for a in anchors]
+        self.policy.next_step()
+        return props
 
     def _wants_drafts(self, seq: Sequence, commit: Commit) -> bool:
         """Skip drafting for a request this commit finishes by length or whose drafts stopped paying."""
         left = seq.params.max_tokens - seq.num_output_tokens - len(commit.token_ids)
-        st: SeqSpecStats | None = seq.method_state.get("spec")
+        st: SpecState | None = seq.method_state
         return left >= 2 and self.num_speculative_tokens > 0 and not (st and st.drafting_off)
 
     def on_finished(self, seq: Sequence) -> None:
-        # Drop drafter state (its context cache); keep the small τ counters for metrics.
-        for key in [k for k in seq.method_state if k != "spec"]:
-            del seq.method_state[key]
+        if seq.method_state is not None:
+            seq.method_state.release()
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()
 
     def acceptance_length(self, seq: Sequence) -> float | None:
         """τ: tokens committed per verify step (accepted drafts + the bonus)."""
-        st: SeqSpecStats | None = seq.method_state.get("spec")
+        st: SpecState | None = seq.method_state
         if st is None or not st.num_verify_steps:
             return None
         return st.num_emitted_tokens / st.num_verify_steps
@@ -251,7 +278,8 @@ class SpeculativeMethod:
                 result[i] = greedy_accept(argmax[offsets[i]:offsets[i + 1]], drafts)
                 continue
             p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0])
-            prop: Proposal | None = seq.method_state.get("proposal")   # gone if aborted mid-step
+            st: SpecState | None = seq.method_state
+            prop = st.proposal if st is not None else None   # gone if aborted mid-step
             q = prop.probs if s.num_extra and prop is not None else None
             q = q[:s.num_extra] if q is not None else None
             ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
@@ -260,7 +288,9 @@ class SpeculativeMethod:
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         self.counters.record(num_drafted, num_accepted)
-        st = seq.method_state.setdefault("spec", SeqSpecStats())
+        st = self.state(seq)
+        if st.proposal is not None and st.proposal.confidence:
+            self.policy.observe(st.verify, st.proposal.confidence, num_drafted, num_accepted)
         st.num_verify_steps += 1
         st.num_emitted_tokens += num_accepted + 1
         if (self.fallback != "none" and st.num_verify_steps >= self.fallback_min_steps

@@ -10,7 +10,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("leapfrog.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
-    # Block-diffusion layouts (research/diffusion.md §1.7): Qwen3 / Qwen2 weights, own config keys.
+    # Block-diffusion layouts (SDAR, Fast-dLLM v2): Qwen3 / Qwen2 weights, own config keys.
     "SDARForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
     "Fast_dLLM_QwenForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),   # MoE layers from config

@@ -1,11 +1,12 @@
-"""DFlash / DSpark drafter backbone (research/speculative.md §1.1, §2.1).
+"""DFlash / DSpark drafter backbone (DFlash: "DFlash: Block Diffusion for Flash Speculative
+Decoding", Chen et al. 2026; the DSpark paper's semi-autoregressive drafter).
 
 A few Qwen3 decoder layers run non-causally over one block [anchor, MASK x (B-1)]. The target's
 hidden states from `target_layer_ids` are concatenated and fused, H_ctx = RMSNorm(fc(concat))
 (DSpark Eq. 2), and every draft layer attends to [K(H_ctx); K(block)] (Eq. 3): the same
 k_proj / v_proj / k_norm for context and block, RoPE at each key's absolute position. Context
 K/V are computed once per committed position and cached per sequence (DraftContext); block K/V
-live only inside the forward. Embedding and LM head are the target's (§1.1 "not part of the
+live only inside the forward. Embedding and LM head are the target's (DFlash: "not part of the
 drafter"). Weight names follow the z-lab / DeepSpec layouts: `layers.N.self_attn.q_proj`,
 `fc`, `hidden_norm`, `norm` with no `model.` prefix; q/k/v and gate/up are packed here as in
 models/llama.py. The DSpark heads live in models/dflash_heads.py.
@@ -28,7 +29,7 @@ from leapfrog.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's default taps (§1.1): the middle layer for one draft layer, else evenly from
+    """z-lab's default taps (their DFlash release): the middle layer for one draft layer, else evenly from
     layer 1 to layer L-3 (never the last: HF returns it normed)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
@@ -38,7 +39,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 @dataclass(slots=True)
 class DrafterConfig:
-    """The keys a DFlash or DSpark config.json carries beyond the Qwen3 ones (§1.1, §2.8)."""
+    """The keys a DFlash or DSpark config.json carries beyond the Qwen3 ones (the z-lab
+    DFlash and DeepSpec DSpark releases)."""
     kind: str                      # "dflash": anchor + B-1 masks -> B-1 drafts; "dspark": B -> B
     block_size: int
     mask_token_id: int
@@ -51,7 +53,7 @@ class DrafterConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        # DSpark makes the anchor slot its first prediction (§2.1); DFlash reads slots 1..B-1.
+        # DSpark makes the anchor slot its first prediction; DFlash reads slots 1..B-1.
         return self.block_size if self.kind == "dspark" else self.block_size - 1
 
     @classmethod
@@ -59,7 +61,7 @@ class DrafterConfig:
         archs = cfg.get("architectures") or []
         kind = "dspark" if any("DSpark" in a for a in archs) or "markov_rank" in cfg else "dflash"
         sub = cfg.get("dflash_config") or {}
-        # Newer DFlash drafters keep block_size inside dflash_config only (§1.1, NeMo note).
+        # Newer DFlash drafters keep block_size inside dflash_config only.
         block = cfg.get("block_size", sub.get("block_size"))
         mask = sub.get("mask_token_id", cfg.get("mask_token_id"))
         taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
@@ -207,8 +209,8 @@ class DFlashDraftModel(nn.Module):
     def _fused_context_kv(self, feats: torch.Tensor, rope: tuple) -> list[torch.Tensor] | None:
         """Context K/V of a few rows as one C++ call (CPU float32 inference, the few-row kernel's
         sizes): [k_0, v_0, k_1, v_1, ...]; None where it does not apply."""
-        from leapfrog.layers.linear import _skinny_rows_max, kernel_bias, kernel_weight
-        if feats.dim() != 2 or feats.shape[0] > _skinny_rows_max() or not _fused_ok(feats, self.layers):
+        from leapfrog.layers.linear import kernel_bias, kernel_weight, skinny_rows_max
+        if feats.dim() != 2 or feats.shape[0] > skinny_rows_max() or not _fused_ok(feats, self.layers):
             return None
         attn = [layer.self_attn for layer in self.layers]
         cos, sin = rope
@@ -246,7 +248,7 @@ class DFlashDraftModel(nn.Module):
             return self.norm.forward(x)
         lens = torch.tensor([c.num_positions for c in contexts], device=embeds.device)
         valid = (torch.arange(ctx_len, device=embeds.device) < lens.unsqueeze(1)).view(b, 1, 1, ctx_len)
-        # Block queries see every context key before the anchor and their whole block (§1.1).
+        # Block queries see every context key before the anchor and their whole block (DFlash).
         mask = torch.cat([valid.expand(b, 1, length, ctx_len),
                           torch.ones(b, 1, length, length, dtype=torch.bool, device=embeds.device)], dim=-1)
         for i, layer in enumerate(self.layers):

@@ -1,4 +1,4 @@
-"""DSpark's sequential heads and confidence head (research/speculative.md §2.1-2.2).
+"""DSpark's sequential heads and confidence head (the DSpark paper: Markov/RNN head, Eq. 4-7).
 
 After one parallel backbone forward, the block's tokens are drawn left to right:
 logits_k = U_k + B_k(x_{k-1}, ...), with x_0 = the anchor (Eq. 4). The per-position logits
@@ -26,7 +26,7 @@ class _Bias(Linear):
 class MarkovHead(nn.Module):
     """Vanilla: B = W1[x_{k-1}] W2 (rank r). Gated: W2 (g * W1[x]) with g = sigmoid(W_g [h; W1[x]]).
     RNN (Eq. 6): z = [s; W1[x]; h] -> gate, candidate, output; s' = sg*s + (1-sg)*tanh(c);
-    B = W2 tanh(o). The split order gate/candidate/output is the brief's reading of DeepSpec."""
+    B = W2 tanh(o). The split order gate/candidate/output follows our reading of DeepSpec's code."""
 
     def __init__(self, kind: str, hidden: int, vocab: int, rank: int) -> None:
         super().__init__()
@@ -60,7 +60,7 @@ class MarkovHead(nn.Module):
         """x [B, r] -> x W2^T [B, V]. Outside training, from a transposed copy of W2 ([r, V],
         kept while the weight is unchanged): a few rows against a [V, r] weight with r = 64
         are V short dot products, and the [r, V] layout runs them as one contiguous
-        row-times-matrix product (a one-off timing at one request: ~1.7-2x faster)."""
+        row-times-matrix product."""
         w = self.markov_w2.weight
         if torch.is_grad_enabled() and w.requires_grad:
             return self.markov_w2.forward(x)
@@ -102,7 +102,8 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden: int, rank: int, temperatures: list[float] | None = None) -> None:
         super().__init__()
         self.proj = _Bias(hidden + rank, 1)
-        # Per-position STS temperatures (brief §2.3) from config key `confidence_temperatures`.
+        # Per-position STS temperatures (DSpark's confidence calibration) from config key
+        # `confidence_temperatures`.
         self.temperatures = list(temperatures or [])
 
     def forward(self, h: torch.Tensor, e: torch.Tensor | None, position: int = 0) -> torch.Tensor:
@@ -136,7 +137,7 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: to
                  markov: MarkovHead | None, conf: ConfidenceHead | None,
                  choose: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The γ-step sequential stage (§2.2 inference loop). base_logits [B, γ, V], hidden [B, γ, d],
+    """The γ-step sequential stage (DSpark's inference loop). base_logits [B, γ, V], hidden [B, γ, d],
     choose(logits [B, V]) -> ids [B] (a seeded draw), or None for argmax drafts. Returns drafted ids [B, γ], the
     corrected logits [B, γ, V] (q for verification) and confidences [B, γ] (or None).
 

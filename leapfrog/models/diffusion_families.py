@@ -4,7 +4,7 @@ A diffusion checkpoint is an ordinary HF folder of a supported architecture whos
 carries the block size (`block_size`, or `bd_size` for Fast-dLLM v2) and, when it has one,
 `mask_token_id`; leapfrog's own optional key `diffusion_logit_shift` (bool) says whether
 position i is predicted from the hidden state at i-1. What a config leaves out comes from
-the family defaults of research/diffusion.md §1.7:
+the defaults each family's release documents:
 
 | family | architectures | block key | mask id | shift | EOS |
 |---|---|---|---|---|---|

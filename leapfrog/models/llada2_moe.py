@@ -1,4 +1,4 @@
-"""LLaDA2.0 / 2.1 (`LLaDA2MoeModelLM`, inclusionAI; research/diffusion.md §1.5): the Ling-2.0 MoE
+"""LLaDA2.0 / 2.1 (`LLaDA2MoeModelLM`, inclusionAI, the LLaDA2.0 technical report): the Ling-2.0 MoE
 decoder, trained as a block-diffusion model.
 
 Architecturally it is the Qwen3 decoder of llama.py with other checkpoint names: q|k|v fused

@@ -1,8 +1,8 @@
 """`leapfrog serve`: the HTTP server (FastAPI + uvicorn).
 
-The engine runs in one background thread (server_engine.AsyncEngine); handlers validate,
+The engine runs in one background thread (engine_thread.AsyncEngine); handlers validate,
 queue, and stream. Endpoints: POST /generate, /v1/completions, /v1/chat/completions;
-GET /v1/models, /health, /healthz, /ready, /metrics. Configuration: server_config.py.
+GET /v1/models, /health, /healthz, /ready, /metrics. Configuration: config.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
-from leapfrog.serve.metrics import ServerMetrics
+from leapfrog.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
@@ -140,6 +140,24 @@ async def off_loop_if_big(size: int, fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
+class RequireAuth:
+    """With authentication on, every endpoint but the probes needs it: /metrics, /docs and
+    /openapi.json too (the generation routes check again, for the caller's identity). Plain
+    ASGI rather than @app.middleware, which would copy every streamed chunk through a queue."""
+
+    def __init__(self, app: Any, state: "ServerState") -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
+            try:
+                self.state.authenticate(Request(scope))
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -224,17 +242,8 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
         log.exception("unhandled error")
         return as_api_error(exc).response()
 
-    @app.middleware("http")
-    async def _authenticate_everything(request: Request, call_next: Callable) -> Any:
-        """With authentication on, every endpoint but the probes needs it: /metrics, /docs and
-        /openapi.json too (the generation routes check again, for the caller's identity)."""
-        if state.auth.enabled and request.url.path not in PROBE_PATHS:
-            try:
-                state.authenticate(request)
-            except APIError as exc:
-                return exc.response()
-        return await call_next(request)
-
+    if state.auth.enabled:
+        app.add_middleware(RequireAuth, state=state)
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
@@ -268,7 +277,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

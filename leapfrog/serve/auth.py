@@ -1,62 +1,50 @@
-"""Who is calling, and may they: API keys, HS256 JWT bearer tokens, per-client token buckets."""
+"""Who is calling, and may they: API keys, HS256 JWT bearer tokens (PyJWT), per-client token buckets."""
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import json
 import math
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jwt
+
 
 class AuthError(Exception):
     pass
 
 
-def _b64decode(part: str) -> bytes:
-    return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+JWT_LEEWAY_S = 30.0     # clock skew allowed on exp / nbf / iat
 
-
-def _b64encode(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+# PyJWT's errors as messages for the client, most specific first (InvalidSignatureError is a
+# DecodeError); `{}` takes PyJWT's own wording, which names no secret.
+_JWT_ERRORS: tuple[tuple[type[Exception], str], ...] = (
+    (jwt.ExpiredSignatureError, "bearer token has expired"),
+    (jwt.ImmatureSignatureError, "bearer token is not valid yet"),
+    (jwt.InvalidSignatureError, "bearer token signature is invalid"),
+    (jwt.InvalidAlgorithmError, "bearer token must be an HS256 JWT"),
+    (jwt.DecodeError, "malformed bearer token: {}"),
+    (jwt.InvalidTokenError, "bearer token is invalid: {}"),     # e.g. an `aud` this server cannot check
+)
 
 
 def jwt_encode(claims: dict, secret: str) -> str:
     """HS256 token (RFC 7519); used by tests and by operators minting tokens."""
-    header = _b64encode(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
-    body = _b64encode(json.dumps(claims).encode())
-    sig = hmac.new(secret.encode(), f"{header}.{body}".encode(), hashlib.sha256).digest()
-    return f"{header}.{body}.{_b64encode(sig)}"
+    return jwt.encode(claims, secret, algorithm="HS256")
 
 
-def jwt_decode(token: str, secret: str, now: float | None = None, leeway: float = 30.0) -> dict:
-    """Verify an HS256 token and its time claims; returns the claims.
-
-    The algorithm is fixed to HS256 and read from nowhere else: trusting the header's `alg`
-    is the classic JWT hole ("none", or RS256 keys reused as HMAC secrets)."""
-    parts = token.split(".")
-    if len(parts) != 3:
-        raise AuthError("malformed bearer token")
+def jwt_decode(token: str, secret: str, leeway: float = JWT_LEEWAY_S) -> dict:
+    """Verify an HS256 token (signature, then exp / nbf / iat when present, `leeway` seconds of
+    clock skew allowed); returns the claims, or raises AuthError saying what is wrong."""
     try:
-        header = json.loads(_b64decode(parts[0]))
-        claims = json.loads(_b64decode(parts[1]))
-        sig = _b64decode(parts[2])
-    except (ValueError, UnicodeDecodeError):
-        raise AuthError("malformed bearer token") from None
-    if not isinstance(header, dict) or header.get("alg") != "HS256" or not isinstance(claims, dict):
-        raise AuthError("bearer token must be an HS256 JWT")
-    expected = hmac.new(secret.encode(), f"{parts[0]}.{parts[1]}".encode(), hashlib.sha256).digest()
-    if not hmac.compare_digest(sig, expected):
-        raise AuthError("bearer token signature is invalid")
-    now = time.time() if now is None else now
-    if isinstance(claims.get("exp"), (int, float)) and now > claims["exp"] + leeway:
-        raise AuthError("bearer token has expired")
-    if isinstance(claims.get("nbf"), (int, float)) and now < claims["nbf"] - leeway:
-        raise AuthError("bearer token is not valid yet")
-    return claims
+        # The algorithm is pinned here and read from nowhere else: trusting the header's `alg` is
+        # the classic JWT hole ("none", or an RS256 public key reused as an HMAC secret).
+        return jwt.decode(token, secret, algorithms=["HS256"], leeway=leeway)
+    except jwt.InvalidTokenError as exc:
+        message = next(m for kind, m in _JWT_ERRORS if isinstance(exc, kind))
+        raise AuthError(message.format(exc)) from None
 
 
 class Authenticator:

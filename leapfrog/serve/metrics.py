@@ -1,66 +1,36 @@
-"""Prometheus metrics for the server, written in the text exposition format by hand.
+"""Prometheus metrics for the server, exposed through prometheus_client.
 
-Names follow vLLM's (research/serving.md §1.2) under a `leapfrog:` prefix, so dashboards and
-benchmark scrapers built for vLLM need only the prefix changed. Observations come from the
-engine thread and rendering from the event loop, hence the lock.
+Names follow vLLM's production metrics (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`,
+`vllm:prompt_tokens_total`, ...) under a `leapfrog:` prefix, so dashboards and benchmark scrapers
+built for vLLM need only the prefix changed. Observations come from the engine thread and rendering
+from the event loop, hence the lock.
+
+The values are kept here and handed to prometheus_client at scrape time as metric families (a custom
+collector), which writes the exposition format and escapes names, labels and help text. Its own
+Counter/Histogram objects are not used because they would change the exposed series: `_created`
+samples next to every counter, bucket bounds written `le="1.0"` where dashboards know `le="1"`; and the
+engine's counters arrive as running totals that such objects cannot be set to.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+# The text format the samples are written in (prometheus_client's CONTENT_TYPE_LATEST names a newer
+# version of the format than generate_latest writes).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+PREFIX = "leapfrog:"
 
 # Latency buckets in seconds: fine at the low end, where CPU decode steps of small models live.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKENS_PER_FORWARD_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
-    return "{" + body + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(x: float) -> str:
-    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
-        return str(int(x))
-    return "+Inf" if x == math.inf else repr(float(x))
-
-
-@dataclass(slots=True)
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
-                break
-        self.total += value
-        self.count += 1
-
-    def lines(self, name: str, labels: dict[str, str]) -> list[str]:
-        out, running = [], 0
-        for edge, n in zip(self.buckets, self.counts):
-            running += n
-            out.append(f"{name}_bucket{_labels({**labels, 'le': _num(edge)})} {running}")
-        out.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.count}")
-        out.append(f"{name}_sum{_labels(labels)} {_num(self.total)}")
-        out.append(f"{name}_count{_labels(labels)} {self.count}")
-        return out
-
 
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Time from arrival to the first generated token.", LATENCY_BUCKETS),
@@ -76,13 +46,73 @@ COUNTERS = {
     "num_preemptions": "Requests preempted (recomputed) for lack of KV blocks.",
     "http_requests_rejected": "Requests rejected before reaching the engine, by reason.",
 }
+# Read from the engine thread's last snapshot (ServerMetrics.publish).
+GAUGES = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0-1).",
+    "kv_cache_num_blocks": "KV-cache blocks in total.",
+    "kv_cache_used_blocks": "KV-cache blocks held by requests (cached-but-free blocks excluded).",
+    "tokens_per_forward": "Output tokens per main-model forward, over all finished requests.",
+}
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "engine_steps": "Engine steps (batched forward passes).",
+}
+
+
+def _le(edge: float) -> str:
+    """A bucket bound as the `le` label has always been written: 1 -> "1", 0.25 -> "0.25"."""
+    if edge == math.inf:
+        return "+Inf"
+    return str(int(edge)) if float(edge).is_integer() else repr(float(edge))
+
+
+@dataclass(slots=True)
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)    # per bucket, not cumulative; above the last: none
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)      # the first bound >= value
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for edge, n in zip(self.buckets, self.counts):
+            running += n
+            out.append((_le(edge), running))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _method_metric_name(key: str) -> str:
+    """`method_` + the key with anything but ASCII letters and digits turned into `_`."""
+    return "method_" + "".join(c if c.isascii() and c.isalnum() else "_" for c in key)
 
 
 class ServerMetrics:
-    """Everything /metrics shows. Gauges are read from the engine thread's last snapshot."""
+    """Everything /metrics shows. Gauges are read from the engine thread's last snapshot.
+
+    Each instance has its own CollectorRegistry (several servers may run in one process, as in the
+    tests), with the instance itself registered as its collector. Once engine ranks or replicas run
+    in processes of their own, prometheus_client's multiprocess mode is the way to sum them: the
+    processes record through the library's Counter/Gauge/Histogram with PROMETHEUS_MULTIPROC_DIR
+    set, and `prometheus_client.multiprocess.MultiProcessCollector(self.registry)` joins this
+    registry; render() stays as it is.
+    """
 
     def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
+        self.model_name = model_name
         self._lock = threading.Lock()
         self.hist = {name: Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
         self.counters: dict[str, float] = {name: 0 for name in COUNTERS}
@@ -91,6 +121,8 @@ class ServerMetrics:
         self.snapshot: dict[str, float] = {}       # engine gauges and cumulative engine counters
         self.method_stats: dict[str, float] = {}
         self.method_name = ""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
     def observe(self, name: str, value: float) -> None:
         with self._lock:
@@ -114,66 +146,53 @@ class ServerMetrics:
 
     # --- exposition ---------------------------------------------------------------------
     def render(self) -> str:
+        """The Prometheus text format (CONTENT_TYPE) of everything in the registry."""
+        return generate_latest(self.registry).decode()
+
+    def collect(self) -> list[Metric]:
+        """The collector interface: the current values as metric families, built under the lock
+        and formatted by prometheus_client after it is released."""
+        model = [self.model_name]
         with self._lock:
-            lines: list[str] = []
-            self._render_gauges(lines)
-            self._render_counters(lines)
+            s = self.snapshot
+            families: list[Metric] = []
+            for name, doc in GAUGES.items():
+                families.append(GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"]))
+                families[-1].add_metric(model, s.get(name, 0.0))
+            for name, doc in ENGINE_COUNTERS.items():
+                families.append(CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]))
+                families[-1].add_metric(model, s.get(name, 0))
+            for name, doc in COUNTERS.items():
+                if name != "http_requests_rejected":
+                    families.append(CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]))
+                    families[-1].add_metric(model, self.counters[name])
+            families.append(self._labelled_counter("request_success", "Finished requests, by finish reason.",
+                                                   "finished_reason", self.success))
+            families.append(self._labelled_counter("http_requests_rejected", COUNTERS["http_requests_rejected"],
+                                                   "reason", self.rejected))
             for name, (doc, _) in HISTOGRAMS.items():
-                self._header(lines, name, doc, "histogram")
-                lines += self.hist[name].lines(f"leapfrog:{name}", self.labels)
-            self._render_method(lines)
-        return "\n".join(lines) + "\n"
+                h = self.hist[name]
+                families.append(HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"]))
+                families[-1].add_metric(model, h.cumulative(), h.total)
+            families += self._method_families()
+        return families
 
-    @staticmethod
-    def _header(lines: list[str], name: str, doc: str, kind: str) -> None:
-        lines.append(f"# HELP leapfrog:{name} {doc}")
-        lines.append(f"# TYPE leapfrog:{name} {kind}")
+    def _labelled_counter(self, name: str, doc: str, label: str, counts: dict[str, int]) -> Metric:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+        for value, n in sorted(counts.items()):
+            family.add_metric([self.model_name, value], n)
+        return family
 
-    def _one(self, lines: list[str], name: str, doc: str, kind: str, value: float,
-             extra: dict[str, str] | None = None) -> None:
-        suffix = "_total" if kind == "counter" else ""
-        self._header(lines, name + suffix if kind == "counter" else name, doc, kind)
-        lines.append(f"leapfrog:{name}{suffix}{_labels({**self.labels, **(extra or {})})} {_num(value)}")
-
-    def _render_gauges(self, lines: list[str]) -> None:
-        s = self.snapshot
-        gauges = {
-            "num_requests_running": "Requests in the running batch.",
-            "num_requests_waiting": "Requests waiting to be scheduled.",
-            "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0-1).",
-            "kv_cache_num_blocks": "KV-cache blocks in total.",
-            "kv_cache_used_blocks": "KV-cache blocks held by requests (cached-but-free blocks excluded).",
-            "tokens_per_forward": "Output tokens per main-model forward, over all finished requests.",
-        }
-        for name, doc in gauges.items():
-            self._one(lines, name, doc, "gauge", s.get(name, 0.0))
-
-    def _render_counters(self, lines: list[str]) -> None:
-        s = self.snapshot
-        engine_counters = {
-            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-            "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-            "engine_steps": "Engine steps (batched forward passes).",
-        }
-        for name, doc in engine_counters.items():
-            self._one(lines, name, doc, "counter", s.get(name, 0))
-        for name, doc in COUNTERS.items():
-            if name != "http_requests_rejected":
-                self._one(lines, name, doc, "counter", self.counters[name])
-        self._header(lines, "request_success_total", "Finished requests, by finish reason.", "counter")
-        for reason, n in sorted(self.success.items()):
-            lines.append(f"leapfrog:request_success_total{_labels({**self.labels, 'finished_reason': reason})} {n}")
-        self._header(lines, "http_requests_rejected_total", COUNTERS["http_requests_rejected"], "counter")
-        for reason, n in sorted(self.rejected.items()):
-            lines.append(f"leapfrog:http_requests_rejected_total{_labels({**self.labels, 'reason': reason})} {n}")
-
-    def _render_method(self, lines: list[str]) -> None:
+    def _method_families(self) -> list[Metric]:
         """Whatever the decoding method counts (Method.stats(): drafted / accepted tokens,
         denoising steps), one family per key so names stay stable as methods add keys.
         `num_*` keys are counters (leapfrog:method_num_accepted_tokens_total); others,
         such as ratios, are gauges."""
+        out: list[Metric] = []
         for key, value in sorted(self.method_stats.items()):
-            name = "method_" + "".join(c if c.isalnum() else "_" for c in key)
-            kind = "counter" if key.startswith("num_") else "gauge"
-            self._one(lines, name.removesuffix("_total"), f"Decoding-method statistic {key!r}.", kind,
-                      float(value), {"method": self.method_name})
+            name = PREFIX + _method_metric_name(key).removesuffix("_total")
+            kind = CounterMetricFamily if key.startswith("num_") else GaugeMetricFamily
+            family = kind(name, f"Decoding-method statistic {key!r}.", labels=["model_name", "method"])
+            family.add_metric([self.model_name, self.method_name], float(value))
+            out.append(family)
+        return out

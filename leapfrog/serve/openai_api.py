@@ -13,7 +13,7 @@ from typing import Any
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SEED_RANGE, SamplingParams
-from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, _Sampling, bad_request, field_of
+from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, bad_request, field_of
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
@@ -70,7 +70,7 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits) -> li
     return list(prompt)
 
 
-def sampling_params(req: _Sampling, limits: Limits, prompt_len: int, max_tokens: int | None,
+def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_tokens: int | None,
                     seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
     room = limits.max_model_len - prompt_len
     explicit = max_tokens is not None

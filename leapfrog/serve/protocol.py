@@ -38,7 +38,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by /generate, /v1/completions and /v1/chat/completions."""
     model: str | None = None
     max_tokens: int | None = None
@@ -65,12 +65,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class GenerateRequest(_Sampling):
+class GenerateRequest(SamplingFields):
     prompt: str | list[int]
     max_length: int | None = None          # alias of max_tokens: new tokens, not prompt + new
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     n: int = 1
     logprobs: int | None = None
@@ -93,7 +93,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     n: int = 1
     max_completion_tokens: int | None = None

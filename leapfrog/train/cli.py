@@ -1,14 +1,13 @@
-"""`leapfrog train <recipe>`: train a built-in model and write its checkpoint folder.
-
-Run as ``python -m leapfrog.train.cli`` until ``leapfrog train`` is wired to ``main``.
-"""
+"""`leapfrog train <recipe>`: train a built-in model and write its checkpoint folder
+(``python -m leapfrog.train.cli`` is the same command). `leapfrog train drafter` trains a
+drafter (leapfrog.train.drafter). The recipes and their descriptions are in recipes.py."""
 from __future__ import annotations
 
 import argparse
 import shlex
 import sys
 
-from leapfrog.train.recipes import RECIPES
+from leapfrog.train.recipes import RECIPES, describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None,
                    help="folder holding stories/ and couplets/ (default: ../shared/data next to "
                         "the repository, or $LEAPFROG_DATA_DIR)")
-    p.add_argument("--out", default=None, help="checkpoint folder to write (default: checkpoints/<recipe>)")
+    p.add_argument("--out", default=None, help="checkpoint folder to write (default: the recipe's)")
     p.add_argument("--run-dir", default=None, help="resumable state: weights + optimizer (default: runs/<recipe>)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch")
@@ -50,37 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _recipe_table() -> str:
-    about = {"stories": "English TinyStories continuations",
-             "couplets": "Chinese couplets: 上联 -> 下联, and 关键词 -> 上联/下联/横批",
-             "stories-moe": "stories as a mixture of experts (Qwen3-MoE, 8 experts, 2 per token)",
-             "tiny": "seconds-long smoke test (stories data)",
-             "stories-diffusion": "stage 1: stories -> block diffusion (block 4, token shift), "
-                                  "written to runs/stories-diffusion/model",
-             "stories-diffusion-mb": "stage 2: multi-block (MultiTF) post-training of stage 1, "
-                                     "written to runs/stories-diffusion-mb/model",
-             "stories-diffusion-distill": "stage 3: stage 2 trained on stories' own continuations "
-                                          "(self-distillation)",
-             "stories-diffusion-distill2": "stage 4: stage 3 continued; writes checkpoints/stories-diffusion",
-             "couplets-continue": "couplets weights moved to the current prompt format",
-             "couplets-long": "couplets continued with long 上联 oversampled",
-             "couplets-joined": "couplets-long plus synthetic joined long pairs (not shipped)",
-             "couplets-deep": "couplets grown 4 -> 6 layers, trained on the couplets-long stream",
-             "couplets-mirror": "couplets-long plus swapped long pairs, </s>/punctuation weighted 3x",
-             "couplets-weighted": "couplets-long with </s>/punctuation weighted 3x",
-             "couplets-rft": "couplets-long plus the model's own right-length 下联 (rejection sampling)",
-             "couplets-forced": "couplets-rft with length-forced, punctuation-mirroring candidates",
-             "couplets-forced2": "a second round of couplets-forced from its weights, two 下联 kept per 上联",
-             "couplets-clean": "couplets-forced without looping candidates",
-             "couplets-wide": "couplets-forced on 256-token windows (long pairs learnt whole more often)",
-             "couplets-rare": "couplets-forced plus 上联 with out-of-vocabulary (byte-fallback) characters",
-             "couplets-rft2": "a second round of couplets-rft from its weights, two 下联 kept per 上联"}
     lines = ["recipes (defaults that the flags override):"]
     for name, make in sorted(RECIPES.items()):
         c = make()
-        lines.append(f"  {name:9s} {about.get(name, '')}; hidden {c.model.hidden_size} x "
-                     f"{c.model.num_layers} layers, steps {c.max_steps}, batch {c.batch_size} x "
-                     f"{c.seq_len}, lr {c.lr}, {c.dtype}, saved as {c.save_dtype}")
-    return "\n".join(lines)
+        lines += [f"  {name}: {describe(name)}",
+                  f"      hidden {c.model.hidden_size} x {c.model.num_layers} layers, steps "
+                  f"{c.max_steps}, batch {c.batch_size} x {c.seq_len}, lr {c.lr}, {c.dtype}, "
+                  f"saved as {c.save_dtype}"]
+    return "\n".join(lines) + "\n"
 
 
 OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "steps": "max_steps",
@@ -90,11 +66,9 @@ OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "st
              "threads": "threads"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "drafter":      # drafters have their own recipe and loop
-        from leapfrog.train.drafter import main as drafter_main
-        return drafter_main(argv[1:])
+def config_for(argv: list[str]):
+    """(TrainConfig, parsed flags) of `leapfrog train ARGV`: the recipe's config with the flags
+    applied."""
     args = build_parser().parse_args(argv)
     cfg = RECIPES[args.recipe]()
     for arg_name, field_name in OVERRIDES.items():
@@ -102,7 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             setattr(cfg, field_name, value)
     cfg.lr = max(cfg.lr, cfg.min_lr)
-    cfg.command = "leapfrog train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cfg.command = "leapfrog train " + shlex.join(argv)
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "drafter":      # drafters have their own recipe and loop
+        from leapfrog.train.drafter import main as drafter_main
+        return drafter_main(argv[1:])
+    cfg, args = config_for(argv)
     from leapfrog.train.loop import train
 
     summary = train(cfg, resume=args.resume)

@@ -40,16 +40,11 @@ def _hash(text: str) -> int:
 def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, str]],
                    seed: int = 0, keyword_fraction: float = 0.25, spring_repeats: int = 20,
                    double_sep_fraction: float = 0.03, long_repeats: int = 0,
-                   long_min: int = 8, joined: int = 0, mirrored: int = 0) -> list[str]:
+                   long_min: int = 8) -> list[str]:
     """All training texts: every pair in pair mode (a few with <sep><sep>, see the module doc), a
     fraction also in keyword mode, and the spring-festival triples (real 横批) repeated with
     fresh keywords each time. With `long_repeats`, pairs whose 上联 has at least `long_min`
-    characters appear that many extra times in pair mode (where the model loses count). With
-    `joined`, that many extra pair-mode examples are long couplets made by joining 2-3 random
-    pairs clause by clause with "，" (see ``join_pairs``). With `mirrored`, pairs whose 上联 has
-    at least `long_min` characters appear that many extra times with the sides swapped (the
-    下联 as the prompt): both sides have the same length and clause layout, so the swapped pair
-    is one more lesson in answering position by position."""
+    characters appear that many extra times in pair mode (where the model loses count)."""
     rng = random.Random(seed)
     pool = ScrollPool([s for _, _, s in spring] + [x for p in pairs for x in p])
     # The extra <sep>s come from their own generator: the keyword draws stay those of seed.
@@ -63,43 +58,20 @@ def build_examples(pairs: list[tuple[str, str]], spring: list[tuple[str, str, st
         for u, d, s in spring:
             texts.append(keyword_text(sample_keywords(u, d, rng), u, d, s))
     texts += [pair_text(u, d) for u, d in pairs if len(u) >= long_min] * long_repeats
-    texts += [pair_text(d, u) for u, d in pairs if len(u) >= long_min] * mirrored
-    if joined:
-        texts += [pair_text(u, d) for u, d in join_pairs(pairs, joined, random.Random(f"{seed}-joined"))]
     rng.shuffle(texts)
     return texts
-
-
-def join_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random,
-               max_chars: int = 48) -> list[tuple[str, str]]:
-    """``count`` synthetic long couplets: 2 or 3 pairs without punctuation of their own, their
-    上联 joined by "，" and their 下联 likewise, so clause k of the 下联 answers clause k of the
-    上联 and both sides have the same length. Long 上联 (16+ characters) are rare in the data
-    (about 11% of couplets.tsv) and are where a small model loses count; these examples teach
-    the position-by-position alignment at lengths the data seldom shows. Pairs whose sides
-    differ in length are never used."""
-    plain = [(u, d) for u, d in pairs
-             if len(u) == len(d) and 4 <= len(u) <= 12 and u.isalnum() and d.isalnum()]
-    out: list[tuple[str, str]] = []
-    while plain and len(out) < count:
-        parts = [plain[rng.randrange(len(plain))] for _ in range(rng.choice((2, 2, 3)))]
-        up, down = "，".join(u for u, _ in parts), "，".join(d for _, d in parts)
-        if len(up) <= max_chars:
-            out.append((up, down))
-    return out
 
 
 def rare_char_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random,
                     in_vocab: set[str]) -> list[tuple[str, str]]:
     """``count`` pairs whose 上联 has 1-2 characters replaced by CJK characters outside the
     vocabulary (``in_vocab``: the characters that are pieces of their own), the 下联 unchanged.
-    Such a character is encoded as its three UTF-8 bytes (byte fallback), so the model sees a
-    1-character 上联 position as 3 tokens; in the data rare characters are too few for it to
-    learn that, and it answered the byte count instead of the character count (69% wrong
-    length on held-out 上联 with a rare character, 5% on the rest). With a tokenizer that encodes
-    such a character as one <unk> (``TokenizerSpec.byte_fallback`` False, recipe `couplets-unk`)
-    the same pairs teach one 下联 character per <unk>. Punctuation is never replaced; pairs whose
-    sides differ in length are never used."""
+    Rare characters are too few in the data for the model to learn how to answer them. With
+    byte fallback such a character is its three UTF-8 bytes, and a model tends to answer the
+    byte count instead of the character count; with a tokenizer that encodes it as one <unk>
+    (``TokenizerSpec.byte_fallback`` False, recipe `couplets-swa`) these pairs teach one 下联
+    character per <unk>. Punctuation is never replaced; pairs whose sides differ in length are
+    never used."""
     rare = [chr(c) for c in range(0x4E00, 0x9FA6) if chr(c) not in in_vocab]
     usable = [(u, d) for u, d in pairs if len(u) == len(d) and sum(c not in PUNCT for c in u) >= 2]
     out: list[tuple[str, str]] = []
@@ -137,9 +109,9 @@ def with_rare_chars(prep, name: str, count: int, seed: int, data_dir: str | None
 def trim_vocab(folder: str, tokenizer_dir: str, out: str) -> int:
     """Copy checkpoint ``folder`` to ``out`` with the tokenizer of ``tokenizer_dir``, whose
     vocabulary must be a prefix of the folder's: embedding rows past it are dropped. How the
-    shipped weights (5,963 pieces) moved to the tokenizer that the current format trains (the
-    extra <sep>s shift SentencePiece's character coverage; 7 rare characters fall back to bytes).
-    Returns the new vocabulary size."""
+    `couplets` stage-1 weights moved to the tokenizer that the current format trains
+    (runs/couplets-continue/init): the extra <sep>s shift SentencePiece's character coverage, so
+    a few rare characters leave the vocabulary. Returns the new vocabulary size."""
     import shutil
     from pathlib import Path
 

@@ -2,13 +2,15 @@
 
 Used by `stories-diffusion-distill`: a block-diffusion model fine-tuned on its AR parent's own
 continuations of training-story openings (most greedy, some sampled) learns that parent's
-distribution rather than the raw corpus's. That distribution is sharper (the parent's greedy
-text has perplexity ~3.6 under itself against ~21 for held-out stories), so the diffusion model
-grows confident about several masked positions at once and parallel unmasking commits more
-than one token per forward; it is also the text the quality judge (the same AR model) scores.
-This is the data-side half of the dParallel / CLLM-style recipes (research/diffusion.md): the
-objective is unchanged (block-wise masked diffusion, MultiTF). Validation stays on held-out
-human text, so the reported validation loss is comparable with the other stages.
+distribution rather than the raw corpus's. That distribution is sharper (the parent's own text
+has a far lower perplexity under it than held-out stories), so the diffusion model grows
+confident about several masked positions at once and parallel unmasking commits more than one
+token per forward; it is also the text the quality judge (the same AR model) scores. This is
+the data-side half of self-distillation recipes for parallel decoding (dParallel; CLLM, Kou et
+al. 2024): the objective is unchanged (block-wise masked diffusion, MultiTF). Validation stays
+on held-out human text, so the reported validation loss is comparable with the other stages.
+
+Also here: rejection-sampled self-training for the couplets recipes (``rejection_sampled``).
 
 The stream is cached under data_cache/<name>-distill/<key>/ (key: parent folder and its weights'
 size and mtime, counts, seed), so a resumed run regenerates nothing.
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from leapfrog.data import corpus as data
-from leapfrog.train.drafter import regenerate
+from leapfrog.train.drafter_data import regenerate
 
 
 @dataclass(slots=True)
@@ -98,8 +100,6 @@ class RejectionSpec:
     # there, kept when its punctuation sits where the 上联's does. Covers the 上联 for which no
     # free sample came out right (the hard ones rejection sampling leaves out).
     force_length: bool = False
-    # Drop a candidate that repeats a 3-character run more often than the 上联 does (a loop).
-    no_loops: bool = False
 
 
 def same_punctuation(up: str, down: str) -> bool:
@@ -107,15 +107,6 @@ def same_punctuation(up: str, down: str) -> bool:
     from leapfrog.data.couplets import PUNCT
 
     return len(up) == len(down) and all((a in PUNCT) == (b in PUNCT) for a, b in zip(up, down))
-
-
-def loops_more(up: str, down: str, n: int = 3) -> bool:
-    """The 下联 repeats some n-character run more often than the 上联 repeats any (a couplet may
-    repeat on purpose, 吹吹打打打打吹吹, but then both sides do)."""
-    def most(text: str) -> int:
-        runs = [text[i:i + n] for i in range(len(text) - n + 1)]
-        return max((runs.count(r) for r in set(runs)), default=0)
-    return most(down) > most(up)
 
 
 def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir: str | None):
@@ -127,7 +118,7 @@ def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir:
     parent = _parent(spec.parent, prep, name)
     key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
                            spec.temperature, spec.keep, seed, len(prep.train),
-                           *(["forced"] if spec.force_length else []), *(["no-loops"] if spec.no_loops else []),
+                           *(["forced"] if spec.force_length else []),
                            _stamp(Path(prep.tokenizer_dir)))
     return extended(prep, data.CACHE_DIR / f"{name}-rejection" / key / "train.bin",
                     lambda: _candidates(parent, name, spec, seed, data_dir, prep.tokenizer_dir))
@@ -162,7 +153,6 @@ def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_di
         mine = kept.setdefault(u, [])
         if spec.force_length:
             ok = len(o.text) == len(u) and same_punctuation(u, o.text)
-            ok = ok and not (spec.no_loops and loops_more(u, o.text))
         else:
             ok = o.finish_reason == "stop" and len(o.text) == len(u)
         if ok and len(mine) < spec.keep and all(o.text != t for t in mine):

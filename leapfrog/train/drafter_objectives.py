@@ -1,9 +1,9 @@
-"""Drafter distillation objectives (research/speculative.md §1.3, §2.3, §2.6): the pieces a
-`leapfrog train` recipe for DFlash / DSpark drafters is built from. No loop here: the recipe
-(a later session) feeds target features and logits of regenerated text through these.
+"""Drafter distillation objectives (DFlash; DSpark; the DeepSpec reference code): the pieces
+`leapfrog train drafter` is built from. No loop here: leapfrog.train.drafter feeds the target's
+features and logits on regenerated text through these.
 
 Conventions: draft j (1-based) of a block anchored at position a predicts the token at a + j,
-for both drafters (DFlash reads it from slot j, DSpark from slot j-1; §2.1).
+for both drafters (DFlash reads it from slot j, DSpark from slot j-1).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from leapfrog.models.dflash_heads import ConfidenceHead, MarkovHead
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
                    ) -> torch.Tensor:
     """Up to `num_anchors` random positions whose token and next token are both supervised
-    (DeepSpec common.py, §2.6), sorted."""
+    (DeepSpec's common.py), sorted."""
     ok = loss_mask[:-1].bool() & loss_mask[1:].bool()
     candidates = ok.nonzero().squeeze(-1)
     if candidates.numel() > num_anchors:
@@ -31,7 +31,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 def block_labels(token_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  num_draft: int) -> tuple[torch.Tensor, torch.Tensor]:
     """labels [A, γ] (token at anchor + j) and valid [A, γ]: a draft is supervised only while
-    it extends a contiguous supervised prefix (the eval_mask cumprod of §2.6)."""
+    it extends a contiguous supervised prefix (DeepSpec's eval_mask cumprod)."""
     pos = anchors.unsqueeze(1) + torch.arange(1, num_draft + 1)
     inside = pos < token_ids.numel()
     safe = pos.clamp(max=token_ids.numel() - 1)
@@ -41,7 +41,7 @@ def block_labels(token_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
 
 def position_weights(num_draft: int, decay: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/decay), k = 1..γ. The DFlash paper uses decay = γ (7 for B = 16);
-    DeepSpec's code uses decay 4 with block 7 (§2.6)."""
+    DeepSpec's code uses decay 4 with block 7."""
     return torch.tensor([math.exp(-k / decay) for k in range(num_draft)])
 
 
@@ -96,7 +96,7 @@ def forward_blocks(model: DFlashDraftModel, features: torch.Tensor, embed: torch
                    token_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """Training forward over many blocks of one sequence: features [T, m·d] of the target's
     taps, embed = the target's (frozen) embedding table. Block i sees context positions
-    < anchors[i] and its own block (§1.1 mask). Returns the draft slots' hidden [A, γ, d]."""
+    < anchors[i] and its own block (DFlash's attention mask). Returns the draft slots' hidden [A, γ, d]."""
     cfg = model.drafter
     full = DraftContext(0)
     model.extend_context(full, features)
@@ -121,7 +121,7 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, num_bi
 
 def fit_sequential_temperatures(conf_logits: torch.Tensor, survived: torch.Tensor,
                                 grid: torch.Tensor | None = None) -> list[float]:
-    """Sequential Temperature Scaling (DSpark §3.2.1, brief §2.3): for k = 1..γ left to right,
+    """Sequential Temperature Scaling (DSpark §3.2.1): for k = 1..γ left to right,
     pick T_k minimising the ECE of the survival Π_{i<=k} σ(z_i / T_i) against the realised
     prefix label survived[:, k] (all drafts 1..k accepted), earlier T_i held fixed.
     conf_logits [N, γ] pre-sigmoid; returns γ temperatures (order-preserving per position)."""

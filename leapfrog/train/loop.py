@@ -78,11 +78,7 @@ class TrainConfig:
     init_from: str | None = None                # HF folder to start from (its shape and tokenizer)
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
-    joined_pairs: int = 0                       # couplets: synthetic long pairs (couplets.join_pairs)
-    mirror_long: int = 0                        # couplets: copies of long pairs with the sides swapped
     rare_chars: int = 0                         # couplets: pairs with out-of-vocabulary 上联 characters
-    length_weight: float = 0.0                  # couplets: extra loss weight on </s> and punctuation targets
-    grow_layers: int = 0                        # init_from grown by this many zero-output layers (train.grow)
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
     rejection: RejectionSpec | None = None      # couplets: add the parent's right-length 下联 (train.distill)
     # > 0: the exported weights are the mean of the weights after every step from this fraction
@@ -155,55 +151,31 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=False)
 
 
-def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str,
-            weights: torch.Tensor | None = None) -> torch.Tensor:
+def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor:
     """Next-token cross-entropy. While an MoE trains, plus its router's load-balancing loss
     (Switch Transformer eq. 4, weighted by router_aux_loss_coef), so experts share the tokens;
-    validation (eval mode) reports the cross-entropy alone. With ``weights`` (one per vocabulary
-    id) each target's cross-entropy counts that much while training (a weighted mean);
-    validation stays the plain mean, so curves compare."""
+    validation (eval mode) reports the cross-entropy alone."""
     balance = model.training and getattr(model.config, "num_experts", 0) > 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         out = model(input_ids=x, output_router_logits=True) if balance else model(input_ids=x)
-    logits, targets = out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1)
-    if weights is not None and model.training:
-        w = weights[targets]
-        loss = (F.cross_entropy(logits, targets, reduction="none") * w).sum() / w.sum()
-    else:
-        loss = F.cross_entropy(logits, targets)
+    loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1))
     return loss + model.config.router_aux_loss_coef * out.aux_loss if balance else loss
 
 
 class NextToken:
     """The AR objective: next-token cross-entropy. An objective turns the loop's windows into a
-    batch (drawing any noise from the step's generator) and a batch into (loss, parts).
-    ``weights``: an optional per-vocabulary-id weight of each target while training."""
-
-    def __init__(self, weights: torch.Tensor | None = None):
-        self.weights = weights
+    batch (drawing any noise from the step's generator) and a batch into (loss, parts)."""
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator, train: bool = True):
         return x, y
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        return loss_on(model, *batch, dtype, self.weights), {}
-
-
-def length_weights(tok, extra: float) -> torch.Tensor:
-    """Per-id target weights: 1 everywhere, 1 + ``extra`` on </s> and on the punctuation pieces.
-    In a couplet those targets are where a side's length (and each clause's) is decided: the
-    下联 must stop, or put its comma, exactly where the 上联 did."""
-    from leapfrog.data.couplets import PUNCT
-
-    w = torch.ones(len(tok))
-    ids = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in sorted(PUNCT)]
-    w[[i for i in ids if i is not None and i != tok.unk_token_id]] += extra
-    return w
+        return loss_on(model, *batch, dtype), {}
 
 
 def make_objective(cfg: TrainConfig, tok):
     if cfg.diffusion is None:
-        return NextToken(length_weights(tok, cfg.length_weight) if cfg.length_weight else None)
+        return NextToken()
     from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
 
@@ -275,24 +247,13 @@ def load_state(run_dir: Path, model, opt, average: WeightAverage | None = None) 
 def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     """Train per cfg and write the checkpoint folder; returns the summary written to its README."""
     from leapfrog.train import export
-    from leapfrog.train.prepare import prepare
 
     torch.set_num_threads(cfg.threads)  # leave the other cores to whoever shares the machine
     torch.manual_seed(cfg.seed)
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise FileNotFoundError(f"{cfg.init_from}: no checkpoint to start {cfg.recipe or cfg.name} "
                                 "from (train that model first)")
-    prep = prepared or prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                               cfg.long_repeats, cfg.joined_pairs, cfg.mirror_long)
-    if cfg.distill is not None and prepared is None:
-        from leapfrog.train.distill import distilled
-        prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
-    if cfg.rejection is not None and prepared is None:
-        from leapfrog.train.distill import rejection_sampled
-        prep = rejection_sampled(prep, cfg.name, cfg.rejection, cfg.seed, cfg.data_dir)
-    if cfg.rare_chars and prepared is None:
-        from leapfrog.train.couplets import with_rare_chars
-        prep = with_rare_chars(prep, cfg.name, cfg.rare_chars, cfg.seed, cfg.data_dir)
+    prep = prepared or training_data(cfg)
     model, tok = _model_and_tokenizer(cfg, prep)
     opt = make_optimizer(model, cfg)
     run_dir = Path(cfg.run_dir)
@@ -310,6 +271,26 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     return summary
 
 
+def training_data(cfg: TrainConfig):
+    """The tokenizer and token streams of cfg's dataset (train.prepare), with the training
+    stream replaced by a parent's text (``distill``) or extended by rejection-sampled pairs
+    (``rejection``) and rare-character pairs (``rare_chars``) where the recipe asks."""
+    from leapfrog.train.prepare import prepare
+
+    prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
+                   cfg.long_repeats)
+    if cfg.distill is not None:
+        from leapfrog.train.distill import distilled
+        prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
+    if cfg.rejection is not None:
+        from leapfrog.train.distill import rejection_sampled
+        prep = rejection_sampled(prep, cfg.name, cfg.rejection, cfg.seed, cfg.data_dir)
+    if cfg.rare_chars:
+        from leapfrog.train.couplets import with_rare_chars
+        prep = with_rare_chars(prep, cfg.name, cfg.rare_chars, cfg.seed, cfg.data_dir)
+    return prep
+
+
 def _model_and_tokenizer(cfg: TrainConfig, prep):
     """A fresh model for the data's tokenizer, or the init_from folder's weights and tokenizer."""
     from transformers import AutoTokenizer
@@ -317,10 +298,6 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
         tok = AutoTokenizer.from_pretrained(cfg.init_from)
         _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), cfg.init_from)
         model, cfg.model = load_pretrained(cfg.init_from)
-        if cfg.grow_layers:
-            from leapfrog.train.grow import grow_depth
-            grow_depth(model, cfg.grow_layers)
-            cfg.model.num_layers = model.config.num_hidden_layers
     else:
         tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
         model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)

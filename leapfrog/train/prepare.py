@@ -26,20 +26,18 @@ class Prepared:
     num_val_items: int
 
 
-def _texts(name: str, data_dir: str | None, seed: int, long_repeats: int = 0,
-           joined: int = 0, mirrored: int = 0) -> tuple[list[str], list[str], list[str]]:
+def _texts(name: str, data_dir: str | None, seed: int, long_repeats: int = 0
+           ) -> tuple[list[str], list[str], list[str]]:
     """(train texts, validation texts, tokenizer texts); each text becomes <s> text </s> in the
     stream. The tokenizer is trained on the plain examples, so oversampling long couplets
-    (`long_repeats`), adding joined long pairs (`joined`) or long pairs with their sides swapped
-    (`mirrored`) changes the stream, never the vocabulary."""
+    (`long_repeats`) changes the stream, never the vocabulary."""
     items = data.train_items(name, data_dir)
     held = data.heldout(name, data_dir)
     if name == "stories":
         return items["stories"], held, items["stories"]
     base = couplets.build_examples(items["pairs"], items["spring"], seed=seed)
     train = couplets.build_examples(items["pairs"], items["spring"], seed=seed,
-                                    long_repeats=long_repeats, joined=joined, mirrored=mirrored) \
-        if long_repeats or joined or mirrored else base
+                                    long_repeats=long_repeats) if long_repeats else base
     val = [couplets.pair_text(u, d) for u, d in held]
     return train, val, base
 
@@ -50,16 +48,13 @@ def _data_stamp(data_dir: str | None, name: str) -> list[tuple[str, int, int]]:
 
 
 def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: int = 0,
-            max_length: int = 512, long_repeats: int = 0, joined: int = 0,
-            mirrored: int = 0) -> Prepared:
+            max_length: int = 512, long_repeats: int = 0) -> Prepared:
     """Build (or reuse) the tokenizer and token streams for dataset ``name``."""
     extra = [long_repeats] if long_repeats else []      # existing caches keep their keys
-    extra += [f"joined={joined}"] if joined else []
-    extra += [f"mirrored={mirrored}"] if mirrored else []
     tag = data.fingerprint(FORMAT_VERSION, name, asdict(spec), _data_stamp(data_dir, name), seed, *extra)
     root = data.CACHE_DIR / name / tag
     tok_dir, train_bin, val_bin = root / "tokenizer", root / "train.bin", root / "val.bin"
-    train_texts, val_texts, tok_texts = _texts(name, data_dir, seed, long_repeats, joined, mirrored)
+    train_texts, val_texts, tok_texts = _texts(name, data_dir, seed, long_repeats)
     if not (train_bin.exists() and val_bin.exists() and (tok_dir / "tokenizer.json").exists()):
         # The tokenizer sees training text only, so validation loss is honest.
         sp_model = train_sentencepiece(tok_texts, spec, root / "sentencepiece")

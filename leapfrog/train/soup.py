@@ -124,7 +124,7 @@ def validation_loss(folder: Path, recipe: str, data_dir: str | None) -> float | 
     cfg = RECIPES[recipe]()
     cfg.data_dir = data_dir or cfg.data_dir
     prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                   cfg.long_repeats, cfg.joined_pairs, cfg.mirror_long)
+                   cfg.long_repeats)
     model, _ = load_pretrained(str(folder))
     loss, _ = evaluate(model, prep.val, cfg)
     return loss

@@ -1,0 +1,280 @@
+"""Verification policies: how many of a request's drafts the target checks in the next step.
+
+A verified draft costs a query token in the target's forward; an unverified one costs nothing
+there and commits nothing. `fixed` verifies all γ drafts. `threshold` verifies the longest
+prefix whose survival Π c_i (the product of the drafter's per-position confidences, DSpark's
+confidence head) stays >= a threshold. `confidence` is DSpark's hardware-aware prefix scheduler
+(Algorithm 1 of the DSpark paper): it prices each draft by its survival and each step by what
+the target's forward costs at its batch width, and verifies the prefixes that maximise expected
+tokens per second; it also decides, before drafting, whether drafting pays at all. Whether
+draft j is verified depends on c_1..c_j and on earlier steps only, which do not see the
+sampled x_j: the decision is non-anticipating, so verification stays lossless (the DSpark
+paper's non-anticipation argument; the rule itself is Leviathan et al. 2023 / Chen et al. 2023).
+
+A policy sees a request through its VerifyRecord (kept in the request's SpecState) and a step
+through these calls, in this order:
+    observe(record, ...)       each verified request: its confidences, what was accepted
+    observe_step(num_tokens)   the step's forward and verification are done
+    should_draft(records)      drafting for the next step, or not
+    begin_drafting()           after the drafter's context projection, before its forward
+    num_to_verify(...)         the drafts are sampled: how many of each to verify
+    end_drafting(num_requests)
+    next_step()                drafting (or skipping it) is done: the next step begins
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from leapfrog.methods.confidence_schedule import (AcceptanceFeedback, MeasuredCost, StepCostTable,
+                                                  schedule_prefix, survival)
+
+VERIFY_MODES = ("fixed", "threshold", "confidence")
+
+
+@dataclass(slots=True)
+class VerifyRecord:
+    """What a verify policy keeps of one request (only confidence scheduling keeps anything)."""
+    feedback: AcceptanceFeedback = field(default_factory=AcceptanceFeedback)
+    prediction: list[float] | None = None     # survival row, smoothed over the request's steps
+
+
+class VerifyPolicy:
+    """The interface, with the defaults of a policy that verifies every draft and learns
+    nothing from timing or feedback."""
+    name = "fixed"
+    needs_confidence = False          # whether num_to_verify reads the drafter's confidences
+
+    def should_draft(self, records: list[VerifyRecord]) -> bool:
+        """Whether the next step drafts for these requests (drafting costs time even when
+        none of its drafts is verified)."""
+        return True
+
+    def begin_drafting(self) -> None:
+        """Drafting starts (after the context projection, which is paid whenever it happens)."""
+
+    def num_to_verify(self, records: list[VerifyRecord], confidences: list[list[float] | None],
+                      num_drafts: list[int]) -> list[int | None]:
+        """Drafts to verify per request (None: all of them)."""
+        return [None] * len(records)
+
+    def end_drafting(self, num_requests: int) -> None:
+        """Drafting for `num_requests` requests is done."""
+
+    def next_step(self) -> None:
+        """The step's drafting, or the decision not to draft, is done."""
+
+    def observe_step(self, num_tokens: int) -> None:
+        """A step of `num_tokens` query tokens finished its forward and verification."""
+
+    def observe(self, record: VerifyRecord, confidence: list[float], num_verified: int,
+                num_accepted: int) -> None:
+        """What verification showed for drafts whose confidences were `confidence`."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class FixedPolicy(VerifyPolicy):
+    """`fixed`: every draft is verified; the drafter's confidence head is not even run."""
+    name = "fixed"
+
+
+class ThresholdPolicy(VerifyPolicy):
+    """`threshold`: the longest prefix whose survival Π c_i stays >= threshold."""
+    name = "threshold"
+    needs_confidence = True
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def num_to_verify(self, records: list[VerifyRecord], confidences: list[list[float] | None],
+                      num_drafts: list[int]) -> list[int | None]:
+        return [self.prefix(c) for c in confidences]
+
+    def prefix(self, confidence: list[float] | None) -> int | None:
+        if confidence is None:        # a drafter without a confidence head: verify all
+            return None
+        surv, n = 1.0, 0
+        for c in confidence:
+            surv *= c
+            if surv < self.threshold:
+                break
+            n += 1
+        return n
+
+
+class ConfidencePolicy(VerifyPolicy):
+    """`confidence`: DSpark's Algorithm 1 on survival rows corrected by each request's feedback
+    (AcceptanceFeedback), priced by the step and drafting costs this engine measures
+    (MeasuredCost over a start-up profile, or over `step_costs` when given).
+
+    Drafting costs time whether or not its tokens are verified, so before drafting the policy
+    decides whether the step drafts at all (should_draft). A step that decided not to draft
+    re-probes (drafts anyway, to refresh the predictions the decision rests on) after
+    reprobe_steps skipped steps (fewer below 8 requests: first_wait); each probe that still
+    finds drafting not worth it doubles the wait, up to max_reprobe_steps. A change of batch
+    size re-plans at once (the costs depend on it) but keeps the wait: the predictions a probe
+    refreshes do not depend on the load, and with requests finishing one by one a reset would
+    probe (draft a whole batch for nothing) after every finish."""
+    name = "confidence"
+    needs_confidence = True
+    reprobe_steps = 16
+    max_reprobe_steps = 256
+    min_gain = 1.1
+
+    def __init__(self, step_costs: StepCostTable | None = None,
+                 profile: Callable[[], StepCostTable] | None = None) -> None:
+        self.step_costs = step_costs          # Algorithm 1's SPS curve: given, or profiled on first use
+        self.measured: MeasuredCost | None = None    # step and drafting costs as measured
+        self.prior: list[float] | None = None        # running average survival row (all requests)
+        self.num_drafts = 0                   # drafting calls so far (the first is a warm-up, not timed)
+        self._profile = profile
+        self._skipped_steps = 0               # consecutive steps that skipped drafting
+        self._reprobe_every = self.reprobe_steps     # set per batch size once drafting has paid
+        self._waits: dict[int, int] = {}      # batch size -> the wait last set there
+        self._decided_batch = -1              # batch size of the last drafting decision
+        self._probing = False                 # this step drafts only to re-probe: verify >= 1 draft each
+        self._step_end: float | None = None   # when the previous step's verification ended
+        self._draft_start = 0.0
+
+    @property
+    def reprobe_wait(self) -> int:
+        """Skipped steps before the next re-probe, at the batch size last decided for."""
+        return self._reprobe_every
+
+    @property
+    def probing(self) -> bool:
+        """This step drafts only to re-probe."""
+        return self._probing
+
+    def cost_model(self) -> MeasuredCost:
+        """Step and drafting costs: measured, the profile filling in the rest (profiled once,
+        on first use)."""
+        if self.measured is None:
+            if self.step_costs is None:
+                if self._profile is None:
+                    raise ValueError("confidence scheduling: no step_costs given and no model to profile")
+                self.step_costs = self._profile()
+            self.measured = MeasuredCost(self.step_costs)
+        return self.measured
+
+    def should_draft(self, records: list[VerifyRecord]) -> bool:
+        """A request's survival row from its previous drafts (smoothed), or the running average
+        for a request that has none yet, stands in for confidences not drawn yet; the step
+        drafts when the expected tokens per second of the best schedule on those predictions,
+        drafting time included, beat a plain decode step's by min_gain (10%: predictions and
+        costs are estimates). The decision is for the whole batch (drafting's cost is mostly
+        per step, not per request) and, once negative, holds while the batch size does, until
+        the next re-probe."""
+        if self.measured is None or not self.measured.draft.num_samples or self.prior is None:
+            return True                   # nothing measured yet
+        batch = len(records)
+        if batch != self._decided_batch:
+            self._decided_batch = batch
+            # Back at a batch size seen before: its own wait (with a few requests at the end of
+            # a burst drafting pays and the wait restarts short; the next burst would otherwise
+            # probe whole batches after 6, 12, 24, ... steps again). First visit: keep the wait.
+            self._reprobe_every = self._waits.get(batch, self._reprobe_every)
+        elif 0 < self._skipped_steps < self._reprobe_every:
+            return self._skip()           # same load, decided already: no need to re-plan
+        if self._drafting_pays(records):
+            self._skipped_steps, self._reprobe_every = 0, self.first_wait(batch)
+            self._waits[batch] = self._reprobe_every
+            return True
+        if self._skipped_steps >= self._reprobe_every:      # probe, then wait longer
+            self._skipped_steps = 0
+            self._reprobe_every = self._waits[batch] = min(2 * self._reprobe_every, self.max_reprobe_steps)
+            self._probing = True
+            return True
+        return self._skip()
+
+    def _drafting_pays(self, records: list[VerifyRecord]) -> bool:
+        """Whether the predicted tokens per second of drafting and verifying the best schedule
+        beat a plain decode step's by min_gain."""
+        batch = len(records)
+        preds = [r.prediction or self.prior for r in records]
+        table = self.cost_model()
+        overhead = table.draft(batch)
+        lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
+        gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
+        with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
+        return with_drafts > self.min_gain * batch / table.cost(batch)
+
+    def first_wait(self, batch: int) -> int:
+        """Skipped steps before the first re-probe after drafting paid: reprobe_steps from 8
+        requests on, proportionally fewer below. With few requests the predictions swing from
+        step to step (one hard spot in one text), a probe costs little next to what drafting
+        gains when it pays, and the doubling still bounds the probes when it never pays."""
+        return max(1, min(self.reprobe_steps, self.reprobe_steps * batch // 8))
+
+    def _skip(self) -> bool:
+        self._skipped_steps += 1
+        return False
+
+    def begin_drafting(self) -> None:
+        self.cost_model()                 # profiled once, before the drafting clock starts
+        self._draft_start = time.perf_counter()
+
+    def num_to_verify(self, records: list[VerifyRecord], confidences: list[list[float] | None],
+                      num_drafts: list[int]) -> list[int | None]:
+        """Seconds per step = verify step at B tokens + drafting, whose cost does not depend on
+        how many drafts are verified (both as measured). Survival rows are corrected by what
+        verification showed for each request so far."""
+        table = self.cost_model()
+        overhead = table.draft(len(records))
+        rows = [r.feedback.correct(survival(c or [])) for r, c in zip(records, confidences)]
+        lengths = schedule_prefix(rows, lambda b: 1.0 / (table.cost(b) + overhead))
+        if self._probing:                 # a re-probe learns nothing unless something is verified
+            lengths = [max(n, min(1, k)) for n, k in zip(lengths, num_drafts)]
+        for r, row in zip(records, rows):
+            # The prediction should_draft uses next time: survival rows, smoothed over steps.
+            old = r.prediction
+            r.prediction = row if not old or len(old) != len(row) else [0.5 * (x + y) for x, y in zip(old, row)]
+            prior = self.prior
+            self.prior = row if not prior or len(prior) != len(row) else \
+                [0.9 * x + 0.1 * y for x, y in zip(prior, row)]
+        return lengths
+
+    def end_drafting(self, num_requests: int) -> None:
+        spent = time.perf_counter() - self._draft_start
+        self.num_drafts += 1
+        if self.num_drafts > 1 and self.measured is not None:   # the first pays one-off allocations
+            self.measured.draft.add(num_requests, spent)
+
+    def next_step(self) -> None:
+        self._probing = False
+        self._step_end = time.perf_counter()      # the next step's clock starts after drafting
+
+    def observe_step(self, num_tokens: int) -> None:
+        """Time the step just verified (from the end of the previous step's verification, or of
+        its drafting: scheduling, the forward, sampling, verification; not drafting, which is
+        timed on its own) and fit the cost model to it."""
+        now = time.perf_counter()
+        if self._step_end is not None and self.measured is not None:
+            self.measured.observe(num_tokens, now - self._step_end)
+        self._step_end = now
+
+    def observe(self, record: VerifyRecord, confidence: list[float], num_verified: int,
+                num_accepted: int) -> None:
+        record.feedback.observe(survival(confidence), num_verified, num_accepted)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_drafts": self.num_drafts, "reprobe_wait": self._reprobe_every,
+                "num_step_samples": self.measured.num_samples if self.measured is not None else 0}
+
+
+def make_policy(verify: str, threshold: float = 0.7, step_costs: dict | None = None,
+                profile: Callable[[], StepCostTable] | None = None) -> VerifyPolicy:
+    """The policy a speculative method's `verify` option names. `step_costs` ({batch tokens:
+    seconds}) replaces confidence scheduling's start-up profile, which `profile` runs."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+    threshold = float(threshold)
+    table = StepCostTable.from_mapping(step_costs) if step_costs else None
+    if verify == "fixed":
+        return FixedPolicy()
+    if verify == "threshold":
+        return ThresholdPolicy(threshold)
+    return ConfidencePolicy(table, profile)
