@@ -26,64 +26,16 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from leapfrog.data.corpus import REPO_ROOT
+from leapfrog.train.drafter_recipe import VARIANTS, DrafterRecipe  # noqa: F401  (importable from here)
 from leapfrog.train.drafter_data import load_data, regenerate  # noqa: F401  (importable from here)
 from leapfrog.train.drafter_export import (drafter_config, export, hf_state_dict,  # noqa: F401
                                            mask_token_id, render_readme)
-
-
-@dataclass(slots=True)
-class DrafterRecipe:
-    name: str = "dspark-markov-2l"
-    target: str = "stories"
-    kind: str = "dspark"                  # dspark | dflash
-    num_layers: int = 2
-    head: str = "vanilla"                 # DSpark sequential head: vanilla (Markov) | gated | rnn
-    markov_rank: int = 64
-    num_draft: int = 8                    # γ: drafts per block (DFlash block = γ + 1, DSpark block = γ)
-    taps: list[int] = field(default_factory=lambda: [0, 2, 4])
-    steps: int = 1500
-    seqs_per_step: int = 4
-    anchors: int = 48                     # blocks per sequence
-    lr: float = 1.5e-3
-    min_lr: float = 5e-5
-    warmup: int = 60
-    decay: float = 4.0                    # position-weight decay constant (DeepSpec: 4)
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    ckpt_interval: int = 100
-    num_regen: int = 1600                 # regenerated training sequences
-    num_val: int = 48                     # held-out greedy sequences (offline τ, calibration)
-    regen_tokens: int = 160
-    seed: int = 1234
-    threads: int = 1
-    data_dir: str | None = None
-    init_from: str | None = None          # a drafter folder of this shape to continue from
-    out_dir: str = ""
-    run_dir: str = ""
-    command: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("dflash", "dspark"):
-            raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
-        self.out_dir = self.out_dir or str(REPO_ROOT / "checkpoints" / self.target / "drafters" / self.name)
-        self.run_dir = self.run_dir or str(REPO_ROOT / "runs" / f"drafter-{self.target}-{self.name}")
-
-
-# The variants `leapfrog bench --methods` compares (issue 5): DFlash with 2 and 5 layers, DSpark
-# with the Markov and the RNN head on 2 layers. Same taps, γ and data for all.
-VARIANTS = {
-    "dflash-2l": dict(kind="dflash", num_layers=2),
-    "dflash-5l": dict(kind="dflash", num_layers=5),
-    "dspark-markov-2l": dict(kind="dspark", num_layers=2, head="vanilla"),
-    "dspark-rnn-2l": dict(kind="dspark", num_layers=2, head="rnn"),
-}
 
 
 # --- the drafter ----------------------------------------------------------------------------
@@ -302,7 +254,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
                "wall_s": round(history["wall_s"], 1), "blocks_seen": history["blocks"],
                "val_loss": round(history["val"][-1][1], 4), "offline_tau": round(history["tau"][-1][1], 3),
                "num_train_sequences": len(train), "num_val_sequences": len(val), "calibration": calib}
-    export(r, d, tcfg, mask_id, history, summary)
+    export(r, d.drafter, tcfg, mask_id, history, summary)
     return summary
 
 

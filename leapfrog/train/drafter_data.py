@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from leapfrog.train.drafter import DrafterRecipe
+    from leapfrog.train.drafter_recipe import DrafterRecipe
 
 
 def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_every: int, seed: int

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from leapfrog.train.drafter import Distiller, DrafterRecipe
+    from torch import nn
+
+    from leapfrog.train.drafter_recipe import DrafterRecipe
 
 
 def drafter_config(r: DrafterRecipe, target_cfg: dict, mask_id: int, temperatures: list[float] | None = None
@@ -68,7 +70,7 @@ def mask_token_id(target_dir: Path) -> int:
     return mid
 
 
-def export(r: DrafterRecipe, d: Distiller, tcfg: dict, mask_id: int, history: dict, summary: dict) -> Path:
+def export(r: DrafterRecipe, drafter: nn.Module, tcfg: dict, mask_id: int, history: dict, summary: dict) -> Path:
     from safetensors.torch import save_file
 
     from leapfrog.train.export import plot_loss, write_sha256sums
@@ -77,7 +79,7 @@ def export(r: DrafterRecipe, d: Distiller, tcfg: dict, mask_id: int, history: di
     out.mkdir(parents=True, exist_ok=True)
     temps = (summary.get("calibration") or {}).get("temperatures")
     (out / "config.json").write_text(json.dumps(drafter_config(r, tcfg, mask_id, temps), indent=2) + "\n")
-    save_file(hf_state_dict(d.drafter), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_state_dict(drafter), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plot_loss(history, out / "loss.png", f"{r.target} drafter {r.name}")
     (out / "README.md").write_text(render_readme(r, summary))
