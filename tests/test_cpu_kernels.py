@@ -16,12 +16,22 @@ pytestmark = pytest.mark.skipif(mod is None, reason="no C++ compiler: the kernel
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 17, 33])
-@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (6, 8), (5, 300)])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (6, 8), (5, 300), (1100, 1003)])
 def test_skinny_linear_equals_torch(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     torch.testing.assert_close(mod.skinny_linear(x, w, torch.empty(0)), F.linear(x, w), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(mod.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_streamed_weight_is_read_row_by_row():
+    """One row of x against a weight too big for the caches (>= 1 MiB) takes the row-by-row
+    path: its result equals torch, and the float16 weight widens to the float32 result."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(1, 1000, generator=g), torch.randn(2048, 1000, generator=g).half()
+    assert w.numel() * w.element_size() >= 1 << 20
+    torch.testing.assert_close(mod.skinny_linear(x, w, torch.empty(0)), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+    assert torch.equal(mod.skinny_linear(x, w, torch.empty(0)), mod.skinny_linear(x, w.float(), torch.empty(0)))
 
 
 def test_skinny_linear_reads_strided_inputs():
@@ -50,7 +60,7 @@ def test_layers_use_the_kernels_only_where_autograd_is_not_needed():
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 9])
-@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (5, 300)])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (5, 300), (1100, 1003), (600, 1000)])
 def test_skinny_linear_widens_float16_weights_exactly(m, n, k):
     """A float16 weight gives the float32 kernel's result: widening is exact and the summation
     order is the same (the scalar tail may round a multiply-add differently)."""

@@ -38,3 +38,22 @@ def test_bench_serve_poisson_rate(server, tmp_path):
     assert rc == 0
     lv = json.loads((tmp_path / "r.json").read_text())["levels"][0]
     assert lv["request_rate"] == 50 and lv["completed"] == 3
+
+
+def test_bench_serve_against_a_peer_server(server, llama_dir, tmp_path):
+    """The same client, prompts and settings against leapfrog and a peer; one comparison table."""
+    peer = ServerThread(llama_dir, served_model_name="peer-model").start()
+    try:
+        rc = bench_main(["--serve", "--url", server.url, "--peer-url", peer.url, "--peer-name", "other",
+                         "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "5", "--out", str(tmp_path),
+                         "--name", "p"])
+    finally:
+        peer.stop()
+    assert rc == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["peer"]["model"] == "peer-model" and result["peer"]["name"] == "other"
+    assert [lv["completed"] for lv in result["peer"]["levels"]] == [2, 2]
+    assert all(lv["mean_output_tokens"] == 5 for lv in result["peer"]["levels"])
+    table = (tmp_path / "p.md").read_text()
+    assert "| load | leapfrog out tok/s | other out tok/s | leapfrog / other |" in table
+    assert table.count("| c=") == 4          # two levels in each of the two tables

@@ -39,7 +39,7 @@ class ServerThread:
         self.url = f"{scheme}://127.0.0.1:{self.cfg.port}"
         self.verify = ssl.create_default_context(cafile=self.cfg.ssl_certfile) if self.cfg.ssl_certfile else True
 
-    def start(self, timeout: float = 60.0) -> "ServerThread":
+    def start(self, timeout: float = 180.0) -> "ServerThread":   # a loaded CI machine is slow
         self.thread.start()
         deadline = time.time() + timeout
         while time.time() < deadline:

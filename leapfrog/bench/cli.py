@@ -41,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept")
     p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
                    help="a llama.cpp source tree with a build/ (e.g. built from the llama-cpp-python sdist, "
-                   "see docs/benchmarks.md): its converter makes an f32 GGUF of the same weights and its "
-                   "llama-bench adds a third column (default $LLAMA_CPP_DIR; skipped when absent)")
-    p.add_argument("--gguf", default=None, help="use this GGUF instead of converting")
+                   "see docs/benchmarks.md): its converter makes float16 and float32 GGUFs of the same "
+                   "weights, and its llama-bench decodes them in a clean environment (default "
+                   "$LLAMA_CPP_DIR; skipped when absent)")
+    p.add_argument("--gguf", default=None, help="use this float16 GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
+    peers.add_arguments(p)
     speculative.add_arguments(p)
     diffusion.add_arguments(p)
     return p

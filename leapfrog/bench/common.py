@@ -1,7 +1,9 @@
 """Helpers every benchmark suite shares: progress logging and held-out story prompts."""
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 
 def log(msg: str) -> None:
@@ -21,3 +23,23 @@ def story_prompts(num: int, tokenizer, max_prompt_tokens: int = 32) -> list[list
         ids = tokenizer.encode(texts[i % len(texts)])
         prompts.append(ids[:max_prompt_tokens])
     return prompts
+
+
+def load_average() -> float:
+    """The 1-minute load average, recorded with every table (these VMs swing in speed)."""
+    return os.getloadavg()[0]
+
+
+def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of reading a 1 GiB float32 tensor with `threads` threads, best of `repeats`:
+    the ceiling for single-request decode of a model too big for the caches, which reads every
+    weight once per token."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best

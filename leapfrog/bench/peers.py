@@ -1,14 +1,13 @@
-"""The peers suite: the same checkpoint and prompts through leapfrog and through transformers
-`generate` (and llama.cpp's llama-bench when a build is found): single-request decode tokens/s
-and total output tokens/s at several concurrencies, reported as ratios."""
+"""The peers suite: the same checkpoint and prompts through leapfrog, transformers `generate` and
+llama.cpp's llama-bench (on both its float16 and float32 GGUF of the same weights, when a build is
+given), interleaved repeat by repeat. Single-request decode is reported in tokens/s and in GB/s of
+weights read per token, next to the machine's measured read bandwidth, its physical limit; total
+output tokens/s at several concurrencies against transformers. `--size 150m` measures a
+random-weight Llama of that size instead, whose weights do not fit the CPU caches."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,9 @@ import torch
 from leapfrog.config import resolve_model
 
 
-from leapfrog.bench.common import log, story_prompts
+from leapfrog.bench import llama_cpp
+from leapfrog.bench.common import load_average, log, read_bandwidth, story_prompts
+from leapfrog.bench.random_model import random_llama, weight_bytes_per_token
 
 
 # --- leapfrog -------------------------------------------------------------------------------
@@ -68,103 +69,135 @@ def hf_single(model, prompt: list[int], new_tokens: int, pad_id: int) -> dict:
             "decode_tokens_per_s": (new_tokens - 1) / max(1e-9, total - prefill)}
 
 
-# --- llama.cpp --------------------------------------------------------------------------------
-def find_llama_bench(cpp_dir: str | None) -> str | None:
-    cands = [os.environ.get("LLAMA_BENCH"), shutil.which("llama-bench")]
-    if cpp_dir:
-        cands += [str(Path(cpp_dir) / "build" / "bin" / "llama-bench"), str(Path(cpp_dir) / "bin" / "llama-bench")]
-    return next((c for c in cands if c and Path(c).is_file()), None)
-
-
-def make_gguf(folder: Path, cpp_dir: str | None, out: Path) -> Path | None:
-    """Convert the checkpoint with llama.cpp's own converter (identical weights, f32)."""
-    if not cpp_dir:
-        return None
-    root = Path(cpp_dir)
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        return None
-    gguf = out / f"{folder.name}-f32.gguf"
-    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
-    proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(folder), "--outfile",
-                           str(gguf), "--outtype", "f32"], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        log(f"llama.cpp converter refused {folder}: {tail}; no llama.cpp column")
-        return None
-    return gguf
-
-
-def llama_cpp_single(gguf: Path | None, new_tokens: int, threads: int, cpp_dir: str | None) -> dict | None:
-    exe = find_llama_bench(cpp_dir)
-    if not exe or gguf is None or not gguf.is_file():
-        return None
-    out = subprocess.run([exe, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    return {"decode_tokens_per_s": float(json.loads(out)[0]["avg_ts"]), "exe": exe}
-
-
 # --- the suite --------------------------------------------------------------------------------
-def run_peers(args: argparse.Namespace) -> dict:
-    import transformers
-
-    from leapfrog import LLM
+def model_folder(args: argparse.Namespace) -> Path:
     folder = resolve_model(args.model)
-    torch.set_num_threads(args.threads)
-    log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
-    llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    pad = llm.tokenizer.pad_token_id or 0
-    prompts = story_prompts(max(args.concurrency), llm.tokenizer)
-    leapfrog_run(llm, prompts[:2], 8)                      # warm both up
-    hf_generate(hf, prompts[:2], 8, pad)
-    # Alternate the engines and keep each one's best run: on a shared machine the best of a
-    # few interleaved runs is far more stable than one run each.
-    lf1 = hf1 = None
+    if args.size:
+        log(f"building (or reusing) a random {args.size} Llama with {folder.name}'s tokenizer")
+        folder = random_llama(args.size, folder, Path(args.out))
+    return folder
+
+
+def llama_cpp_peers(args: argparse.Namespace, folder: Path) -> dict[str, Path]:
+    """The GGUFs llama.cpp decodes: float16 (the bytes leapfrog streams) and float32."""
+    exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
+    if exe is None:
+        return {}
+    out = Path(args.out)
+    ggufs = {"f16": Path(args.gguf)} if args.gguf else {}
+    for kind in ("f16", "f32"):
+        ggufs.setdefault(kind, llama_cpp.make_gguf(folder, args.llama_cpp_dir, out, kind))
+    return {kind: g for kind, g in ggufs.items() if g is not None}
+
+
+def single_request(args: argparse.Namespace, llm, hf, prompts: list[list[int]], pad: int,
+                   ggufs: dict[str, Path]) -> tuple[dict, dict, dict]:
+    """Best of `repeats` interleaved runs of each engine: leapfrog, each llama.cpp GGUF (with
+    its own repetitions), transformers. On a shared machine the best of a few interleaved runs
+    is far more stable than one run each."""
+    best: dict[str, dict] = {}
+    exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
+
+    def keep(name: str, r: dict) -> None:
+        if name not in best or r["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
+            best[name] = r
     for i in range(args.repeats):
         log(f"single request, run {i + 1}/{args.repeats}")
-        r = leapfrog_run(llm, prompts[:1], args.new_tokens)
-        lf1 = r if lf1 is None or r["decode_tokens_per_s"] > lf1["decode_tokens_per_s"] else lf1
-        r = hf_single(hf, prompts[0], args.new_tokens, pad)
-        hf1 = r if hf1 is None or r["decode_tokens_per_s"] > hf1["decode_tokens_per_s"] else hf1
-    rows = [{"concurrency": "single (decode)", "leapfrog": lf1["decode_tokens_per_s"],
-             "transformers": hf1["decode_tokens_per_s"]}]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    gguf = Path(args.gguf) if args.gguf else make_gguf(folder, args.llama_cpp_dir, out_dir)
-    cpp = llama_cpp_single(gguf, args.new_tokens, args.threads, args.llama_cpp_dir)
-    if cpp:
-        log(f"llama.cpp: {cpp['exe']} on {gguf}")
-    if cpp:
-        rows[0]["llama.cpp"] = cpp["decode_tokens_per_s"]
+        keep("leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens))
+        for kind, gguf in ggufs.items():
+            keep(f"llama.cpp {kind}", llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3))
+        if hf is not None:
+            keep("transformers", hf_single(hf, prompts[0], args.new_tokens, pad))
+    return best
+
+
+def single_rows(best: dict[str, dict], folder: Path) -> list[dict]:
+    f16 = weight_bytes_per_token(folder, 2)
+    rows = []
+    for name, r in best.items():
+        per_token = f16 * (2 if name in ("llama.cpp f32", "transformers") else 1)   # both read float32
+        tps = r["decode_tokens_per_s"]
+        rows.append({"engine": name, "decode_tokens_per_s": tps, "ms_per_token": 1000 / tps,
+                     "weight_bytes_per_token": per_token, "weight_gb_per_s": per_token * tps / 1e9,
+                     "vs_leapfrog": tps / best["leapfrog"]["decode_tokens_per_s"],
+                     **({"command": r["command"], "env_dropped": r["env_dropped"]} if "command" in r else {})})
+    return rows
+
+
+def concurrency_rows(args: argparse.Namespace, llm, hf, prompts: list[list[int]], pad: int,
+                     single_hf_s: float | None) -> list[dict]:
+    rows = []
     for c in args.concurrency:
         lf = h = None
         for i in range(args.repeats):
             log(f"{c} concurrent requests, run {i + 1}/{args.repeats}")
             r = leapfrog_run(llm, prompts[:c], args.new_tokens)
             lf = r if lf is None or r["tokens_per_s"] > lf["tokens_per_s"] else lf
-            r = hf_run(hf, prompts[:c], args.new_tokens, pad, hf1["wall_s"])
-            h = r if h is None or r["tokens_per_s"] > h["tokens_per_s"] else h
-        rows.append({"concurrency": c, "leapfrog": lf["tokens_per_s"], "transformers": h["tokens_per_s"],
-                     "transformers_mode": h["mode"]})
-    for r in rows:
-        r["ratio"] = r["leapfrog"] / r["transformers"]
-    return {"suite": "peers", "model": str(folder), "threads": args.threads, "new_tokens": args.new_tokens,
-            "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
+            if hf is not None:
+                r = hf_run(hf, prompts[:c], args.new_tokens, pad, single_hf_s)
+                h = r if h is None or r["tokens_per_s"] > h["tokens_per_s"] else h
+        row = {"concurrency": c, "leapfrog": lf["tokens_per_s"]}
+        if h is not None:
+            row.update(transformers=h["tokens_per_s"], transformers_mode=h["mode"],
+                       ratio=lf["tokens_per_s"] / h["tokens_per_s"])
+        rows.append(row)
+    return rows
+
+
+def run_peers(args: argparse.Namespace) -> dict:
+    import transformers
+
+    from leapfrog import LLM
+    torch.set_num_threads(args.threads)
+    folder = model_folder(args)
+    load_before = load_average()
+    log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
+    llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency), num_threads=args.threads)
+    hf = None if args.no_transformers else \
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = llm.tokenizer.pad_token_id or 0
+    prompts = story_prompts(max(args.concurrency), llm.tokenizer)
+    leapfrog_run(llm, prompts[:2], 8)                      # warm up
+    if hf is not None:
+        hf_generate(hf, prompts[:2], 8, pad)
+    ggufs = llama_cpp_peers(args, folder)
+    bandwidth = read_bandwidth(args.threads)
+    best = single_request(args, llm, hf, prompts, pad, ggufs)
+    single_hf_s = best["transformers"]["wall_s"] if "transformers" in best else None
+    return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
+            "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
+            "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
+            "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
+            "single": single_rows(best, folder),
+            "rows": concurrency_rows(args, llm, hf, prompts, pad, single_hf_s)}
 
 
 run = run_peers      # every suite module offers run / markdown / plot
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("peers suite")
+    g.add_argument("--size", default=None, help="measure a random-weight Llama of this many parameters "
+                   "(e.g. 150m: weights far larger than the CPU caches) instead of --model's weights; "
+                   "it keeps --model's tokenizer")
+    g.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models)")
+
+
 def markdown(result: dict) -> str:
-    has_cpp = any("llama.cpp" in r for r in result["rows"])
-    head = "| requests | leapfrog tok/s | transformers tok/s | leapfrog / transformers |" + \
-           (" llama.cpp tok/s |" if has_cpp else "")
-    lines = [head, "|" + "---|" * (5 if has_cpp else 4)]
+    lines = [f"Single request, {result['new_tokens']} new tokens, {result['threads']} threads; machine read "
+             f"bandwidth {result['read_bandwidth_gb_per_s']:.1f} GB/s; load average "
+             f"{result['load_average'][0]:.2f} -> {result['load_average'][1]:.2f}", "",
+             "| engine | decode tok/s | ms / token | GB/s of weights | vs leapfrog |", "|---|---|---|---|---|"]
+    for r in result["single"]:
+        lines.append(f"| {r['engine']} | {r['decode_tokens_per_s']:.0f} | {r['ms_per_token']:.2f} | "
+                     f"{r['weight_gb_per_s']:.1f} | {r['vs_leapfrog']:.2f}x |")
+    has_hf = any("transformers" in r for r in result["rows"])
+    lines += ["", "| requests | leapfrog tok/s |" + (" transformers tok/s | leapfrog / transformers |" if has_hf else ""),
+              "|" + "---|" * (4 if has_hf else 2)]
     for r in result["rows"]:
-        mode = f" ({r['transformers_mode']})" if "transformers_mode" in r else ""
-        line = f"| {r['concurrency']} | {r['leapfrog']:.0f} | {r['transformers']:.0f}{mode} | {r['ratio']:.2f}x |"
-        if has_cpp:
-            line += f" {r['llama.cpp']:.0f} |" if "llama.cpp" in r else " — |"
+        line = f"| {r['concurrency']} | {r['leapfrog']:.0f} |"
+        if has_hf:
+            line += f" {r['transformers']:.0f} ({r['transformers_mode']}) | {r['ratio']:.2f}x |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -173,16 +206,22 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in result["rows"] if isinstance(r["concurrency"], int)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    single = result["single"]
+    a.barh([r["engine"] for r in single], [r["weight_gb_per_s"] for r in single], color="tab:blue")
+    a.axvline(result["read_bandwidth_gb_per_s"], color="tab:red", ls="--", label="measured read bandwidth")
+    a.set_xlabel("GB/s of weights read, single request")
+    a.legend(loc="lower right", fontsize=8)
+    rows = result["rows"]
     xs = [r["concurrency"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(xs, [r["leapfrog"] for r in rows], "o-", label="leapfrog")
-    ax.plot(xs, [r["transformers"] for r in rows], "s--", label="transformers")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{Path(result['model']).name}, {result['threads']} CPU threads")
-    ax.legend()
+    b.plot(xs, [r["leapfrog"] for r in rows], "o-", label="leapfrog")
+    if all("transformers" in r for r in rows):
+        b.plot(xs, [r["transformers"] for r in rows], "s--", label="transformers")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("concurrent requests")
+    b.set_ylabel("output tokens/s")
+    b.legend()
+    fig.suptitle(f"{Path(result['model']).name}, {result['threads']} CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

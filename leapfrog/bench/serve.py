@@ -40,6 +40,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    num_chunks: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -80,6 +81,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices") or not _chunk_text(chunk):
                     continue
+                res.num_chunks += 1
                 now = time.perf_counter()
                 if res.ttft == 0.0:
                     res.ttft = now - start
@@ -87,6 +89,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                     res.itl.append(now - last)
                 last = now
         res.e2e = time.perf_counter() - start
+        if res.output_tokens == 0:       # a server that sends no usage: one token per text chunk
+            res.output_tokens = res.num_chunks
         res.ok = res.output_tokens > 0
         res.error = "" if res.ok else "no tokens"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -106,15 +110,15 @@ def _gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[fl
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def run_level(args: argparse.Namespace, model: str, concurrency: int | None, rate: float,
+async def run_level(args: argparse.Namespace, base: str, model: str, concurrency: int | None, rate: float,
                     num: int) -> dict:
     texts = prompts(num, args.prompt_words, args.seed)
     sem = asyncio.Semaphore(concurrency or num)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = args.url.rstrip("/") + "/v1/completions"
+    url = base.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=(concurrency or num) + 4)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
-        before = await scrape(client, args.url)
+        before = await scrape(client, base)
         load_before = os.getloadavg()[0]
 
         async def go(i: int) -> RequestResult:
@@ -130,7 +134,7 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int | Non
             tasks.append(asyncio.create_task(go(i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-        after = await scrape(client, args.url)
+        after = await scrape(client, base)
     summary = summarize(results, duration, concurrency, rate, before, after)
     summary["load_average_1m"] = load_before     # the machine's own load: context for the numbers
     return summary
@@ -201,7 +205,24 @@ def markdown(result: dict) -> str:
             f"(ignore_eos={cfg['ignore_eos']}), prompts of <= {cfg['prompt_words']} words, "
             f"temperature {cfg['temperature']}; 1-min load average before each level: {loads}; "
             f"{result['timestamp']}.")
-    return "\n".join(rows) + "\n" + note
+    return "\n".join(rows) + "\n" + note + compare(result)
+
+
+def compare(result: dict) -> str:
+    """leapfrog against the peer, level by level (empty without a peer)."""
+    peer = result.get("peer")
+    if not peer:
+        return ""
+    name = peer["name"]
+    rows = ["", "", f"| load | leapfrog out tok/s | {name} out tok/s | leapfrog / {name} | TPOT p50 leapfrog (ms) | "
+            f"TPOT p50 {name} (ms) | TTFT p50 leapfrog (ms) | TTFT p50 {name} (ms) |", "|" + "---|" * 8]
+    for a, b in zip(result["levels"], peer["levels"]):
+        load = f"c={a['concurrency']}" if a["request_rate"] is None else f"{a['request_rate']:g} req/s"
+        ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else float("nan")
+        rows.append(f"| {load} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | {ratio:.2f}x | "
+                    f"{a['tpot_s']['p50'] * 1e3:.1f} | {b['tpot_s']['p50'] * 1e3:.1f} | "
+                    f"{a['ttft_s']['p50'] * 1e3:.0f} | {b['ttft_s']['p50'] * 1e3:.0f} |")
+    return "\n".join(rows) + f"\n{name} at {peer['url']} serving {peer['model']}."
 
 
 def _ms(stats: dict, keys: tuple[str, ...] = ("mean", "p50", "p99")) -> str:
@@ -253,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", default="bench_results", help="output folder")
     p.add_argument("--name", default="serve", help="file stem of the results")
+    p.add_argument("--peer-url", default=None, help="a peer OpenAI-compatible server (llama-server, vLLM) "
+                   "measured with the same client and prompts, level by level; one comparison table")
+    p.add_argument("--peer-name", default="llama-server", help="the peer's name in the table")
     return p
 
 
@@ -262,23 +286,35 @@ def _levels(args: argparse.Namespace) -> list[tuple[int | None, float]]:
     return [(int(c), math.inf) for c in args.concurrency.split(",")]
 
 
-async def _run(args: argparse.Namespace) -> dict:
-    model = args.model
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+async def first_model(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        if model is None:
-            model = (await client.get(args.url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
-    levels = []
-    for concurrency, rate in _levels(args):
+        return (await client.get(url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    """Each load level against leapfrog and, with --peer-url, against the peer server with the
+    same client, prompts and settings; the two alternate which goes first from level to level."""
+    model = args.model or await first_model(args.url, args.api_key)
+    targets = [("leapfrog", args.url, model)]
+    if args.peer_url:
+        targets.append((args.peer_name, args.peer_url, await first_model(args.peer_url, args.api_key)))
+    levels: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
+    for k, (concurrency, rate) in enumerate(_levels(args)):
         num = args.num_prompts or max(8, 2 * (concurrency or int(min(rate, 64)) or 1))
-        log(f"level concurrency={concurrency} rate={rate:g}: {num} requests")
-        lv = await run_level(args, model, concurrency, rate, num)
-        log(f"  {lv['completed']}/{num} ok, {lv['output_throughput']:.1f} out tok/s, "
-            f"TTFT p50 {lv['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {lv['tpot_s']['p50'] * 1e3:.1f} ms")
-        levels.append(lv)
+        for name, url, target_model in (targets if k % 2 == 0 else targets[::-1]):
+            log(f"{name}: level concurrency={concurrency} rate={rate:g}: {num} requests")
+            lv = await run_level(args, url, target_model, concurrency, rate, num)
+            log(f"  {lv['completed']}/{num} ok, {lv['output_throughput']:.1f} out tok/s, "
+                f"TTFT p50 {lv['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {lv['tpot_s']['p50'] * 1e3:.1f} ms")
+            levels[name].append(lv)
     cfg = {k: v for k, v in vars(args).items() if k not in ("api_key", "serve")}
-    return {"model": model, "config": cfg, "levels": levels,
-            "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {"model": model, "config": cfg, "levels": levels["leapfrog"],
+              "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.peer_url:
+        result["peer"] = {"name": args.peer_name, "url": args.peer_url, "model": targets[1][2],
+                          "levels": levels[args.peer_name]}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,4 +332,5 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out / f"{args.name}.png")
     print(table)
     log(f"wrote {out}/{args.name}.json, .md, .png")
-    return 0 if all(lv["failed"] == 0 for lv in result["levels"]) else 1
+    every = result["levels"] + result.get("peer", {}).get("levels", [])
+    return 0 if all(lv["failed"] == 0 for lv in every) else 1

@@ -21,8 +21,12 @@
 // spinning workers are ruinous on a shared CPU): more than a decode step's small products take.
 static constexpr int64_t kMinParallelWork = 1 << 21;
 
-static inline int64_t grain_for(int64_t work_per_item) {
-  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
+// A weight streamed from memory is split across threads from this much work on: two threads
+// read it at up to twice the bandwidth of one, which outweighs waking the second.
+static constexpr int64_t kStreamedParallelWork = 1 << 16;
+
+static inline int64_t grain_for(int64_t work_per_item, int64_t min_work = kMinParallelWork) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_item));
 }
 
 // One task per (sequence, query head); online over the context: scores, softmax, weighted sum.
@@ -297,9 +301,44 @@ static inline void skinny_group(const float* x0, const float* x1, const wt* cons
     }
 }
 
+// One row of x against one weight row, read front to back. For a single row of x and a weight
+// too big to stay in the caches, the rows are summed one after another rather than four side by
+// side: the weights then stream from memory in one sequential run. Four interleaved 2-4 KB runs
+// (a model's rows) reached about half the bandwidth, even with software prefetching; in the
+// caches the interleaved groups stay faster, as they load x once for four rows.
+template <typename wt>
+static inline float dot_row(const float* x, const wt* w, int64_t K) {
+  int64_t k = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kSimdWeight<wt>) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 32 <= K; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+    s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  }
+#endif
+  for (; k < K; ++k) s += x[k] * static_cast<float>(w[k]);
+  return s;
+}
+
+// A weight of at least this many bytes is taken to stream from memory (see dot_row).
+static constexpr int64_t kStreamedWeightBytes = 1 << 20;
+
 template <typename wt>
 static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
+  if (M == 1 && N * K * static_cast<int64_t>(sizeof(wt)) >= kStreamedWeightBytes) {
+    at::parallel_for(0, N, grain_for(K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) y[n] = dot_row(x, w + n * K, K) + (bias ? bias[n] : 0.f);
+    });
+    return;
+  }
   at::parallel_for(0, (N + 3) / 4, grain_for(4 * M * K), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * 4, rows = std::min<int64_t>(4, N - n);
@@ -823,14 +862,17 @@ torch::Tensor markov_argmax(torch::Tensor logits, torch::Tensor w1, torch::Tenso
   return ids;
 }
 
+// Every kernel runs without the GIL: the server's event loop (another thread) keeps streaming
+// while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
-  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)");
-  m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)");
-  m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)");
-  m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)");
-  m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)");
-  m.def("pack_panels", &pack_panels, "w [N, K] -> column panels [ceil(N/16), K, 16] float32");
-  m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)", nogil);
+  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)", nogil);
+  m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)", nogil);
+  m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)", nogil);
+  m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)", nogil);
+  m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)", nogil);
+  m.def("pack_panels", &pack_panels, "w [N, K] -> column panels [ceil(N/16), K, 16] float32", nogil);
+  m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
 }

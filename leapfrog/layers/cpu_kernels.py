@@ -49,9 +49,10 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
         src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
         cflags = ["-O3", "-march=native", "-fopenmp"]
-        # Named by the source's hash: checkouts of other versions build side by side instead of
-        # rebuilding over each other, and copies of this version share one build.
-        tag = hashlib.sha1(src.read_bytes() + repr(cflags).encode()).hexdigest()[:12]
+        # Named by the source's hash and path: other versions and other checkouts build side by
+        # side. (torch's build file records the source path, so two checkouts sharing one build
+        # folder would rebuild it over each other on every load, each taking minutes.)
+        tag = hashlib.sha1(src.read_bytes() + repr(cflags).encode() + str(src).encode()).hexdigest()[:12]
         name = f"leapfrog_cpu_{tag}"
         _clear_stale_lock(name)
         _module = load(name=name, sources=[str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],

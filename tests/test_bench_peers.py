@@ -1,0 +1,84 @@
+"""The peers suite: peers run in a clean environment, the random sized model, the whole suite."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from leapfrog.bench import llama_cpp
+from leapfrog.bench.cli import main as bench_main
+from leapfrog.bench.random_model import parse_size, random_llama, shape_for, weight_bytes_per_token
+
+FAKE_BENCH = """#!/usr/bin/env python3
+import json, os, sys
+# llama-bench's JSON output; fast only when no OpenMP or leapfrog variable leaked in
+leaked = sorted(k for k in os.environ if k.startswith(("OMP_", "GOMP_", "KMP_", "LEAPFROG_")))
+print(json.dumps([{"avg_ts": 1.0 if leaked else 5000.0, "stddev_ts": 0.0, "argv": sys.argv[1:], "leaked": leaked}]))
+"""
+
+
+@pytest.fixture
+def fake_cpp(tmp_path) -> Path:
+    exe = tmp_path / "cpp" / "build" / "bin" / "llama-bench"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(FAKE_BENCH)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "cpp"
+
+
+def test_peers_never_inherit_openmp_or_leapfrog_settings(fake_cpp, monkeypatch):
+    import leapfrog  # noqa: F401  (sets OMP_WAIT_POLICY for this process, as the bench does)
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    monkeypatch.setenv("LEAPFROG_PORT", "9")
+    exe = llama_cpp.find_binary("llama-bench", str(fake_cpp))
+    r = llama_cpp.llama_bench(exe, Path("m.gguf"), 16, 2, 3)
+    assert r["decode_tokens_per_s"] == 5000.0
+    assert {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LEAPFROG_PORT"} <= set(r["env_dropped"])
+    assert "-p 0 -n 16 -t 2 -r 3" in r["command"]
+
+
+def test_sizes_and_shapes():
+    assert parse_size("150m") == 150_000_000 and parse_size("1.5b") == 1_500_000_000
+    with pytest.raises(ValueError, match="--size"):
+        parse_size("big")
+    from leapfrog.models.info import param_report
+    cfg = shape_for(150_000_000, 4096)
+    assert abs(param_report(cfg).total - 150e6) / 150e6 < 0.05
+
+
+def test_random_model_loads_everywhere_and_counts_its_bytes(tmp_path, llama_dir):
+    import torch
+    import transformers
+
+    from leapfrog import LLM, SamplingParams
+    folder = random_llama("12m", llama_dir, tmp_path)
+    assert random_llama("12m", llama_dir, tmp_path) == folder                  # reused
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    params = {n: p for n, p in hf.named_parameters()}
+    embed = params["model.embed_tokens.weight"]
+    read = sum(p.numel() for p in params.values()) - embed.numel() + embed.shape[1]
+    assert weight_bytes_per_token(folder, 2) == 2 * read
+    assert next(iter(params.values())).dtype == torch.float16
+    out = LLM(str(folder)).generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+def test_peers_suite_end_to_end(llama_dir, fake_cpp, tmp_path):
+    out = tmp_path / "results"
+    rc = bench_main(["--suite", "peers", "--model", str(llama_dir), "--new-tokens", "6", "--concurrency", "1", "2",
+                     "--repeats", "1", "--threads", "1", "--llama-cpp-dir", str(fake_cpp), "--gguf",
+                     str(tmp_path / "given.gguf"), "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "peers.json").read_text())
+    engines = {r["engine"]: r for r in result["single"]}
+    assert set(engines) == {"leapfrog", "transformers", "llama.cpp f16"}       # no converter: no f32
+    assert engines["llama.cpp f16"]["decode_tokens_per_s"] == 5000.0          # ran clean
+    lf = engines["leapfrog"]
+    assert lf["weight_gb_per_s"] == pytest.approx(lf["weight_bytes_per_token"] * lf["decode_tokens_per_s"] / 1e9)
+    assert result["read_bandwidth_gb_per_s"] > 0 and len(result["load_average"]) == 2
+    assert [r["concurrency"] for r in result["rows"]] == [1, 2]
+    assert "GB/s of weights" in (out / "peers.md").read_text() and (out / "peers.png").is_file()
