@@ -161,15 +161,16 @@ def run_peers(args: argparse.Namespace) -> dict:
     if hf is not None:
         hf_generate(hf, prompts[:2], 8, pad)
     ggufs = llama_cpp_peers(args, folder)
-    bandwidth = read_bandwidth(args.threads)
     best = single_request(args, llm, hf, prompts, pad, ggufs)
     single_hf_s = best["transformers"]["wall_s"] if "transformers" in best else None
+    rows = concurrency_rows(args, llm, hf, prompts, pad, single_hf_s)
+    # Last: touching a gigabyte slowed the engines' later runs by ~20% on these VMs.
+    bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(best, folder),
-            "rows": concurrency_rows(args, llm, hf, prompts, pad, single_hf_s)}
+            "single": single_rows(best, folder), "rows": rows}
 
 
 run = run_peers      # every suite module offers run / markdown / plot
