@@ -24,12 +24,12 @@ def test_skinny_linear_equals_torch(m, n, k):
     torch.testing.assert_close(mod.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_a_streamed_weight_is_read_row_by_row():
-    """One row of x against a weight too big for the caches (>= 1 MiB) takes the row-by-row
-    path: its result equals torch, and the float16 weight widens to the float32 result."""
+def test_one_row_reads_the_weight_row_by_row():
+    """One row of x (a decode step) takes the row-by-row path, here with a weight bigger than
+    the caches and a K with both tails: its result equals torch, and the float16 weight widens
+    to the float32 result exactly."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(1, 1000, generator=g), torch.randn(2048, 1000, generator=g).half()
-    assert w.numel() * w.element_size() >= 1 << 20
     torch.testing.assert_close(mod.skinny_linear(x, w, torch.empty(0)), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
     assert torch.equal(mod.skinny_linear(x, w, torch.empty(0)), mod.skinny_linear(x, w.float(), torch.empty(0)))
 

@@ -7,7 +7,10 @@ random-weight Llama of that size instead, whose weights do not fit the CPU cache
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,35 +41,24 @@ def leapfrog_run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 # --- transformers -----------------------------------------------------------------------------
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    """Left-padded static batch through `generate`; returns wall seconds."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=pad_id)
-    return time.perf_counter() - t0
-
-
-def hf_run(model, prompts: list[list[int]], new_tokens: int, pad_id: int, single_time: float | None) -> dict:
-    batched = hf_generate(model, prompts, new_tokens, pad_id)
-    # Sequential time, estimated from the measured single-request time (running 64 requests one
-    # by one would take minutes and says nothing new).
-    sequential = single_time * len(prompts) if single_time else None
-    best = min(t for t in (batched, sequential) if t is not None)
-    n = len(prompts) * new_tokens
-    return {"wall_s": best, "output_tokens": n, "tokens_per_s": n / best,
-            "mode": "static batch" if best == batched else "sequential",
-            "static_batch_tokens_per_s": n / batched}
-
-
-def hf_single(model, prompt: list[int], new_tokens: int, pad_id: int) -> dict:
-    prefill = min(hf_generate(model, [prompt], 1, pad_id) for _ in range(2))
-    total = hf_generate(model, [prompt], new_tokens, pad_id)
-    return {"wall_s": total, "tokens_per_s": new_tokens / total,
-            "decode_tokens_per_s": (new_tokens - 1) / max(1e-9, total - prefill)}
+def transformers_run(args: argparse.Namespace, folder: Path, prompts: list[list[int]], pad: int) -> dict:
+    """transformers in its own clean process (hf_peer.py): single-request decode and a static
+    batch per concurrency level. The sequential time of a level is estimated from the
+    single-request time (running 64 requests one by one would take minutes and says nothing new);
+    the faster of the two counts."""
+    env, dropped = llama_cpp.peer_env()
+    job = {"model": str(folder), "threads": args.threads, "new_tokens": args.new_tokens, "pad_id": pad,
+           "single": prompts[0], "batches": [prompts[:c] for c in args.concurrency]}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_peer.py"))], input=json.dumps(job),
+                          capture_output=True, text=True, env=env, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {}
+    n = args.new_tokens
+    for c, batched in zip(args.concurrency, out["batches"]):
+        sequential = out["single"]["wall_s"] * c
+        best = min(batched, sequential)
+        rows[c] = {"tokens_per_s": c * n / best, "mode": "static batch" if best == batched else "sequential"}
+    return {"single": {**out["single"], "env_dropped": dropped}, "rows": rows, "version": out["transformers"]}
 
 
 # --- the suite --------------------------------------------------------------------------------
@@ -90,87 +82,84 @@ def llama_cpp_peers(args: argparse.Namespace, folder: Path) -> dict[str, Path]:
     return {kind: g for kind, g in ggufs.items() if g is not None}
 
 
-def single_request(args: argparse.Namespace, llm, hf, prompts: list[list[int]], pad: int,
-                   ggufs: dict[str, Path]) -> tuple[dict, dict, dict]:
-    """Best of `repeats` interleaved runs of each engine: leapfrog, each llama.cpp GGUF (with
-    its own repetitions), transformers. On a shared machine the best of a few interleaved runs
-    is far more stable than one run each."""
-    best: dict[str, dict] = {}
+def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[int]], pad: int,
+                ggufs: dict[str, Path]) -> tuple[dict[str, dict], dict[int, dict], str | None]:
+    """Best of `repeats` rounds; each round runs every engine once, in turn: leapfrog (single
+    request, then each concurrency), llama.cpp on each GGUF (with its own repetitions), and
+    transformers in its own process. On a shared machine the best of a few interleaved runs is
+    far more stable than one run each."""
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
+    single: dict[str, dict] = {}
+    rows: dict[int, dict] = {}
+    version = None
 
-    def keep(name: str, r: dict) -> None:
-        if name not in best or r["decode_tokens_per_s"] > best[name]["decode_tokens_per_s"]:
-            best[name] = r
+    def keep(table: dict, key, r: dict, field: str) -> None:
+        if key not in table or r[field] > table[key][field]:
+            table[key] = r
     for i in range(args.repeats):
-        log(f"single request, run {i + 1}/{args.repeats}")
-        keep("leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens))
+        log(f"round {i + 1}/{args.repeats}")
+        keep(single, "leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens), "decode_tokens_per_s")
+        for c in args.concurrency:
+            r = leapfrog_run(llm, prompts[:c], args.new_tokens)
+            keep(rows, c, {"leapfrog": r["tokens_per_s"]}, "leapfrog")
         for kind, gguf in ggufs.items():
-            keep(f"llama.cpp {kind}", llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3))
-        if hf is not None:
-            keep("transformers", hf_single(hf, prompts[0], args.new_tokens, pad))
-    return best
+            keep(single, f"llama.cpp {kind}", llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3),
+                 "decode_tokens_per_s")
+        if not args.no_transformers:
+            hf = transformers_run(args, folder, prompts, pad)
+            version = hf["version"]
+            keep(single, "transformers", hf["single"], "decode_tokens_per_s")
+            for c, r in hf["rows"].items():
+                best = rows[c].setdefault("transformers", 0.0)
+                if r["tokens_per_s"] > best:
+                    rows[c].update(transformers=r["tokens_per_s"], transformers_mode=r["mode"])
+    return single, rows, version
 
 
 def single_rows(best: dict[str, dict], folder: Path) -> list[dict]:
     f16 = weight_bytes_per_token(folder, 2)
-    rows = []
+    out = []
     for name, r in best.items():
         per_token = f16 * (2 if name in ("llama.cpp f32", "transformers") else 1)   # both read float32
         tps = r["decode_tokens_per_s"]
-        rows.append({"engine": name, "decode_tokens_per_s": tps, "ms_per_token": 1000 / tps,
-                     "weight_bytes_per_token": per_token, "weight_gb_per_s": per_token * tps / 1e9,
-                     "vs_leapfrog": tps / best["leapfrog"]["decode_tokens_per_s"],
-                     **({"command": r["command"], "env_dropped": r["env_dropped"]} if "command" in r else {})})
-    return rows
+        out.append({"engine": name, "decode_tokens_per_s": tps, "ms_per_token": 1000 / tps,
+                    "weight_bytes_per_token": per_token, "weight_gb_per_s": per_token * tps / 1e9,
+                    "vs_leapfrog": tps / best["leapfrog"]["decode_tokens_per_s"],
+                    **{k: r[k] for k in ("command", "env_dropped") if k in r}})
+    return out
 
 
-def concurrency_rows(args: argparse.Namespace, llm, hf, prompts: list[list[int]], pad: int,
-                     single_hf_s: float | None) -> list[dict]:
-    rows = []
-    for c in args.concurrency:
-        lf = h = None
-        for i in range(args.repeats):
-            log(f"{c} concurrent requests, run {i + 1}/{args.repeats}")
-            r = leapfrog_run(llm, prompts[:c], args.new_tokens)
-            lf = r if lf is None or r["tokens_per_s"] > lf["tokens_per_s"] else lf
-            if hf is not None:
-                r = hf_run(hf, prompts[:c], args.new_tokens, pad, single_hf_s)
-                h = r if h is None or r["tokens_per_s"] > h["tokens_per_s"] else h
-        row = {"concurrency": c, "leapfrog": lf["tokens_per_s"]}
-        if h is not None:
-            row.update(transformers=h["tokens_per_s"], transformers_mode=h["mode"],
-                       ratio=lf["tokens_per_s"] / h["tokens_per_s"])
-        rows.append(row)
-    return rows
+def concurrency_table(rows: dict[int, dict]) -> list[dict]:
+    out = []
+    for c in sorted(rows):
+        r = {"concurrency": c, **rows[c]}
+        if "transformers" in r:
+            r["ratio"] = r["leapfrog"] / r["transformers"]
+        out.append(r)
+    return out
 
 
 def run_peers(args: argparse.Namespace) -> dict:
-    import transformers
-
+    """leapfrog runs in this process, which never imports transformers (importing it slowed
+    leapfrog's decoding by 20-40%); every peer runs in a clean process of its own."""
     from leapfrog import LLM
     torch.set_num_threads(args.threads)
     folder = model_folder(args)
     load_before = load_average()
     log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
     llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency), num_threads=args.threads)
-    hf = None if args.no_transformers else \
-        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     pad = llm.tokenizer.pad_token_id or 0
     prompts = story_prompts(max(args.concurrency), llm.tokenizer)
     leapfrog_run(llm, prompts[:2], 8)                      # warm up
-    if hf is not None:
-        hf_generate(hf, prompts[:2], 8, pad)
     ggufs = llama_cpp_peers(args, folder)
-    best = single_request(args, llm, hf, prompts, pad, ggufs)
-    single_hf_s = best["transformers"]["wall_s"] if "transformers" in best else None
-    rows = concurrency_rows(args, llm, hf, prompts, pad, single_hf_s)
+    single, rows, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
     # Last: touching a gigabyte slowed the engines' later runs by ~20% on these VMs.
     bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
-            "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
+            "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(best, folder), "rows": rows}
+            "single": single_rows(single, folder), "rows": concurrency_table(rows)}
 
 
 run = run_peers      # every suite module offers run / markdown / plot

@@ -36,13 +36,21 @@ def shape_for(num_params: int, vocab_size: int) -> dict:
 
 
 def random_llama(size: str, tokenizer_from: Path, out: Path, seed: int = 0) -> Path:
-    """The checkpoint folder `out/random-<size>`, built once and reused."""
+    """The checkpoint folder `out/random-<size>`, built once (in a child process, so that the
+    benchmark's own process never imports transformers) and reused."""
+    import subprocess
+    import sys
+    folder = out / f"random-{size.lower()}"
+    if not (folder / "model.safetensors").is_file():
+        code = ("import sys; from pathlib import Path; from leapfrog.bench.random_model import build; "
+                "build(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))")
+        subprocess.run([sys.executable, "-c", code, size, str(tokenizer_from), str(folder), str(seed)], check=True)
+    return folder
+
+
+def build(size: str, tokenizer_from: Path, folder: Path, seed: int) -> None:
     import torch
     import transformers
-
-    folder = out / f"random-{size.lower()}"
-    if (folder / "model.safetensors").is_file():
-        return folder
     vocab = transformers.AutoConfig.from_pretrained(tokenizer_from).vocab_size
     cfg = transformers.LlamaConfig(**shape_for(parse_size(size), vocab))
     torch.manual_seed(seed)
@@ -52,7 +60,6 @@ def random_llama(size: str, tokenizer_from: Path, out: Path, seed: int = 0) -> P
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, folder / name)
-    return folder
 
 
 def weight_bytes_per_token(folder: Path, bytes_per_param: int) -> int:

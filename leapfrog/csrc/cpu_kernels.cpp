@@ -21,8 +21,8 @@
 // spinning workers are ruinous on a shared CPU): more than a decode step's small products take.
 static constexpr int64_t kMinParallelWork = 1 << 21;
 
-// A weight streamed from memory is split across threads from this much work on: two threads
-// read it at up to twice the bandwidth of one, which outweighs waking the second.
+// A decode step's weight (one row of x) is split across threads from this much work on: two
+// threads stream it at up to twice the bandwidth of one, which outweighs waking the second.
 static constexpr int64_t kStreamedParallelWork = 1 << 16;
 
 static inline int64_t grain_for(int64_t work_per_item, int64_t min_work = kMinParallelWork) {
@@ -301,11 +301,13 @@ static inline void skinny_group(const float* x0, const float* x1, const wt* cons
     }
 }
 
-// One row of x against one weight row, read front to back. For a single row of x and a weight
-// too big to stay in the caches, the rows are summed one after another rather than four side by
-// side: the weights then stream from memory in one sequential run. Four interleaved 2-4 KB runs
-// (a model's rows) reached about half the bandwidth, even with software prefetching; in the
-// caches the interleaved groups stay faster, as they load x once for four rows.
+// One row of x against one weight row, read front to back. For a single row of x (decode) the
+// rows are summed one after another rather than four side by side: the weights then stream
+// from memory or L3 in one sequential run. Four interleaved 0.5-4 KB runs (a model's rows)
+// reached about half the bandwidth, even with software prefetching, which made the layers of a
+// decode step two to three times slower. (With the same small weight hot in L1/L2, as in a
+// loop over one matrix, the interleaved groups win, as they load x once for four rows; a
+// decode step cycles through every layer's weights and never finds them there.)
 template <typename wt>
 static inline float dot_row(const float* x, const wt* w, int64_t K) {
   int64_t k = 0;
@@ -327,13 +329,10 @@ static inline float dot_row(const float* x, const wt* w, int64_t K) {
   return s;
 }
 
-// A weight of at least this many bytes is taken to stream from memory (see dot_row).
-static constexpr int64_t kStreamedWeightBytes = 1 << 20;
-
 template <typename wt>
 static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
-  if (M == 1 && N * K * static_cast<int64_t>(sizeof(wt)) >= kStreamedWeightBytes) {
+  if (M == 1) {
     at::parallel_for(0, N, grain_for(K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) y[n] = dot_row(x, w + n * K, K) + (bias ? bias[n] : 0.f);
     });
