@@ -1,15 +1,14 @@
 """What the speculative-decoding scripts share: their command line (a model, how many
 concurrent requests, rounds, new tokens per request, CPU threads) and a wall-clock wrapper.
 Imported after
-leapfrog, as the benchmarks run: `import leapfrog` chooses passive OpenMP waiting, which only
-takes effect if it happens before torch loads (a script that imported torch first ran with
-spinning workers, under which a speculative cycle's many small parallel regions cost less)."""
+leapfrog, as the benchmarks run: `import leapfrog` chooses OpenMP's short spin
+(GOMP_SPINCOUNT), which only takes effect if it happens before torch loads."""
 from __future__ import annotations
 
 import argparse
 import time
 
-import leapfrog  # noqa: F401  (before torch: OMP_WAIT_POLICY)
+import leapfrog  # noqa: F401  (before torch: GOMP_SPINCOUNT)
 import torch
 
 

@@ -111,8 +111,9 @@ def data_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (active wait, as
-    torch loads before leapfrog sets OMP_WAIT_POLICY) these tests ran 2-50x slower."""
+    """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (libgomp's long
+    default spin, as torch loads before leapfrog sets GOMP_SPINCOUNT) these tests ran 2-50x
+    slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,10 +1,11 @@
 """llama.cpp as a peer: converting a checkpoint to GGUF with its own converter, and running its
 llama-bench in a clean environment.
 
-llama.cpp's CPU backend uses OpenMP. leapfrog sets OMP_WAIT_POLICY=PASSIVE for itself (see
-leapfrog/__init__.py); a child process that inherits it sleeps at every OpenMP barrier and runs
-many times slower. Every peer therefore starts from `peer_env()`: this process's environment
-without OpenMP, MKL and leapfrog variables. The variables removed are recorded with the results.
+llama.cpp's CPU backend uses OpenMP. leapfrog sets its own OpenMP wait (GOMP_SPINCOUNT, see
+leapfrog/__init__.py), and a user may have set others; a child process that inherits
+OMP_WAIT_POLICY=PASSIVE sleeps at every OpenMP barrier and runs many times slower. Every peer
+therefore starts from `peer_env()`: this process's environment without OpenMP, MKL and leapfrog
+variables. The variables removed are recorded with the results.
 """
 from __future__ import annotations
 
