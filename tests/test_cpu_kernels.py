@@ -34,6 +34,19 @@ def test_one_row_reads_the_weight_row_by_row():
     assert torch.equal(mod.skinny_linear(x, w, torch.empty(0)), mod.skinny_linear(x, w.float(), torch.empty(0)))
 
 
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (1100, 1003), (512, 64)])
+@pytest.mark.parametrize("half", [False, True])
+def test_a_rows_result_does_not_depend_on_its_batch(n, k, half):
+    """Decode steps (one row) and verification steps (several rows) sum every product in the
+    same order: greedy speculative decoding must stay token for token equal to greedy decoding."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w = w.half() if half else w
+    together = mod.skinny_linear(x, w, b)
+    for i in range(9):
+        assert torch.equal(mod.skinny_linear(x[i:i + 1], w, b)[0], together[i])
+
+
 def test_skinny_linear_reads_strided_inputs():
     x = torch.randn(16, 64)[::2]                    # non-contiguous rows
     w = torch.randn(64, 40).t()                     # a transposed view

@@ -21,8 +21,8 @@
 // spinning workers are ruinous on a shared CPU): more than a decode step's small products take.
 static constexpr int64_t kMinParallelWork = 1 << 21;
 
-// A decode step's weight (one row of x) is split across threads from this much work on: two
-// threads stream it at up to twice the bandwidth of one, which outweighs waking the second.
+// A few-row product is split across threads from this much work on: two threads stream a
+// weight at up to twice the bandwidth of one, which outweighs waking the second.
 static constexpr int64_t kStreamedParallelWork = 1 << 16;
 
 static inline int64_t grain_for(int64_t work_per_item, int64_t min_work = kMinParallelWork) {
@@ -261,53 +261,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 //
 // The weights of a small model live in L3 (about 12 GB/s per core on the machines we test on),
 // and for 2 <= M <= 32 the BLAS kernel streams them from L3 again for every few rows of x, so
-// verifying 8 drafts costs ~6x one decode step. Here each group of four weight rows is read
-// once into L1 and used for every row of x (which stays in L1/L2): cost ~ one weight read.
+// verifying 8 drafts costs ~6x one decode step. Here each weight row is read once into L1 and
+// used for every row of x (which stays in L1/L2): cost ~ one weight read.
 
-// One group of four weight rows against one or two rows of x (PAIR). A single row of x does
-// half the multiply-adds of a pair, so odd M (decode's M = 1 above all) is not padded.
-template <typename wt, bool PAIR>
-static inline void skinny_group(const float* x0, const float* x1, const wt* const* wr, int64_t K,
-                                float acc[2][4]) {
-  int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  constexpr bool kSimd = kSimdWeight<wt>;
-  if constexpr (kSimd) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    for (; k + 8 <= K; k += 8) {
-      const __m256 u = _mm256_loadu_ps(x0 + k);
-      const __m256 w0 = load8(wr[0] + k), w1 = load8(wr[1] + k);
-      const __m256 w2 = load8(wr[2] + k), w3 = load8(wr[3] + k);
-      a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01);
-      a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
-      if constexpr (PAIR) {
-        const __m256 v = _mm256_loadu_ps(x1 + k);
-        a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11);
-        a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
-      }
-    }
-    acc[0][0] = hsum256(a00); acc[0][1] = hsum256(a01); acc[0][2] = hsum256(a02); acc[0][3] = hsum256(a03);
-    if constexpr (PAIR) {
-      acc[1][0] = hsum256(a10); acc[1][1] = hsum256(a11); acc[1][2] = hsum256(a12); acc[1][3] = hsum256(a13);
-    }
-  }
-#endif
-  for (; k < K; ++k)
-    for (int64_t r = 0; r < 4; ++r) {
-      const float wv = static_cast<float>(wr[r][k]);
-      acc[0][r] += x0[k] * wv;
-      if constexpr (PAIR) acc[1][r] += x1[k] * wv;
-    }
-}
-
-// One row of x against one weight row, read front to back. For a single row of x (decode) the
-// rows are summed one after another rather than four side by side: the weights then stream
-// from memory or L3 in one sequential run. Four interleaved 0.5-4 KB runs (a model's rows)
-// reached about half the bandwidth, even with software prefetching, which made the layers of a
-// decode step two to three times slower. (With the same small weight hot in L1/L2, as in a
-// loop over one matrix, the interleaved groups win, as they load x once for four rows; a
-// decode step cycles through every layer's weights and never finds them there.)
+// One row of x against one weight row, read front to back. Every few-row product is made of
+// these: the rows of a weight are read one after another (a sequential run the hardware
+// prefetcher follows; four weight rows read side by side reached about half the memory
+// bandwidth), each row once from memory for all rows of x (the later ones find it in L1), and
+// every output element is summed the same way whatever the number of rows: a sequence's logits
+// do not depend on how many rows its step has, so greedy speculative decoding, which verifies in
+// steps of several rows, stays token for token equal to greedy decoding one row a step. Four
+// 8-lane accumulators (k mod 32) keep two FMA units busy; the tail is explicit fused
+// multiply-adds, so no compiler contraction choice changes the rounding.
 template <typename wt>
 static inline float dot_row(const float* x, const wt* w, int64_t K) {
   int64_t k = 0;
@@ -325,36 +290,24 @@ static inline float dot_row(const float* x, const wt* w, int64_t K) {
     s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 #endif
-  for (; k < K; ++k) s += x[k] * static_cast<float>(w[k]);
+  for (; k < K; ++k) s = std::fma(x[k], static_cast<float>(w[k]), s);
   return s;
 }
 
 template <typename wt>
 static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
-  if (M == 1) {
+  if (M == 1) {           // a decode step: the same sums, without the loop over rows of x
     at::parallel_for(0, N, grain_for(K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) y[n] = dot_row(x, w + n * K, K) + (bias ? bias[n] : 0.f);
     });
     return;
   }
-  at::parallel_for(0, (N + 3) / 4, grain_for(4 * M * K), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n = g * 4, rows = std::min<int64_t>(4, N - n);
-      const wt* wr[4];
-      for (int64_t r = 0; r < 4; ++r) wr[r] = w + (n + std::min<int64_t>(r, rows - 1)) * K;
-      // Two rows of x at a time: 6 loads feed 8 FMAs (one row: 5 loads for 4).
-      for (int64_t m = 0; m < M; m += 2) {
-        const bool pair = m + 1 < M;
-        const float* x0 = x + m * K;
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        if (pair) skinny_group<wt, true>(x0, x0 + K, wr, K, acc);
-        else skinny_group<wt, false>(x0, x0, wr, K, acc);
-        for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {
-          float* ym = y + (m + i) * N + n;
-          for (int64_t r = 0; r < rows; ++r) ym[r] = acc[i][r] + (bias ? bias[n + r] : 0.f);
-        }
-      }
+  at::parallel_for(0, N, grain_for(M * K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const wt* wn = w + n * K;
+      const float b = bias ? bias[n] : 0.f;
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_row(x + m * K, wn, K) + b;
     }
   });
 }
