@@ -155,8 +155,9 @@ class LLMEngine:
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        changed = self._run_batch(batch) if batch.seqs else []
+        changed: list[Sequence] = []
         if batch.seqs:
+            changed = self._run_batch(batch)
             self.stats.num_steps += 1
         elsewhere = [s for s in self.scheduler.finished_outside_step
                      if s.request_id in self.requests and s not in changed]

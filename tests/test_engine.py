@@ -200,3 +200,21 @@ def test_no_module_imports_another_modules_private_names():
                 bad += [f"{path.relative_to(root)}: {a.name}" for a in node.names
                         if a.name.startswith("leapfrog") and any(p.startswith("_") for p in a.name.split("."))]
     assert not bad, bad
+
+
+def test_a_request_whose_output_fails_fails_alone(llm, monkeypatch):
+    """An error while emitting one request's text (its detokenizer raising) finishes that
+    request with an error; the request next to it decodes as it would alone."""
+    want = llm.generate(["The little dog"], GREEDY)[0]
+    eng = llm.engine
+    bad = eng.add_request("Once upon a time", GREEDY, "bad")
+    eng.add_request("The little dog", GREEDY, "good")
+    monkeypatch.setattr(eng.requests[bad].detok, "add", lambda ids: (_ for _ in ()).throw(RuntimeError("boom")))
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].finish_reason == "error:RuntimeError: boom"
+    assert final["good"].token_ids == want.token_ids and final["good"].text == want.text
+    assert eng.block_manager.num_used_blocks == 0 and not eng.requests

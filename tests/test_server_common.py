@@ -74,6 +74,19 @@ class ServerThread:
         return used
 
 
+def wait_ready(proc, url: str, timeout: float = 180.0) -> None:
+    """Waits for a `leapfrog serve` subprocess to answer /ready with 200 (a loaded CI machine
+    starts slowly); fails with its stderr if it exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(proc.stderr.read() if proc.poll() is not None else "server not ready in time")
+
+
 def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
     assert resp.status_code == status, (resp.status_code, resp.text)
     err = resp.json()["error"]

@@ -226,7 +226,7 @@ def test_serve_cli_subprocess_sigterm(llama_dir):
     import os
     import signal
     import sys
-    from test_server_common import free_port
+    from test_server_common import free_port, wait_ready
     port = free_port()
     env = {**os.environ, "LEAPFROG_WARMUP_REQUESTS": "1", "LEAPFROG_LOG_LEVEL": "warning"}
     cmd = [sys.executable, "-m", "leapfrog", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
@@ -234,13 +234,7 @@ def test_serve_cli_subprocess_sigterm(llama_dir):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline, ready = time.time() + 180, False     # a loaded CI machine starts slowly
-        while time.time() < deadline and not ready and proc.poll() is None:
-            try:
-                ready = httpx.get(url + "/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert ready, proc.stderr.read() if proc.poll() is not None else "not ready in time"
+        wait_ready(proc, url)
         still_works(url)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0      # drained, then a clean exit

@@ -4,7 +4,7 @@ and prints the timings as JSON.
 
 Run by path, not as `-m leapfrog...`: importing the leapfrog package would set its OpenMP
 settings in this process, and importing transformers into the benchmark's own process slowed
-leapfrog's decoding there by 20-40%. Each engine is measured in an environment of its own.
+leapfrog's decoding there. Each engine is measured in an environment of its own.
 """
 import json
 import sys

@@ -141,7 +141,7 @@ def concurrency_table(rows: dict[int, dict]) -> list[dict]:
 
 def run_peers(args: argparse.Namespace) -> dict:
     """leapfrog runs in this process, which never imports transformers (importing it slowed
-    leapfrog's decoding by 20-40%); every peer runs in a clean process of its own."""
+    leapfrog's decoding measurably); every peer runs in a clean process of its own."""
     from leapfrog import LLM
     torch.set_num_threads(args.threads)
     folder = model_folder(args)
@@ -153,7 +153,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     leapfrog_run(llm, prompts[:2], 8)                      # warm up
     ggufs = llama_cpp_peers(args, folder)
     single, rows, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
-    # Last: touching a gigabyte slowed the engines' later runs by ~20% on these VMs.
+    # Last: touching a gigabyte first slowed the engines' later runs on these VMs.
     bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,

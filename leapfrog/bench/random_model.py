@@ -68,7 +68,7 @@ def weight_bytes_per_token(folder: Path, bytes_per_param: int) -> int:
     import json
 
     from leapfrog.models.info import param_report
-    r = param_report(json.loads((folder / "config.json").read_text()))
-    hidden = r.embedding // max(1, json.loads((folder / "config.json").read_text())["vocab_size"])
-    read = r.total if r.tied_embeddings else r.total - r.embedding + hidden
+    cfg = json.loads((folder / "config.json").read_text())
+    r = param_report(cfg)
+    read = r.total if r.tied_embeddings else r.total - r.embedding + cfg["hidden_size"]
     return read * bytes_per_param

@@ -267,10 +267,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // One row of x against one weight row, read front to back. Every few-row product is made of
 // these: the rows of a weight are read one after another (a sequential run the hardware
 // prefetcher follows; four weight rows read side by side reached about half the memory
-// bandwidth), each row once from memory for all rows of x (the later ones find it in L1), and
-// every output element is summed the same way whatever the number of rows: a sequence's logits
-// do not depend on how many rows its step has, so greedy speculative decoding, which verifies in
-// steps of several rows, stays token for token equal to greedy decoding one row a step. Four
+// bandwidth, see docs/decisions.md), each row once from memory for all rows of x (the later
+// ones find it in L1), and every output element is summed the same way whatever the number of
+// rows: a sequence's logits do not depend on how many rows its step has, so greedy speculative
+// decoding, which verifies in steps of several rows, stays token for token equal to greedy
+// decoding one row a step. Four
 // 8-lane accumulators (k mod 32) keep two FMA units busy; the tail is explicit fused
 // multiply-adds, so no compiler contraction choice changes the rounding.
 template <typename wt>

@@ -362,6 +362,15 @@ def _context(out: Any, num_sent: int) -> list[int]:
     return out.prompt_token_ids + [e["token_id"] for e in out.logprobs[:num_sent]]
 
 
+def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int]) -> Callable[[], list[dict]]:
+    """The stream's last chunk when the client asked for usage (stream_options.include_usage)."""
+    def tail() -> list[dict]:
+        if req.stream_options and req.stream_options.include_usage:
+            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
+        return []
+    return tail
+
+
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
@@ -380,11 +389,7 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
         return {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
                                      "finish_reason": finish_reason(out)}]}
 
-    def tail() -> list[dict]:
-        if req.stream_options and req.stream_options.include_usage:
-            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
-        return []
-    return stream_events(gen, render, tail)
+    return stream_events(gen, render, usage_tail(req, head, prep, counts))
 
 
 def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
@@ -407,11 +412,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                      "finish_reason": finish_reason(out)}]}
 
-    def tail() -> list[dict]:
-        if req.stream_options and req.stream_options.include_usage:
-            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
-        return []
-    return stream_events(gen, render, tail)
+    return stream_events(gen, render, usage_tail(req, head, prep, counts))
 
 
 # --- command line ----------------------------------------------------------------------------
