@@ -31,6 +31,9 @@ class EngineConfig:
     chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None           # CPU threads for torch (default: torch's choice)
+    # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's
+    # num_scheduler_steps. 1 still runs single steps in the loop.
+    num_scheduler_steps: int = 8
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -49,7 +52,7 @@ class EngineConfig:
         check("dtype", self.dtype == "auto" or self.dtype in _DTYPES, f"expected auto or one of {sorted(_DTYPES)}")
         check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
               f"expected auto or one of {sorted(_DTYPES)}")
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens"):
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps"):
             check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)

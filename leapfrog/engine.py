@@ -15,6 +15,7 @@ from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext
+from leapfrog.multistep import MultiStep
 from leapfrog.outputs import RequestMetrics, RequestOutput
 from leapfrog.runner import ModelRunner
 from leapfrog.sampling import Sampler
@@ -87,6 +88,8 @@ class LLMEngine:
         # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + list(self.method.eos_token_ids)))
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, eos)
+        self.multistep = MultiStep(self.runner, self.block_manager, self.sampler, self.method,
+                                   self.config.num_scheduler_steps, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -179,9 +182,13 @@ class LLMEngine:
         Nothing was applied when it raised (KV slots past num_computed are rewritten next time),
         so a retried half starts from the same state."""
         try:
-            self.method.prepare(batch)
-            out = self.runner.run(batch)
-            commits = self.method.commit(batch, out)
+            plan = self.multistep.plan(batch, len(self.scheduler.waiting))
+            if plan is not None:
+                commits = self.multistep.run(batch, plan)
+            else:
+                self.method.prepare(batch)
+                out = self.runner.run(batch)
+                commits = self.method.commit(batch, out)
         except Exception as exc:
             if len(batch.seqs) > 1:
                 half = len(batch.seqs) // 2
@@ -212,7 +219,9 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
         new_tokens = seq.output_ids[req.sent_tokens:]
-        if req.stream:
+        if req.stream and seq.params.stop and len(new_tokens) > 1:
+            new_tokens = self._add_until_stop(req, new_tokens)
+        elif req.stream:
             req.text += req.detok.add(new_tokens)
         elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
             req.text = req.detok.add_all(seq.output_ids)
@@ -237,20 +246,41 @@ class LLMEngine:
         req.sent_tokens = seq.num_output_tokens
         return out
 
-    def _check_stop_strings(self, req: _Request) -> None:
+    def _add_until_stop(self, req: _Request, new_tokens: list[int]) -> list[int]:
+        """Several new tokens of a request with stop strings (the decode loop's steps, accepted
+        drafts): detokenized and matched one at a time, as single steps would have been; the
+        tokens after the one that completes a stop string are dropped, and the request ends
+        there with "stop". Returns the tokens kept."""
+        seq = req.seq
+        for i, token in enumerate(new_tokens):
+            req.text += req.detok.add([token])
+            if self._check_stop_strings(req):
+                keep = req.sent_tokens + i + 1
+                if i + 1 < len(new_tokens):
+                    del seq.token_ids[seq.num_prompt_tokens + keep:]
+                    del seq.logprobs[keep:]
+                    seq.finish_reason = "stop"
+                    if self.method.decode_loop:     # the loop's overrun: one forward a dropped token
+                        seq.metrics.num_forwards -= len(new_tokens) - i - 1
+                return new_tokens[:i + 1]
+        return new_tokens
+
+    def _check_stop_strings(self, req: _Request) -> bool:
+        """Cut the text at the first stop string and finish the request; True on a hit."""
         seq = req.seq
         if not seq.params.stop:
-            return
+            return False
         window = max(len(s) for s in seq.params.stop) + 32
         start = max(0, req.sent_chars - window)
         hits = [(req.text.find(s, start), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
-            return
+            return False
         i, s = min(hits)
         req.text = req.text[:i + len(s)] if seq.params.include_stop_str_in_output else req.text[:i]
         if not seq.is_finished:
             self.scheduler.finish(seq, "stop")
+        return True
 
     def _finish_request(self, req: _Request) -> None:
         self.requests.pop(req.seq.request_id, None)

@@ -1,14 +1,21 @@
 """Sampling: penalties, temperature, top-k / top-p / min-p, and seeded draws.
 
-Each seeded request draws from its own torch.Generator, so its output does not depend on
-what else is in the batch. Draws use the exponential race (argmax p_i / E_i with
-E_i ~ Exp(1) selects i with probability p_i), which needs no cumulative sum or host sync.
+Each seeded request draws from its own generator, so its output does not depend on what else
+is in the batch. On a CPU with the C++ kernels, a token is drawn by the decode loop's sampler
+(csrc/cpu_math.h): one uniform number per draw from a counter-based generator keyed by the
+request's seed and its number of draws, so the one-step path and the multi-step decode loop
+draw the same tokens. Elsewhere (and for the speculative methods' verification draws) draws
+use torch generators and the exponential race (argmax p_i / E_i with E_i ~ Exp(1) selects i
+with probability p_i), which needs no cumulative sum or host sync.
 """
 from __future__ import annotations
 
 import torch
 
+from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.sequence import Sequence
+
+_U64 = 1 << 64
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -98,16 +105,50 @@ class Sampler:
             noise[i].exponential_(generator=seq.generator or self.generator)
         return (probs / noise).argmax(-1)
 
+    def sample_key(self, seq: Sequence) -> int:
+        """The request's key for the CPU sampler (signed 64-bit): its seed, or a number drawn
+        from this sampler's generator the first time an unseeded request samples."""
+        if seq.sample_key is None:
+            if seq.params.seed is not None:
+                seq.sample_key = seq.params.seed % _U64
+            else:
+                seq.sample_key = int(torch.randint(0, (1 << 63) - 1, (1,), generator=self.generator))
+        key = seq.sample_key
+        return key - _U64 if key >= 1 << 63 else key
+
+    def row_settings(self, seqs: list[Sequence], device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        """Per row: temperature (0 for greedy), top_k, top_p, min_p, key and draw counter, as the
+        C++ sampler takes them. A sequence listed twice draws twice."""
+        uses: dict[int, int] = {}
+        counters = []
+        for s in seqs:
+            k = uses.get(id(s), 0)
+            counters.append(s.num_draws + k)
+            uses[id(s)] = k + 1
+        dev = device or self.device
+        p = [s.params for s in seqs]
+        return (torch.tensor([0.0 if x.greedy else x.temperature for x in p], dtype=torch.float32, device=dev),
+                torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
+                torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
+                torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev),
+                torch.tensor([self.sample_key(s) for s in seqs], dtype=torch.long, device=dev),
+                torch.tensor(counters, dtype=torch.long, device=dev))
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
         """logits [N, V] fp32, one row per sequence -> token ids (and logprobs if asked)."""
-        if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
-            tokens = logits.argmax(-1)
+        mod = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if mod is not None:
+            probs_in = apply_penalties(logits.clone(), seqs) if any(s.params.needs_penalties for s in seqs) else logits
+            token_list = mod.sample_rows(probs_in, *self.row_settings(seqs)).tolist()
+            for s in seqs:
+                s.num_draws += 1
+        elif all(s.params.greedy and not s.params.needs_penalties for s in seqs):
+            token_list = logits.argmax(-1).tolist()
         else:
             probs = self.probs(logits, seqs)
             tokens = self.draw(probs, seqs)
             greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
-            tokens = torch.where(greedy, probs.argmax(-1), tokens)
-        token_list = tokens.tolist()
+            token_list = torch.where(greedy, probs.argmax(-1), tokens).tolist()
         if all(s.params.logprobs is None for s in seqs):
             return token_list, None
         return token_list, token_logprobs(logits, token_list, seqs)

@@ -152,7 +152,7 @@ class Scheduler:
             seq.num_computed = item.start_pos + commit.num_kv_keep
             self.bm.truncate(seq, seq.num_computed)
             if commit.counted_forward:
-                seq.metrics.num_forwards += 1
+                seq.metrics.num_forwards += commit.forwards
             if not commit.token_ids:
                 self.bm.register_full_blocks(seq)
                 continue

@@ -51,6 +51,10 @@ class Sequence:
     method_state: Any = None       # the decoding method's record of this sequence (its own type)
     logprobs: list[dict] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()     # the engine's end tokens (min_tokens bans them)
+    # The CPU sampler's counter-based generator: key (the seed, or one drawn from the engine's
+    # seed) and the number of draws so far (sampling.py).
+    sample_key: int | None = None
+    num_draws: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -12,9 +12,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+
+#include "cpu_math.h"
+
+using namespace lf;
 
 // Work (multiply-adds) below which a kernel runs on the calling thread alone. Waking OpenMP
 // workers costs tens of microseconds with passive waiting (which leapfrog sets, because
@@ -80,140 +81,28 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-// Eight consecutive values widened to float32: plain loads for float32, F16C conversion for
-// float16 (exact: every float16 is a float32). Used for KV rows and for weights.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-#if defined(__F16C__)
-static inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#define LEAPFROG_HAVE_F16_SIMD 1
-#endif
-
-// Weight types the AVX2 loops widen with load8: float32, and float16 where F16C is available.
-template <typename wt>
-static constexpr bool kSimdWeight = std::is_same<wt, float>::value
-#if defined(LEAPFROG_HAVE_F16_SIMD)
-                                    || std::is_same<wt, at::Half>::value
-#endif
-    ;
-
-// Float32 (or, with F16C, float16) caches with D a multiple of 8 (every model we serve): one task per sequence walks
-// its slots once, in order, and serves every query head from each key and value row (a
-// slot's rows for all KV heads are contiguous), with explicit FMA for both products. A large
-// batch's decode step reads far more KV than L3 holds, so reading each cache line once and
-// sequentially is what counts.
-static constexpr int64_t kPrefetchSlots = 4;
-
-// exp(x) within ~2 ulp of std::exp for x in [-87.3, 88.3] (inputs are clamped to it):
-// x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact r), exp(r) by its degree-6
-// Taylor polynomial (error < 2e-8 relative), scaled by 2^n through the exponent bits.
-// Inputs below -87.3 (where exp underflows to ~0) are flushed to 0.
-static inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.f / 720.f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-  return _mm256_andnot_ps(under, y);
-}
-
+#if defined(LEAPFROG_AVX2)
+// Float32 (or, with F16C, float16) caches with D a multiple of 8 (every model we serve): one task
+// per (sequence, KV head) walks its slots once, in order, and serves every query head of the
+// group from each key and value row (attend_group in cpu_math.h). A large batch's decode step
+// reads far more KV than L3 holds, so reading each cache line once and sequentially is what
+// counts.
 template <typename kv_t>
 static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
-                                  const int64_t* tables, const int64_t* ctx_lens, float* out,
-                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                                  int64_t block_size, float scale) {
-  const int64_t group = H / KVH, nd = D / 8;
+                              const int64_t* tables, const int64_t* ctx_lens, float* out,
+                              int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                              int64_t block_size, float scale) {
+  const int64_t group = H / KVH;
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
-  const int64_t grain = grain_for(2 * D * H * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
-  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), inv(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = ctx_lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      const float* qb = q + b * H * D;
-      scores.resize(H * n);
-      const int64_t row_bytes = KVH * D * static_cast<int64_t>(sizeof(kv_t));
-      // Blocks are scattered: prefetch a few slots ahead so the next rows are on their way
-      // while this one is used (the hardware prefetcher stops at page boundaries).
-      auto prefetch_row = [&](const kv_t* base, int64_t p) {
-        if (p >= n) return;
-        const char* r = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * KVH * D);
-        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
-      };
-      // Visit positions 0..n-1 in order with the row (all KV heads) of each in `base`.
-      auto walk = [&](const kv_t* base, auto&& body) {
-        for (int64_t p = 0; p < kPrefetchSlots; ++p) prefetch_row(base, p);
-        for (int64_t p = 0; p < n; ++p) {
-          prefetch_row(base, p + kPrefetchSlots);
-          body(p, base + (table[p / block_size] * block_size + p % block_size) * KVH * D);
-        }
-      };
-      walk(k, [&](int64_t p, const kv_t* krow) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qv = qb + h * D;
-          const kv_t* kv = krow + (h / group) * D;
-          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), load8(kv));
-          for (int64_t d = 1; d < nd; ++d)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), load8(kv + 8 * d), a);
-          scores[h * n + p] = hsum256(a) * scale;
-        }
-      });
-      for (int64_t h = 0; h < H; ++h) {
-        float* sc = scores.data() + h * n;
-        float mx = -INFINITY;
-        for (int64_t p = 0; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t p = 0;
-        for (; p + 8 <= n; p += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
-          _mm256_storeu_ps(sc + p, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        float denom = hsum256(vsum);
-        for (; p < n; ++p) {
-          sc[p] = std::exp(sc[p] - mx);
-          denom += sc[p];
-        }
-        inv[h] = 1.f / denom;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      walk(v, [&](int64_t p, const kv_t* vrow) {
-        for (int64_t h = 0; h < H; ++h) {
-          const __m256 w = _mm256_set1_ps(scores[h * n + p]);
-          const kv_t* vv = vrow + (h / group) * D;
-          float* a = acc.data() + h * D;
-          for (int64_t d = 0; d < nd; ++d)
-            _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
-        }
-      });
-      for (int64_t h = 0; h < H; ++h) {
-        float* o = out + (b * H + h) * D;
-        const __m256 s = _mm256_set1_ps(inv[h]);
-        for (int64_t d = 0; d < nd; ++d)
-          _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + h * D + 8 * d), s));
-      }
+  const int64_t grain = grain_for(2 * D * group * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
+  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * D);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / KVH, g = bg % KVH, n = ctx_lens[b];
+      scores.resize(group * n);
+      attend_group(q + b * H * D, k, v, tables + b * max_blocks, n, block_size, KVH, D, g, group,
+                   scale, out + b * H * D, scores.data(), acc.data());
     }
   });
 }
@@ -231,7 +120,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t B = qf.size(0), H = qf.size(1), D = qf.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head layout mismatch");
   auto out = torch::empty({B, H, D}, qf.options());
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LEAPFROG_AVX2)
   const bool simd_ok = D % 8 == 0 && k_cache.is_contiguous() && v_cache.is_contiguous();
   if (simd_ok && k_cache.scalar_type() == torch::kFloat32) {
     decode_kernel_gqa<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
@@ -264,52 +153,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // verifying 8 drafts costs ~6x one decode step. Here each weight row is read once into L1 and
 // used for every row of x (which stays in L1/L2): cost ~ one weight read.
 
-// One row of x against one weight row, read front to back. Every few-row product is made of
-// these: the rows of a weight are read one after another (a sequential run the hardware
-// prefetcher follows; four weight rows read side by side reached about half the memory
-// bandwidth, see docs/decisions.md), each row once from memory for all rows of x (the later
-// ones find it in L1), and every output element is summed the same way whatever the number of
-// rows: a sequence's logits do not depend on how many rows its step has, so greedy speculative
-// decoding, which verifies in steps of several rows, stays token for token equal to greedy
-// decoding one row a step. Four
-// 8-lane accumulators (k mod 32) keep two FMA units busy; the tail is explicit fused
-// multiply-adds, so no compiler contraction choice changes the rounding.
-template <typename wt>
-static inline float dot_row(const float* x, const wt* w, int64_t K) {
-  int64_t k = 0;
-  float s = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kSimdWeight<wt>) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; k + 32 <= K; k += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
-    }
-    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
-    s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  }
-#endif
-  for (; k < K; ++k) s = std::fma(x[k], static_cast<float>(w[k]), s);
-  return s;
-}
-
+// One row of x against each weight row (dot_row in cpu_math.h): each weight row is read once
+// from memory for all rows of x, and a sequence's logits do not depend on how many rows its
+// step has, so greedy speculative decoding, which verifies in steps of several rows, stays
+// token for token equal to greedy decoding one row a step.
 template <typename wt>
 static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
-  if (M == 1) {           // a decode step: the same sums, without the loop over rows of x
-    at::parallel_for(0, N, grain_for(K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) y[n] = dot_row(x, w + n * K, K) + (bias ? bias[n] : 0.f);
-    });
-    return;
-  }
   at::parallel_for(0, N, grain_for(M * K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const wt* wn = w + n * K;
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_row(x + m * K, wn, K) + b;
-    }
+    dot_rows(x, M, w, bias, y, N, n0, n1, K);
   });
 }
 
@@ -343,8 +195,6 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias
 // output element is summed over k in order, whatever rows it shares the tile with, so a row's
 // result does not depend on the batch it is in. BLAS does these shapes at ~35% of this CPU's
 // float32 peak (its blocking is tuned for large products).
-static constexpr int64_t kPanel = 16;
-
 torch::Tensor pack_panels(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_panels: w must be [N, K]");
   auto wf = w.to(torch::kFloat32).contiguous();
@@ -358,52 +208,6 @@ torch::Tensor pack_panels(torch::Tensor w) {
     for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
   }
   return out;
-}
-
-// The R x 16 tile of x[R, K] times one panel, summed over k in order, into out[R][16]. The
-// unrolled loops let gcc keep the 2R accumulators in registers (without, it spills them).
-template <int R>
-__attribute__((noinline)) static void panel_block(const float* __restrict x, int64_t K,
-                                                  const float* __restrict pw, float* __restrict out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(pw + k * kPanel), w1 = _mm256_loadu_ps(pw + k * kPanel + 8);
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
-    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
-  }
-#else
-  for (int r = 0; r < R; ++r) {
-    float* o = out + r * kPanel;
-    for (int64_t c = 0; c < kPanel; ++c) o[c] = 0.f;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < kPanel; ++c) o[c] += x[r * K + k] * pw[k * kPanel + c];
-  }
-#endif
-}
-
-template <int R>
-static inline void panel_tile(const float* x, int64_t K, const float* pw, const float* bias,
-                              float* y, int64_t N, int64_t n0) {
-  const int64_t cols = std::min<int64_t>(kPanel, N - n0);
-  alignas(64) float out[R * kPanel];
-  panel_block<R>(x, K, pw, out);
-  for (int r = 0; r < R; ++r) {
-    float* yr = y + r * N + n0;
-    const float* o = out + r * kPanel;
-    for (int64_t c = 0; c < cols; ++c) yr[c] = o[c] + (bias ? bias[n0 + c] : 0.f);
-  }
 }
 
 // x: [M, K] float32; wp: pack_panels(w) for w [N, K]; bias: [N] or empty. Returns [M, N].
@@ -421,23 +225,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
   const float* xp = xc.data_ptr<float>();
   const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = 6;
+  constexpr int64_t kRows = kPanelTileRows;
   const int64_t RB = (M + kRows - 1) / kRows;
   // Tasks panel-major: a thread's consecutive tiles reuse the panel it just read.
   at::parallel_for(0, P * RB, grain_for(kRows * kPanel * K), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / RB, m0 = (t % RB) * kRows, rows = std::min<int64_t>(kRows, M - m0);
-      const float* pw = wpp + p * K * kPanel;
-      const float* xr = xp + m0 * K;
-      float* yr = yp + m0 * N;
-      switch (rows) {
-        case 6: panel_tile<6>(xr, K, pw, bp, yr, N, p * kPanel); break;
-        case 5: panel_tile<5>(xr, K, pw, bp, yr, N, p * kPanel); break;
-        case 4: panel_tile<4>(xr, K, pw, bp, yr, N, p * kPanel); break;
-        case 3: panel_tile<3>(xr, K, pw, bp, yr, N, p * kPanel); break;
-        case 2: panel_tile<2>(xr, K, pw, bp, yr, N, p * kPanel); break;
-        default: panel_tile<1>(xr, K, pw, bp, yr, N, p * kPanel); break;
-      }
+      panel_rows(xp + m0 * K, rows, K, wpp, p, bp, yp + m0 * N, N, N);
     }
   });
   return y;
@@ -455,16 +249,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, grain_for(2 * D), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = xp + r * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += a[d] * a[d];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      float* o = yp + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv * wp[d];
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * D, wp, yp + r * D, D, static_cast<float>(eps));
   });
   return y;
 }
@@ -478,12 +263,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // w: {input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b,
 //     down_w, down_b}; biases and q/k norms may be empty. x: [T, d] float32; cos, sin: [T, rot];
 // slots: [T] cache slot written by each row; tables/ctx_lens: one kernel row per query row.
-static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * inv * w[i];
-}
+static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) { rms_row(v, w, v, n, eps); }
 
 // The fused layers' weights: w[0..11] as documented at decode_layer, then optionally the
 // float32 weights of the four projections (w[12..15]: qkv, o, gate_up, down) for steps of more
@@ -534,11 +314,7 @@ static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::T
     for (int64_t hd = 0; hd < H + KVH; ++hd) {
       float* v = p + t * width + hd * D;
       if (qk_norm) rms_inplace(v, hd < H ? qn : kn, D, static_cast<float>(qk_eps));
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c[i] - x2 * si[i];
-        v[i + half] = x2 * c[i + half] + x1 * si[i + half];
-      }
+      rope_head(v, c, si, half);
     }
   }
   return qkv;
@@ -555,20 +331,7 @@ static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
   auto act = torch::empty({T, I}, gu.options());
   const float* g = gu.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* gt = g + t * 2 * I;
-    float* at = a + t * I;
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= I; i += 8) {   // silu(g) * u = g / (1 + exp(-g)) * u
-      const __m256 gv = _mm256_loadu_ps(gt + i);
-      const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-      _mm256_storeu_ps(at + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(gt + I + i)));
-    }
-#endif
-    for (; i < I; ++i) at[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[I + i];
-  }
+  for (int64_t t = 0; t < T; ++t) silu_mul(g + t * 2 * I, g + t * 2 * I + I, a + t * I, I);
   return x2.add_(project(act, w, 10, 15, panel_from));
 }
 
@@ -696,11 +459,7 @@ std::vector<torch::Tensor> context_kv(torch::Tensor feats, torch::Tensor fc_w, t
       for (int64_t hd = 0; hd < KVH; ++hd) {
         float* v = p + t * 2 * kvw + hd * D;
         if (norm) rms_inplace(v, kn.data_ptr<float>(), D, static_cast<float>(qk_eps));
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = v[i], x2 = v[i + half];
-          v[i] = x1 * c[i] - x2 * si[i];
-          v[i + half] = x2 * c[i + half] + x1 * si[i + half];
-        }
+        rope_head(v, c, si, half);
       }
     }
     out.push_back(kv.narrow(1, 0, kvw).contiguous().view({T, KVH, D}));
@@ -724,7 +483,7 @@ static void markov_slice(float* row, const float* e, const wt* w2, int64_t R, in
   int64_t am = v0;
   bool nan = false;
   int64_t v = v0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LEAPFROG_AVX2)
   constexpr bool kSimd = kSimdWeight<wt>;
   if constexpr (kSimd) {
     for (; v + 64 <= v1; v += 64) {       // 8 independent accumulator chains: both FMA ports busy
@@ -815,6 +574,8 @@ torch::Tensor markov_argmax(torch::Tensor logits, torch::Tensor w1, torch::Tenso
   return ids;
 }
 
+void register_decode_loop(pybind11::module& m);   // decode_loop.cpp
+
 // Every kernel runs without the GIL: the server's event loop (another thread) keeps streaming
 // while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -828,4 +589,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)", nogil);
   m.def("pack_panels", &pack_panels, "w [N, K] -> column panels [ceil(N/16), K, 16] float32", nogil);
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
+  register_decode_loop(m);
 }

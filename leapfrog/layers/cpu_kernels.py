@@ -47,16 +47,24 @@ def cpu_kernels():
         return None
     try:
         from torch.utils.cpp_extension import load
-        src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
-        cflags = ["-O3", "-march=native", "-fopenmp"]
-        # Named by the source's hash and path: other versions and other checkouts build side by
+        csrc = Path(__file__).resolve().parent.parent / "csrc"
+        sources = [csrc / "cpu_kernels.cpp", csrc / "decode_loop.cpp"]
+        # -march=native: the build runs on the machine that uses it, so the vector width is
+        # chosen there (AVX2 + F16C + FMA kernels; plain C++ loops elsewhere). No contraction:
+        # the compiler never fuses a multiply-add in one caller and not in another, so the
+        # decode loop and the layer kernels compute the same bits (csrc/cpu_math.h).
+        cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+        # Named by the sources' hash and path: other versions and other checkouts build side by
         # side. (torch's build file records the source path, so two checkouts sharing one build
         # folder would rebuild it over each other on every load, each taking minutes.)
-        tag = hashlib.sha1(src.read_bytes() + repr(cflags).encode() + str(src).encode()).hexdigest()[:12]
-        name = f"leapfrog_cpu_{tag}"
+        digest = hashlib.sha1(repr(cflags).encode() + str(csrc).encode())
+        for f in sorted(csrc.iterdir()):
+            if f.suffix in (".cpp", ".h"):
+                digest.update(f.name.encode() + f.read_bytes())
+        name = f"leapfrog_cpu_{digest.hexdigest()[:12]}"
         _clear_stale_lock(name)
-        _module = load(name=name, sources=[str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                       verbose=False)
+        _module = load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, headers missing, ...: fall back to SDPA
         print(f"[leapfrog] CPU kernels unavailable, using the torch paths ({type(e).__name__}: {e})",
               file=sys.stderr)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 class AutoregressiveMethod(Method):
     name = "ar"
+    decode_loop = True
 
     def __init__(self, ctx: "MethodContext", **options: object) -> None:
         if options:

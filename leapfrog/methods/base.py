@@ -68,6 +68,7 @@ class Commit:
     num_kv_keep: int               # of this step's query slots, how many stay in the cache
     logprobs: list[dict] | None = None
     counted_forward: bool = True   # this step produced output for the sequence
+    forwards: int = 1              # forward passes it took (the decode loop runs several)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,9 @@ class Method:
     max_known_with_extra: int = 1
     max_step_tokens: int = 1               # query tokens one decode step feeds per sequence
     eos_token_ids: tuple[int, ...] = ()    # end-of-text ids the engine stops on besides the tokenizer's
+    # Whether its decode steps (one known token per sequence, no extra slots, one token sampled
+    # from the last row) may run in the C++ decode loop (multistep.py): `ar`.
+    decode_loop: bool = False
 
     def num_extra_tokens(self, seq: Sequence) -> int:
         """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""

@@ -15,7 +15,8 @@ from torch import nn
 
 from leapfrog.layers.attention import Attention, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
-from leapfrog.layers.linear import Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight
+from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight,
+                                    skinny_rows_max)
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
@@ -199,6 +200,43 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()
+
+    def decode_loop(self, block_size: int):
+        """The C++ multi-step decode loop (csrc/decode_loop.cpp) over this model's weights and
+        KV caches, or None where it does not apply: not float32 inference on a CPU with the
+        kernels, a layer that is not the dense SwiGLU layer, a head size that is not a multiple
+        of 8, KV caches not yet allocated or neither float32 nor float16. Rebuilt when a weight
+        or a cache is replaced or modified in place, as the fused layers' weight lists are."""
+        layers = self.model.layers
+        attn = [layer.self_attn.attn for layer in layers]
+        embed = self.model.embed_tokens.weight
+        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu"
+                or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
+                or attn[0].head_dim % 8 or attn[0].k_cache is None
+                or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):
+            return None
+        weights = [layer._fused_weights() for layer in layers]
+        lm_w, lm_panels = kernel_weight(self.lm_head), kernel_panels(self.lm_head)
+        key = [block_size, skinny_rows_max(), id(lm_w), id(lm_panels), id(embed), embed._version,
+               id(self.model.norm.weight), self.model.norm.weight._version] + [id(w) for w in weights]
+        key += [id(t) for a in attn for t in (a.k_cache, a.v_cache)]
+        cached = self.__dict__.get("_decode_loop")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        proj = {w[i].dtype for w in weights for i in (1, 5, 8, 10)}
+        if len(proj) != 1 or proj.pop() not in (torch.float32, torch.float16):
+            return None
+        a = layers[0].self_attn
+        rope = self.model.rotary_emb
+        loop = cpu_kernels().DecodeLoop(
+            weights, [x.k_cache for x in attn], [x.v_cache for x in attn], embed.detach(),
+            self.model.norm.weight.detach(), lm_w.detach(), kernel_bias(self.lm_head),
+            lm_panels if lm_panels is not None else _EMPTY, rope.cos, rope.sin, a.num_heads,
+            a.num_kv_heads, a.head_dim, block_size,
+            a.attn.scale, layers[0].input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0,
+            self.model.norm.eps, skinny_rows_max())
+        self.__dict__["_decode_loop"] = (key, loop)
+        return loop
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

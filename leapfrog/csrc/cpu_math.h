@@ -1,0 +1,553 @@
+// Row-level arithmetic shared by the CPU kernels (cpu_kernels.cpp) and the multi-step decode
+// loop (decode_loop.cpp).
+//
+// Every value a decode step computes for one row of a batch (a norm, a projection output, an
+// attention head, a sampled token) is computed by one of the functions below, in an order that
+// does not depend on how many rows the step has or on which thread runs it. The layer-by-layer
+// kernels and the decode loop both call them, so a sequence's logits are the same bits whether
+// it is decoded one step per call, several steps per call, alone or in a batch. The build uses
+// -ffp-contract=off, so the compiler never fuses a multiply and an add differently in one
+// caller than in another.
+#pragma once
+
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LEAPFROG_AVX2 1
+#endif
+
+namespace lf {
+
+#if defined(LEAPFROG_AVX2)
+static inline float hsum256(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// Eight consecutive values widened to float32: plain loads for float32, F16C conversion for
+// float16 (exact: every float16 is a float32). Used for KV rows and for weights.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#define LEAPFROG_HAVE_F16_SIMD 1
+#endif
+#endif
+
+// Weight and KV types the vector loops widen with load8: float32, and float16 where F16C is.
+template <typename wt>
+static constexpr bool kSimdWeight = std::is_same<wt, float>::value
+#if defined(LEAPFROG_HAVE_F16_SIMD)
+                                    || std::is_same<wt, at::Half>::value
+#endif
+    ;
+
+#if defined(LEAPFROG_AVX2)
+// exp(x) within ~2 ulp of std::exp for x in [-87.3, 88.3] (inputs are clamped to it):
+// x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact r), exp(r) by its degree-6
+// Taylor polynomial (error < 2e-8 relative), scaled by 2^n through the exponent bits.
+// Inputs below -87.3 (where exp underflows to ~0) are flushed to 0.
+static inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.f / 720.f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 120.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 24.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f / 6.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(under, y);
+}
+#endif
+
+// One row of x against one weight row, read front to back. Every few-row product is made of
+// these: the rows of a weight are read one after another (a sequential run the hardware
+// prefetcher follows; four weight rows read side by side reached about half the memory
+// bandwidth, see docs/decisions.md), each row once from memory for all rows of x (the later
+// ones find it in L1), and every output element is summed the same way whatever the number of
+// rows. Four 8-lane accumulators (k mod 32) keep two FMA units busy; the tail is explicit fused
+// multiply-adds.
+#if defined(LEAPFROG_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define LEAPFROG_AVX512 1
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#if defined(LEAPFROG_HAVE_F16_SIMD)
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#endif
+
+// The end of dot_row once its four 8-lane accumulators (lane j of a_i sums k = 8i + j mod 32)
+// hold the 32-wide body: the 8-wide tail into a0, the lanes summed, the scalar tail.
+template <typename wt>
+static inline float dot_finish(const float* x, const wt* w, int64_t k, int64_t K, __m256 a0, __m256 a1,
+                               __m256 a2, __m256 a3) {
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+  float s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s = std::fma(x[k], static_cast<float>(w[k]), s);
+  return s;
+}
+
+// With AVX-512 the same four accumulators are two 16-lane registers (z0 = a0|a1, z1 = a2|a3):
+// the same multiply-adds in the same lanes, so both builds give the same bits, in half the
+// instructions.
+template <typename wt>
+static inline float dot_row(const float* x, const wt* w, int64_t K) {
+  if constexpr (kSimdWeight<wt>) {
+#if defined(LEAPFROG_AVX512)
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      z0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), z0);
+      z1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(w + k + 16), z1);
+    }
+    return dot_finish(x, w, k, K, _mm512_castps512_ps256(z0), _mm512_extractf32x8_ps(z0, 1),
+                      _mm512_castps512_ps256(z1), _mm512_extractf32x8_ps(z1, 1));
+#elif defined(LEAPFROG_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
+    }
+    return dot_finish(x, w, k, K, a0, a1, a2, a3);
+#endif
+  }
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s = std::fma(x[k], static_cast<float>(w[k]), s);
+  return s;
+}
+
+// Two weight rows against one row of x: each output summed exactly as dot_row sums it, with
+// the loads of x shared.
+template <typename wt>
+static inline void dot_row2(const float* x, const wt* w0, const wt* w1, int64_t K, float& s0, float& s1) {
+#if defined(LEAPFROG_AVX512)
+  if constexpr (kSimdWeight<wt>) {
+    __m512 p0 = _mm512_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+      p0 = _mm512_fmadd_ps(xa, load16(w0 + k), p0);
+      p1 = _mm512_fmadd_ps(xb, load16(w0 + k + 16), p1);
+      q0 = _mm512_fmadd_ps(xa, load16(w1 + k), q0);
+      q1 = _mm512_fmadd_ps(xb, load16(w1 + k + 16), q1);
+    }
+    s0 = dot_finish(x, w0, k, K, _mm512_castps512_ps256(p0), _mm512_extractf32x8_ps(p0, 1),
+                    _mm512_castps512_ps256(p1), _mm512_extractf32x8_ps(p1, 1));
+    s1 = dot_finish(x, w1, k, K, _mm512_castps512_ps256(q0), _mm512_extractf32x8_ps(q0, 1),
+                    _mm512_castps512_ps256(q1), _mm512_extractf32x8_ps(q1, 1));
+    return;
+  }
+#endif
+  s0 = dot_row(x, w0, K);
+  s1 = dot_row(x, w1, K);
+}
+
+// y[m, n0:n1] = x[m] . w[n]^T (+ bias) for rows m < M of x (row stride K) and of y (row stride
+// ldy): each weight row read once for all rows of x.
+template <typename wt>
+static inline void dot_rows(const float* x, int64_t M, const wt* w, const float* bias, float* y,
+                            int64_t ldy, int64_t n0, int64_t n1, int64_t K) {
+  if (M == 1) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      float s0, s1;
+      dot_row2(x, w + n * K, w + (n + 1) * K, K, s0, s1);
+      y[n] = s0 + (bias ? bias[n] : 0.f);
+      y[n + 1] = s1 + (bias ? bias[n + 1] : 0.f);
+    }
+    if (n < n1) y[n] = dot_row(x, w + n * K, K) + (bias ? bias[n] : 0.f);
+    return;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const wt* wn = w + n * K;
+    const float b = bias ? bias[n] : 0.f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_row(x + m * K, wn, K) + b;
+  }
+}
+
+// RMSNorm of one row: sum of squares in two 8-lane accumulators, then x * inv * w per element.
+static inline float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(LEAPFROG_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), a0);
+  s = hsum256(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s = std::fma(x[i], x[i], s);
+  return s;
+}
+
+static inline void rms_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// Rotary embedding of one head in place (the first 2 * half dimensions; the rest pass).
+static inline void rope_head(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = v[i], x2 = v[i + half];
+    v[i] = x1 * c[i] - x2 * s[i];
+    v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  }
+}
+
+// SwiGLU's silu(g) * u = g / (1 + exp(-g)) * u over n elements.
+static inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(LEAPFROG_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+#if defined(LEAPFROG_AVX2)
+// [sum of v0's lanes, ..., sum of v7's lanes].
+static inline __m256 hsum8x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6,
+                             __m256 v7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Decode attention of one query row's heads that share KV head g (heads g*group ..
+// (g+1)*group - 1) over keys 0..n-1 of its sequence, read slot by slot through its block table:
+// scores (an FMA chain over D, lanes summed eight positions at a time, times scale), a
+// softmax, and the weighted sum of values, each head's in the same order whichever thread runs
+// it and however many rows the step has. D is a multiple of 8. qb / ob: the row's [H, D] query
+// and output; scores: room for group * n floats; acc: group * D.
+static constexpr int64_t kPrefetchSlots = 4;
+
+template <typename kv_t>
+struct KVRows {
+  const kv_t* base;
+  const int64_t* table;
+  int64_t block_size, KVH, D, g;
+  const kv_t* operator()(int64_t p) const {
+    return base + ((table[p / block_size] * block_size + p % block_size) * KVH + g) * D;
+  }
+  void prefetch(int64_t p, int64_t n) const {
+    if (p >= n) return;
+    const char* r = reinterpret_cast<const char*>((*this)(p));
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(kv_t)); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+  }
+};
+
+// acc[j] = sum over p in order of scores[j, p] * v_p, the G x ND accumulators in registers.
+template <int G, int ND, typename kv_t>
+static inline void weighted_values(const KVRows<kv_t>& rows, const float* scores, int64_t n, float* acc) {
+  __m256 a[G][ND];
+  for (int j = 0; j < G; ++j)
+    for (int d = 0; d < ND; ++d) a[j][d] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < kPrefetchSlots; ++p) rows.prefetch(p, n);
+  for (int64_t p = 0; p < n; ++p) {
+    rows.prefetch(p + kPrefetchSlots, n);
+    const kv_t* vv = rows(p);
+    for (int j = 0; j < G; ++j) {
+      const __m256 w = _mm256_set1_ps(scores[j * n + p]);
+      for (int d = 0; d < ND; ++d) a[j][d] = _mm256_fmadd_ps(w, load8(vv + 8 * d), a[j][d]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int d = 0; d < ND; ++d) _mm256_storeu_ps(acc + (j * ND + d) * 8, a[j][d]);
+}
+
+template <typename kv_t>
+static inline void weighted_values_any(const KVRows<kv_t>& rows, const float* scores, int64_t n, int64_t group,
+                                       int64_t nd, float* acc) {
+  std::fill(acc, acc + group * nd * 8, 0.f);
+  for (int64_t p = 0; p < kPrefetchSlots; ++p) rows.prefetch(p, n);
+  for (int64_t p = 0; p < n; ++p) {
+    rows.prefetch(p + kPrefetchSlots, n);
+    const kv_t* vv = rows(p);
+    for (int64_t j = 0; j < group; ++j) {
+      const __m256 w = _mm256_set1_ps(scores[j * n + p]);
+      float* a = acc + j * nd * 8;
+      for (int64_t d = 0; d < nd; ++d)
+        _mm256_storeu_ps(a + 8 * d, _mm256_fmadd_ps(w, load8(vv + 8 * d), _mm256_loadu_ps(a + 8 * d)));
+    }
+  }
+}
+
+template <typename kv_t>
+static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
+                         int64_t n, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
+                         int64_t group, float scale, float* ob, float* scores, float* acc) {
+  const int64_t nd = D / 8, h0 = g * group;
+  const KVRows<kv_t> krows{k, table, block_size, KVH, D, g}, vrows{v, table, block_size, KVH, D, g};
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t p0 = 0;
+  for (; p0 + 8 <= n; p0 += 8) {
+    const kv_t* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = krows(p0 + i);
+    for (int i = 0; i < 8; ++i) krows.prefetch(p0 + 8 + i, n);
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qv = qb + (h0 + j) * D;
+      __m256 a[8];
+      const __m256 q0 = _mm256_loadu_ps(qv);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, load8(kr[i]));
+      for (int64_t d = 1; d < nd; ++d) {
+        const __m256 qd = _mm256_loadu_ps(qv + 8 * d);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, load8(kr[i] + 8 * d), a[i]);
+      }
+      _mm256_storeu_ps(scores + j * n + p0,
+                       _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), vscale));
+    }
+  }
+  for (; p0 < n; ++p0) {
+    const kv_t* kv = krows(p0);
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qv = qb + (h0 + j) * D;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), load8(kv));
+      for (int64_t d = 1; d < nd; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), load8(kv + 8 * d), a);
+      scores[j * n + p0] = hsum256(a) * scale;
+    }
+  }
+  float inv[64];
+  for (int64_t j = 0; j < group; ++j) {
+    float* sc = scores + j * n;
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
+      _mm256_storeu_ps(sc + p, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float denom = hsum256(vsum);
+    for (; p < n; ++p) {
+      sc[p] = std::exp(sc[p] - mx);
+      denom += sc[p];
+    }
+    inv[j] = 1.f / denom;
+  }
+  if (nd == 8 && group == 1) weighted_values<1, 8>(vrows, scores, n, acc);
+  else if (nd == 8 && group == 2) weighted_values<2, 8>(vrows, scores, n, acc);
+  else if (nd == 16 && group == 1) weighted_values<1, 16>(vrows, scores, n, acc);
+  else if (nd == 4 && group <= 4) {
+    if (group == 1) weighted_values<1, 4>(vrows, scores, n, acc);
+    else if (group == 2) weighted_values<2, 4>(vrows, scores, n, acc);
+    else if (group == 3) weighted_values<3, 4>(vrows, scores, n, acc);
+    else weighted_values<4, 4>(vrows, scores, n, acc);
+  } else weighted_values_any(vrows, scores, n, group, nd, acc);
+  for (int64_t j = 0; j < group; ++j) {
+    float* o = ob + (h0 + j) * D;
+    const __m256 s = _mm256_set1_ps(inv[j]);
+    for (int64_t d = 0; d < nd; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + 8 * d), s));
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Medium-row products from a weight packed in column panels (pack_panels): panel p holds output
+// columns 16p..16p+15 as [K][16] floats; a micro-kernel keeps an R x 16 tile of y in registers.
+// Every output element is summed over k in order, whatever rows share its tile.
+static constexpr int64_t kPanel = 16;
+
+template <int R>
+__attribute__((noinline)) static void panel_block(const float* __restrict x, int64_t K,
+                                                  const float* __restrict pw, float* __restrict out) {
+#if defined(LEAPFROG_AVX2)
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(pw + k * kPanel), w1 = _mm256_loadu_ps(pw + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * kPanel;
+    for (int64_t c = 0; c < kPanel; ++c) o[c] = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < kPanel; ++c) o[c] = std::fma(x[r * K + k], pw[k * kPanel + c], o[c]);
+  }
+#endif
+}
+
+template <int R>
+static inline void panel_tile(const float* x, int64_t K, const float* pw, const float* bias,
+                              float* y, int64_t ldy, int64_t N, int64_t n0) {
+  const int64_t cols = std::min<int64_t>(kPanel, N - n0);
+  alignas(64) float out[R * kPanel];
+  panel_block<R>(x, K, pw, out);
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy + n0;
+    const float* o = out + r * kPanel;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = o[c] + (bias ? bias[n0 + c] : 0.f);
+  }
+}
+
+// Rows m0..m0+rows-1 (at most 6) of x [., K] times panel p, into y (row stride ldy).
+static inline void panel_rows(const float* x, int64_t rows, int64_t K, const float* panels, int64_t p,
+                              const float* bias, float* y, int64_t ldy, int64_t N) {
+  const float* pw = panels + p * K * kPanel;
+  switch (rows) {
+    case 6: panel_tile<6>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    case 5: panel_tile<5>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    case 4: panel_tile<4>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    case 3: panel_tile<3>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    case 2: panel_tile<2>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    default: panel_tile<1>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+  }
+}
+static constexpr int64_t kPanelTileRows = 6;
+
+// ---------------------------------------------------------------------------------------------
+// Sampling one token from a row of logits (CPU): greedy (argmax, lowest index among ties, NaN
+// wins as in torch.argmax), or temperature with top-k, top-p and min-p (applied in that order,
+// with the semantics of leapfrog/sampling.py's filter_logits), drawn by inverting the CDF at one
+// uniform number. The uniform comes from a counter-based generator, SplitMix64 of (key,
+// counter): a request's key is its seed (or one drawn from the engine's seed) and the counter
+// is its number of draws so far, so a request's draws depend on nothing else in the batch and
+// on no step boundary.
+struct RowSampling {
+  float temperature = 0.f;   // below kGreedyBelow: greedy
+  int64_t top_k = 0;         // 0: off
+  float top_p = 1.f;
+  float min_p = 0.f;
+  uint64_t key = 0;
+  uint64_t counter = 0;
+};
+static constexpr float kGreedyBelow = 1e-5f;   // SamplingParams.GREEDY_BELOW_TEMPERATURE
+
+static inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static inline double uniform01(uint64_t key, uint64_t counter) {
+  return static_cast<double>(splitmix64(splitmix64(key) ^ counter) >> 11) * 0x1.0p-53;
+}
+
+static inline int64_t argmax_row(const float* x, int64_t V) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t am = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = x[i];
+    if (std::isnan(v)) return i;
+    if (v > m) { m = v; am = i; }
+  }
+  return am;
+}
+
+struct SampleScratch {
+  std::vector<float> p;
+  std::vector<float> tmp;
+  std::vector<int32_t> idx;
+};
+
+static inline int64_t sample_row(const float* logits, int64_t V, const RowSampling& s, SampleScratch& sc) {
+  if (!(s.temperature >= kGreedyBelow)) return argmax_row(logits, V);
+  sc.p.resize(V);
+  float* p = sc.p.data();
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) {
+    p[i] = logits[i] / s.temperature;
+    if (std::isnan(p[i])) return argmax_row(logits, V);
+    m = p[i] > m ? p[i] : m;
+  }
+  if (m == -std::numeric_limits<float>::infinity()) return argmax_row(logits, V);
+  float kth = -std::numeric_limits<float>::infinity();     // top-k: keep values >= the k-th largest
+  if (s.top_k > 0 && s.top_k < V) {
+    sc.tmp.assign(p, p + V);
+    std::nth_element(sc.tmp.begin(), sc.tmp.begin() + (s.top_k - 1), sc.tmp.end(), std::greater<float>());
+    kth = sc.tmp[s.top_k - 1];
+  }
+  // Unnormalised probabilities exp(l - max), zero outside the top k.
+  int64_t i = 0;
+#if defined(LEAPFROG_AVX2)
+  const __m256 vm = _mm256_set1_ps(m), vk = _mm256_set1_ps(kth);
+  for (; i + 8 <= V; i += 8) {
+    const __m256 l = _mm256_loadu_ps(p + i);
+    const __m256 keep = _mm256_cmp_ps(l, vk, _CMP_GE_OQ);
+    _mm256_storeu_ps(p + i, _mm256_and_ps(keep, exp256(_mm256_sub_ps(l, vm))));
+  }
+#endif
+  for (; i < V; ++i) p[i] = p[i] >= kth ? std::exp(p[i] - m) : 0.f;
+  auto total = [&]() {
+    double z = 0.0;
+    for (int64_t j = 0; j < V; ++j) z += p[j];
+    return z;
+  };
+  double z = total();
+  if (s.top_p < 1.f) {
+    // Keep the tokens whose mass strictly above them (sorted by probability, then index) is at
+    // most top_p. A token below (1 - top_p) / V of the mass always has more than top_p above
+    // it, so only the others are sorted.
+    const double floor = (1.0 - s.top_p) * z / static_cast<double>(V);
+    sc.idx.clear();
+    for (int64_t j = 0; j < V; ++j) {
+      if (p[j] > 0.f && p[j] >= floor) sc.idx.push_back(static_cast<int32_t>(j));
+      else p[j] = 0.f;
+    }
+    std::sort(sc.idx.begin(), sc.idx.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    double above = 0.0;
+    const double limit = static_cast<double>(s.top_p) * z;
+    for (size_t j = 0; j < sc.idx.size(); ++j) {
+      const int32_t t = sc.idx[j];
+      if (above > limit) p[t] = 0.f;
+      else above += p[t];
+    }
+  }
+  if (s.min_p > 0.f)          // the largest kept probability is exp(0) = 1
+    for (int64_t j = 0; j < V; ++j)
+      if (p[j] < s.min_p) p[j] = 0.f;
+  if (s.top_p < 1.f || s.min_p > 0.f) z = total();
+  const double target = uniform01(s.key, s.counter) * z;
+  double acc = 0.0;
+  int64_t last = -1;
+  for (int64_t j = 0; j < V; ++j) {
+    if (p[j] <= 0.f) continue;
+    acc += p[j];
+    last = j;
+    if (acc > target) return j;
+  }
+  return last >= 0 ? last : argmax_row(logits, V);
+}
+
+}  // namespace lf

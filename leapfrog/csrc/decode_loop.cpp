@@ -1,0 +1,438 @@
+// Several decode steps of a dense Llama-family model in one call, for CPUs.
+//
+// A decode step of a small model on a CPU costs a few hundred microseconds of arithmetic, and
+// running it from Python (one call per layer, the sampler, the scheduler's bookkeeping) costs
+// about as much again. While no request needs Python between tokens (no stop string to match
+// mid-step is a reason to return, see leapfrog/multistep.py), this loop runs up to `steps`
+// whole steps: embedding, every layer, the final norm, the LM head, sampling, and each row's
+// stop checks, inside one OpenMP parallel region whose threads meet at barriers between
+// dependent phases instead of being woken for every product (the multi-step scheduling of
+// vLLM and the graph-at-once execution of llama.cpp, on this engine's paged cache).
+//
+// Every value is computed by the row-level functions of cpu_math.h that the layer kernels use,
+// split across threads by output columns (or by (row, KV head) for attention), so a row's
+// logits and tokens are the bits the one-step path gives: the test suite decodes both ways
+// and compares token for token.
+#include <torch/extension.h>
+#include <omp.h>
+#include <algorithm>
+#include <vector>
+
+#include "cpu_math.h"
+
+using namespace lf;
+
+namespace {
+
+// Few-row products read the weight row by row up to this many rows (decode_layer's
+// kSkinnyRows); more rows use the packed panels.
+constexpr int64_t kSkinnyRows = 32;
+constexpr int64_t kPanelRows = 256;
+
+struct LayerWeights {
+  torch::Tensor in_norm, qkv, qkv_b, q_norm, k_norm, o, o_b, post_norm, gu, gu_b, down, down_b;
+  torch::Tensor p_qkv, p_o, p_gu, p_down;     // packed panels; undefined when absent
+  torch::Tensor k_cache, v_cache;
+};
+
+inline const float* fptr(const torch::Tensor& t) { return t.defined() && t.numel() ? t.data_ptr<float>() : nullptr; }
+
+inline void span(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
+  a = n * tid / nt;
+  b = n * (tid + 1) / nt;
+}
+
+// Column ranges for SwiGLU: cut on multiples of 8, so that silu_mul over a thread's range
+// evaluates every element exactly as over the whole row (vector body, scalar tail).
+inline void span8(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
+  a = tid == 0 ? 0 : (n * tid / nt) / 8 * 8;
+  b = tid == nt - 1 ? n : (n * (tid + 1) / nt) / 8 * 8;
+}
+
+}  // namespace
+
+class DecodeLoop {
+ public:
+  DecodeLoop(std::vector<std::vector<torch::Tensor>> layers, std::vector<torch::Tensor> k_caches,
+             std::vector<torch::Tensor> v_caches, torch::Tensor embed, torch::Tensor final_norm,
+             torch::Tensor lm_head, torch::Tensor lm_head_bias, torch::Tensor lm_head_panels,
+             torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+             double scale, double eps, double qk_eps, double final_eps, int64_t lm_skinny_rows)
+      : H_(H), KVH_(KVH), D_(D), block_size_(block_size), scale_(static_cast<float>(scale)),
+        eps_(static_cast<float>(eps)), qk_eps_(static_cast<float>(qk_eps)),
+        final_eps_(static_cast<float>(final_eps)), lm_skinny_rows_(lm_skinny_rows) {
+    TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size() && !layers.empty(),
+                "DecodeLoop: one weight list and one K and V cache per layer");
+    TORCH_CHECK(D % 8 == 0 && H % KVH == 0 && H / KVH <= 64, "DecodeLoop: head layout not supported");
+    half_ = layers[0][1].scalar_type() == torch::kHalf;
+    lm_half_ = lm_head.scalar_type() == torch::kHalf;
+    TORCH_CHECK(lm_head.scalar_type() == torch::kHalf || lm_head.scalar_type() == torch::kFloat32,
+                "DecodeLoop: the LM head must be float16 or float32");
+    TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && final_norm.scalar_type() == torch::kFloat32 &&
+                cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "DecodeLoop: float32 embedding, norm and rotary tables");
+    for (size_t l = 0; l < layers.size(); ++l) {
+      auto& w = layers[l];
+      TORCH_CHECK(w.size() == 12 || w.size() == 16 || w.size() == 20, "DecodeLoop: 12, 16 or 20 tensors per layer");
+      LayerWeights L;
+      L.in_norm = w[0]; L.qkv = w[1]; L.qkv_b = w[2]; L.q_norm = w[3]; L.k_norm = w[4]; L.o = w[5];
+      L.o_b = w[6]; L.post_norm = w[7]; L.gu = w[8]; L.gu_b = w[9]; L.down = w[10]; L.down_b = w[11];
+      if (w.size() == 20) {
+        L.p_qkv = w[16].dim() == 3 ? w[16] : torch::Tensor();
+        L.p_o = w[17].dim() == 3 ? w[17] : torch::Tensor();
+        L.p_gu = w[18].dim() == 3 ? w[18] : torch::Tensor();
+        L.p_down = w[19].dim() == 3 ? w[19] : torch::Tensor();
+      }
+      for (auto* t : {&L.qkv, &L.o, &L.gu, &L.down})
+        TORCH_CHECK(t->is_contiguous() && (t->scalar_type() == torch::kHalf) == half_ &&
+                    (t->scalar_type() == torch::kHalf || t->scalar_type() == torch::kFloat32),
+                    "DecodeLoop: every projection must be float16 or every one float32, contiguous");
+      L.k_cache = k_caches[l];
+      L.v_cache = v_caches[l];
+      TORCH_CHECK(L.k_cache.is_contiguous() && L.v_cache.is_contiguous() &&
+                  L.k_cache.scalar_type() == k_caches[0].scalar_type() &&
+                  (L.k_cache.scalar_type() == torch::kFloat32 || L.k_cache.scalar_type() == torch::kHalf),
+                  "DecodeLoop: float32 or float16 contiguous KV caches");
+      layers_.push_back(L);
+    }
+    kv_half_ = k_caches[0].scalar_type() == torch::kHalf;
+    embed_ = embed.contiguous();
+    final_norm_ = final_norm.contiguous();
+    lm_head_ = lm_head.contiguous();
+    lm_head_b_ = lm_head_bias;
+    lm_panels_ = lm_head_panels.dim() == 3 ? lm_head_panels : torch::Tensor();
+    cos_ = cos.contiguous();
+    sin_ = sin.contiguous();
+    d_ = embed_.size(1);
+    V_ = lm_head_.size(0);
+    I_ = layers_[0].gu.size(0) / 2;
+    rot_ = cos_.size(1);
+  }
+
+  // Whether a step of `rows` rows can run here bit for bit as the one-step path runs it.
+  bool supports_rows(int64_t rows) const {
+    if (rows < 1 || rows > kPanelRows) return false;
+    if (rows > kSkinnyRows)
+      for (const auto& L : layers_)
+        if (!L.p_qkv.defined() || !L.p_o.defined() || !L.p_gu.defined() || !L.p_down.defined()) return false;
+    return rows <= lm_skinny_rows_ || lm_panels_.defined();
+  }
+
+  // tokens [B]: each row's last token (not yet in the cache); positions [B]: its position;
+  // tables [B, MB]: block tables covering positions + budgets; budgets [B] >= 1: most tokens
+  // to produce; sampling per row (temps, top_k, top_p, min_p, keys, counters); stop_ids
+  // [B, S] and ban_ids [B, S2] (-1 padded): tokens that end a row, and tokens banned while
+  // fewer than min_left[b] tokens have been produced in this call. return_logits (steps == 1):
+  // no sampling, the logits are returned. Returns {tokens [B, steps], counts [B], logits}.
+  std::vector<torch::Tensor> run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor tables,
+                                 torch::Tensor budgets, int64_t steps, torch::Tensor temps,
+                                 torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
+                                 torch::Tensor keys, torch::Tensor counters, torch::Tensor stop_ids,
+                                 torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits) {
+    const int64_t B = tokens.size(0);
+    TORCH_CHECK(steps >= 1 && (!return_logits || steps == 1), "DecodeLoop.run: steps >= 1 (1 with return_logits)");
+    TORCH_CHECK(supports_rows(B), "DecodeLoop.run: this many rows need packed panels");
+    auto tok = tokens.to(torch::kInt64).contiguous();
+    auto pos = positions.to(torch::kInt64).contiguous();
+    auto tab = tables.to(torch::kInt64).contiguous();
+    auto bud = budgets.to(torch::kInt64).contiguous();
+    auto stops = stop_ids.to(torch::kInt64).contiguous();
+    auto bans = ban_ids.to(torch::kInt64).contiguous();
+    auto minl = min_left.to(torch::kInt64).contiguous();
+    TORCH_CHECK(tab.dim() == 2 && tab.size(0) == B && pos.size(0) == B && bud.size(0) == B &&
+                stops.dim() == 2 && stops.size(0) == B && bans.dim() == 2 && bans.size(0) == B,
+                "DecodeLoop.run: one row per sequence in every argument");
+    std::vector<RowSampling> samp(B);
+    {
+      auto t = temps.to(torch::kFloat32).contiguous(), tp = top_p.to(torch::kFloat32).contiguous();
+      auto mp = min_p.to(torch::kFloat32).contiguous();
+      auto tk = top_k.to(torch::kInt64).contiguous(), ky = keys.to(torch::kInt64).contiguous();
+      auto ct = counters.to(torch::kInt64).contiguous();
+      for (int64_t b = 0; b < B; ++b) {
+        samp[b].temperature = t.data_ptr<float>()[b];
+        samp[b].top_k = std::min<int64_t>(std::max<int64_t>(tk.data_ptr<int64_t>()[b], 0), V_);
+        samp[b].top_p = tp.data_ptr<float>()[b];
+        samp[b].min_p = mp.data_ptr<float>()[b];
+        samp[b].key = static_cast<uint64_t>(ky.data_ptr<int64_t>()[b]);
+        samp[b].counter = static_cast<uint64_t>(ct.data_ptr<int64_t>()[b]);
+      }
+    }
+    const int64_t MB = tab.size(1);
+    int64_t max_ctx = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = pos.data_ptr<int64_t>()[b], n = bud.data_ptr<int64_t>()[b];
+      TORCH_CHECK(n >= 1 && p >= 0 && p + std::min(n, steps) <= MB * block_size_ && p + std::min(n, steps) <= cos_.size(0),
+                  "DecodeLoop.run: a row's positions run past its block table or the rotary table");
+      max_ctx = std::max(max_ctx, p + std::min(n, steps));
+    }
+    auto out = torch::full({B, steps}, -1, torch::kInt64);
+    auto counts = torch::zeros({B}, torch::kInt64);
+    auto logits_out = return_logits ? torch::empty({B, V_}, torch::kFloat32) : torch::Tensor();
+
+    State st;
+    st.B = B; st.steps = steps; st.MB = MB; st.max_ctx = max_ctx; st.return_logits = return_logits;
+    st.tok = tok.data_ptr<int64_t>(); st.pos = pos.data_ptr<int64_t>(); st.tab = tab.data_ptr<int64_t>();
+    st.bud = bud.data_ptr<int64_t>(); st.stops = stops.data_ptr<int64_t>(); st.nstop = stops.size(1);
+    st.bans = bans.data_ptr<int64_t>(); st.nban = bans.size(1); st.minl = minl.data_ptr<int64_t>();
+    st.samp = samp.data(); st.out = out.data_ptr<int64_t>(); st.counts = counts.data_ptr<int64_t>();
+    st.logits_out = return_logits ? logits_out.data_ptr<float>() : nullptr;
+    if (half_) {
+      if (kv_half_) loop<at::Half, at::Half>(st); else loop<at::Half, float>(st);
+    } else {
+      if (kv_half_) loop<float, at::Half>(st); else loop<float, float>(st);
+    }
+    return {out, counts, return_logits ? logits_out : torch::empty({0})};
+  }
+
+ private:
+  struct State {
+    int64_t B, steps, MB, max_ctx;
+    bool return_logits;
+    const int64_t *tok, *pos, *tab, *bud, *stops, *bans, *minl;
+    int64_t nstop, nban;
+    const RowSampling* samp;
+    int64_t *out, *counts;
+    float* logits_out;
+  };
+
+  template <typename wt>
+  static const wt* wp(const torch::Tensor& t) { return reinterpret_cast<const wt*>(t.data_ptr()); }
+
+  // y[r, :] = x[r] W^T + bias for T rows, this thread's share of the output columns:
+  // row by row from the weight (T <= skinny_rows) or from its packed panels.
+  template <typename wt>
+  static void product(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+                      const torch::Tensor& bias, float* y, int64_t N, bool use_panels, int tid, int nt) {
+    const float* b = fptr(bias);
+    if (use_panels) {
+      const int64_t P = (N + kPanel - 1) / kPanel;
+      int64_t p0, p1;
+      span(P, tid, nt, p0, p1);
+      const float* pp = panels.data_ptr<float>();
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t m0 = 0; m0 < T; m0 += kPanelTileRows)
+          panel_rows(x + m0 * K, std::min<int64_t>(kPanelTileRows, T - m0), K, pp, p, b, y + m0 * N, N, N);
+      return;
+    }
+    int64_t n0, n1;
+    span(N, tid, nt, n0, n1);
+    dot_rows(x, T, wp<wt>(w), b, y, N, n0, n1, K);
+  }
+
+  template <typename wt, typename kv_t>
+  void loop(State& st) {
+    const int64_t B = st.B, d = d_, H = H_, KVH = KVH_, D = D_, I = I_, V = V_, group = H / KVH;
+    const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
+    // Shared buffers (rows are the active rows of the current step, in order).
+    std::vector<float> x(B * d), qkv(B * width), attn(B * H * D), gu(B * 2 * I), act(B * I),
+        tmp(B * std::max(d, I)), logits(B * V);
+    std::vector<int64_t> active(B), slot(B), ctx(B), produced(B, 0), next(B);
+    std::vector<char> done(B, 0);
+    int64_t T = 0;
+    for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
+    const float* embed = embed_.data_ptr<float>();
+    const float* cosp = cos_.data_ptr<float>();
+    const float* sinp = sin_.data_ptr<float>();
+    const int nt_req = std::max(1, at::get_num_threads());
+
+#pragma omp parallel num_threads(nt_req)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
+      SampleScratch scratch;
+      for (int64_t s = 0; s < st.steps; ++s) {
+        // Bookkeeping and embeddings of this step's rows (one thread), then everyone reads T.
+        if (tid == 0) {
+          T = 0;
+          for (int64_t b = 0; b < B; ++b) {
+            if (done[b]) continue;
+            const int64_t p = st.pos[b] + produced[b];
+            active[T] = b;
+            slot[T] = st.tab[b * st.MB + p / block_size_] * block_size_ + p % block_size_;
+            ctx[T] = p + 1;
+            std::copy(embed + next[b] * d, embed + (next[b] + 1) * d, x.data() + T * d);
+            ++T;
+          }
+        }
+#pragma omp barrier
+        if (T == 0) break;
+        const bool panels = T > kSkinnyRows;
+        for (const auto& L : layers_) {
+          // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
+          for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.in_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
+          product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, panels, tid, nt);
+#pragma omp barrier
+          // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
+          {
+            int64_t t0, t1;
+            span(T * KVH, tid, nt, t0, t1);
+            kv_t* kc = reinterpret_cast<kv_t*>(L.k_cache.data_ptr());
+            kv_t* vc = reinterpret_cast<kv_t*>(L.v_cache.data_ptr());
+            const float* qn = L.q_norm.numel() == D ? L.q_norm.data_ptr<float>() : nullptr;
+            const float* kn = L.k_norm.numel() == D ? L.k_norm.data_ptr<float>() : nullptr;
+            for (int64_t task = t0; task < t1; ++task) {
+              const int64_t r = task / KVH, g = task % KVH, b = active[r];
+              float* row = qkv.data() + r * width;
+              const int64_t p = ctx[r] - 1;
+              const float* c = cosp + p * rot_;
+              const float* si = sinp + p * rot_;
+              for (int64_t j = 0; j < group; ++j) {
+                float* qh = row + (g * group + j) * D;
+                if (qn) rms_row(qh, qn, qh, D, qk_eps_);
+                rope_head(qh, c, si, half);
+              }
+              float* kh = row + (H + g) * D;
+              if (kn) rms_row(kh, kn, kh, D, qk_eps_);
+              rope_head(kh, c, si, half);
+              const float* vh = row + (H + KVH + g) * D;
+              kv_t* kd = kc + (slot[r] * KVH + g) * D;
+              kv_t* vd = vc + (slot[r] * KVH + g) * D;
+              for (int64_t i = 0; i < D; ++i) {
+                kd[i] = static_cast<kv_t>(kh[i]);
+                vd[i] = static_cast<kv_t>(vh[i]);
+              }
+              attend_group(row, kc, vc, st.tab + b * st.MB, ctx[r], block_size_, KVH, D, g, group, scale_,
+                           attn.data() + r * H * D, scores.data(), acc.data());
+            }
+          }
+#pragma omp barrier
+          // 3. output projection and residual, this thread's columns.
+          {
+            product<wt>(attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, panels, tid, nt);
+            int64_t n0, n1;
+            if (panels) {
+              const int64_t P = (d + kPanel - 1) / kPanel;
+              span(P, tid, nt, n0, n1);
+              n0 *= kPanel;
+              n1 = std::min(d, n1 * kPanel);
+            } else {
+              span(d, tid, nt, n0, n1);
+            }
+            for (int64_t r = 0; r < T; ++r)
+              for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
+          }
+#pragma omp barrier
+          // 4. post norm (every thread), gate/up and SwiGLU.
+          for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.post_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
+          if (panels) {
+            product<wt>(h.data(), T, d, L.gu, L.p_gu, L.gu_b, gu.data(), 2 * I, true, tid, nt);
+#pragma omp barrier
+            int64_t a0, a1;
+            span8(I, tid, nt, a0, a1);
+            for (int64_t r = 0; r < T; ++r)
+              if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
+          } else {
+            int64_t a0, a1;
+            span8(I, tid, nt, a0, a1);
+            const wt* w = wp<wt>(L.gu);
+            const float* bias = fptr(L.gu_b);
+            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, a0, a1, d);
+            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, I + a0, I + a1, d);
+            for (int64_t r = 0; r < T; ++r)
+              if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
+          }
+#pragma omp barrier
+          // 5. down projection and residual.
+          {
+            product<wt>(act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
+            int64_t n0, n1;
+            if (panels) {
+              const int64_t P = (d + kPanel - 1) / kPanel;
+              span(P, tid, nt, n0, n1);
+              n0 *= kPanel;
+              n1 = std::min(d, n1 * kPanel);
+            } else {
+              span(d, tid, nt, n0, n1);
+            }
+            for (int64_t r = 0; r < T; ++r)
+              for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
+          }
+#pragma omp barrier
+        }
+        // Final norm and the LM head.
+        for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
+        if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
+        else product<float>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
+#pragma omp barrier
+        if (st.return_logits) {
+          for (int64_t r = tid; r < T; r += nt)
+            std::copy(logits.data() + r * V, logits.data() + (r + 1) * V, st.logits_out + active[r] * V);
+          break;
+        }
+        // Sampling and stop checks, rows spread over the threads.
+        for (int64_t r = tid; r < T; r += nt) {
+          const int64_t b = active[r];
+          float* lr = logits.data() + r * V;
+          if (produced[b] < st.minl[b])
+            for (int64_t j = 0; j < st.nban; ++j) {
+              const int64_t t = st.bans[b * st.nban + j];
+              if (t >= 0 && t < V) lr[t] = -std::numeric_limits<float>::infinity();
+            }
+          RowSampling rs = st.samp[b];
+          rs.counter += static_cast<uint64_t>(produced[b]);
+          const int64_t t = sample_row(lr, V, rs, scratch);
+          st.out[b * st.steps + produced[b]] = t;
+          ++produced[b];
+          bool stop = produced[b] >= std::min(st.bud[b], st.steps);
+          for (int64_t j = 0; j < st.nstop && !stop; ++j) stop = st.stops[b * st.nstop + j] == t;
+          done[b] = stop;
+          next[b] = t;
+        }
+#pragma omp barrier
+      }
+    }
+    for (int64_t b = 0; b < B; ++b) st.counts[b] = produced[b];
+  }
+
+  std::vector<LayerWeights> layers_;
+  torch::Tensor embed_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
+  int64_t H_, KVH_, D_, block_size_;
+  float scale_, eps_, qk_eps_, final_eps_;
+  int64_t lm_skinny_rows_;
+  int64_t d_ = 0, V_ = 0, I_ = 0, rot_ = 0;
+  bool half_ = false, lm_half_ = false, kv_half_ = false;
+};
+
+// The sampler of the decode loop for a step's logits computed elsewhere ([N, V] float32, one
+// row per draw): the one-step path samples with it, so both paths draw the same tokens.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor keys, torch::Tensor counters) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "sample_rows: logits must be [N, V] float32");
+  auto lg = logits.contiguous();
+  const int64_t N = lg.size(0), V = lg.size(1);
+  auto t = temps.to(torch::kFloat32).contiguous(), tp = top_p.to(torch::kFloat32).contiguous();
+  auto mp = min_p.to(torch::kFloat32).contiguous();
+  auto tk = top_k.to(torch::kInt64).contiguous(), ky = keys.to(torch::kInt64).contiguous();
+  auto ct = counters.to(torch::kInt64).contiguous();
+  TORCH_CHECK(t.numel() == N && tp.numel() == N && mp.numel() == N && tk.numel() == N && ky.numel() == N &&
+              ct.numel() == N, "sample_rows: one sampling setting per row");
+  auto out = torch::empty({N}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* lp = lg.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, V)), [&](int64_t n0, int64_t n1) {
+    SampleScratch scratch;
+    for (int64_t n = n0; n < n1; ++n) {
+      RowSampling rs;
+      rs.temperature = t.data_ptr<float>()[n];
+      rs.top_k = std::min<int64_t>(std::max<int64_t>(tk.data_ptr<int64_t>()[n], 0), V);
+      rs.top_p = tp.data_ptr<float>()[n];
+      rs.min_p = mp.data_ptr<float>()[n];
+      rs.key = static_cast<uint64_t>(ky.data_ptr<int64_t>()[n]);
+      rs.counter = static_cast<uint64_t>(ct.data_ptr<int64_t>()[n]);
+      o[n] = sample_row(lp + n * V, V, rs, scratch);
+    }
+  });
+  return out;
+}
+
+void register_decode_loop(pybind11::module& m) {
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  pybind11::class_<DecodeLoop>(m, "DecodeLoop")
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                          int64_t, int64_t, double, double, double, double, int64_t>())
+      .def("supports_rows", &DecodeLoop::supports_rows)
+      .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);
+  m.def("sample_rows", &sample_rows, "one token per row: greedy or temperature/top-k/top-p/min-p (CPU)", nogil);
+}

@@ -1,0 +1,123 @@
+"""Decode steps without Python per token: the C++ decode loop on a CPU (csrc/decode_loop.cpp).
+
+A step whose batch is all decode rows of `ar` (one known token per sequence, nothing else) runs
+in the loop: up to `num_scheduler_steps` whole steps per call while nobody waits to be admitted,
+each row stopping at its own end (an end-of-text or stop token id, max_tokens, the context) or
+after the steps; a step with someone waiting runs one step, so a new request is admitted at the
+next step as before. Every row's KV slots for the steps are reserved before the call (a row
+whose blocks cannot be had gets one step). Rows whose sampling needs Python (penalties,
+logprobs) make the loop return the step's logits instead, which the method samples as usual.
+
+The loop computes each row exactly as the layer-by-layer path does (csrc/cpu_math.h) and samples
+with the same sampler, so outputs are the same tokens whichever path ran; stop strings are
+matched token by token afterwards (engine._output), which ends a request where one step at a
+time would have ended it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from leapfrog.block_manager import BlockManager
+from leapfrog.methods.base import Batch, Commit, Method, StepOutput
+from leapfrog.runner import ModelRunner
+from leapfrog.sampling import Sampler
+from leapfrog.sequence import Sequence
+
+
+# LEAPFROG_DECODE_LOOP=0 keeps every step on the layer-by-layer path (comparisons, debugging).
+ENABLED = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
+
+
+@dataclass(slots=True)
+class LoopPlan:
+    budgets: list[int]             # tokens each row may produce in this call (>= 1)
+    steps: int                     # max(budgets)
+    logits_only: bool              # one step, logits back to the method's sampler
+
+
+class MultiStep:
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, sampler: Sampler,
+                 method: Method, max_steps: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.bm = block_manager
+        self.sampler = sampler
+        self.method = method
+        self.max_steps = max_steps
+        self.max_model_len = max_model_len
+        self.num_calls = 0
+        self.num_loop_steps = 0
+
+    def loop(self):
+        model = self.runner.model
+        if not ENABLED or not self.method.decode_loop or self.runner.device.type != "cpu" or not hasattr(model, "decode_loop"):
+            return None
+        return model.decode_loop(self.runner.block_size)
+
+    def plan(self, batch: Batch, num_waiting: int) -> LoopPlan | None:
+        """A plan when the loop can run this batch, else None (the layer-by-layer path runs it)."""
+        if not batch.seqs or any(s.num_known != 1 or s.num_extra or not s.reaches_end for s in batch.seqs):
+            return None
+        loop = self.loop()
+        if loop is None or not loop.supports_rows(len(batch.seqs)):
+            return None
+        if not all(eligible(s.seq) for s in batch.seqs):
+            return LoopPlan([1] * len(batch.seqs), 1, True)
+        steps = self.max_steps if num_waiting == 0 else 1
+        budgets = []
+        for s in batch.seqs:
+            seq = s.seq
+            n = min(steps, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+            n = max(1, n)
+            if n > 1 and not self.bm.reserve(seq, seq.num_computed + n):
+                n = 1                      # its one slot was reserved by the scheduler
+            budgets.append(n)
+        return LoopPlan(budgets, max(budgets), False)
+
+    def run(self, batch: Batch, plan: LoopPlan) -> list[Commit]:
+        loop = self.loop()
+        seqs = [s.seq for s in batch.seqs]
+        dev = self.runner.device
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        bs = self.runner.block_size
+        width = max(-(-(s.num_computed + n) // bs) for s, n in zip(seqs, plan.budgets))
+        tables = t([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
+        tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
+        self.num_calls += 1
+        if plan.logits_only:
+            empty = torch.full((len(seqs), 1), -1, dtype=torch.long)
+            zeros = torch.zeros(len(seqs), dtype=torch.long)
+            _, _, logits = loop.run(tokens, positions, tables, t(plan.budgets), 1,
+                                    torch.zeros(len(seqs)), zeros, torch.ones(len(seqs)), torch.zeros(len(seqs)),
+                                    zeros, zeros, empty, empty, zeros, True)
+            self.num_loop_steps += 1
+            self.method.prepare(batch)
+            return self.method.commit(batch, StepOutput(logits))
+        settings = self.sampler.row_settings(seqs, dev)
+        stops, bans = [], []
+        for s in seqs:
+            p = s.params
+            stops.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids)))
+            bans.append(list(s.eos_token_ids) + list(p.stop_token_ids) if p.min_tokens else [])
+        min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
+        out, counts, _ = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
+                                  _padded(stops, dev), _padded(bans, dev), min_left, False)
+        self.num_loop_steps += plan.steps
+        commits = []
+        for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):
+            seq.num_draws += n
+            commits.append(Commit(row[:n], n, forwards=n))
+        return commits
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether a sequence's sampling runs inside the loop (else the loop returns logits)."""
+    p = seq.params
+    return p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
