@@ -49,6 +49,7 @@ class MultiStep:
         self.max_model_len = max_model_len
         self.num_calls = 0
         self.num_loop_steps = 0
+        self._loop = None                  # the loop plan() found, for run()
 
     def loop(self):
         model = self.runner.model
@@ -60,7 +61,7 @@ class MultiStep:
         """A plan when the loop can run this batch, else None (the layer-by-layer path runs it)."""
         if not batch.seqs or any(s.num_known != 1 or s.num_extra or not s.reaches_end for s in batch.seqs):
             return None
-        loop = self.loop()
+        loop = self._loop = self.loop()
         if loop is None or not loop.supports_rows(len(batch.seqs)):
             return None
         if not all(eligible(s.seq) for s in batch.seqs):
@@ -77,7 +78,7 @@ class MultiStep:
         return LoopPlan(budgets, max(budgets), False)
 
     def run(self, batch: Batch, plan: LoopPlan) -> list[Commit]:
-        loop = self.loop()
+        loop = self._loop
         seqs = [s.seq for s in batch.seqs]
         dev = self.runner.device
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)

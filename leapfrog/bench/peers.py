@@ -98,6 +98,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
             table[key] = r
     for i in range(args.repeats):
         log(f"round {i + 1}/{args.repeats}")
+        leapfrog_run(llm, prompts[:1], 16)      # warm-up after the other engines, as llama-bench's own
         keep(single, "leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens), "decode_tokens_per_s")
         for c in args.concurrency:
             r = leapfrog_run(llm, prompts[:c], args.new_tokens)

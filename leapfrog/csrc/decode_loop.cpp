@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <vector>
 
 #include "cpu_math.h"
@@ -48,6 +50,31 @@ inline void span8(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   a = tid == 0 ? 0 : (n * tid / nt) / 8 * 8;
   b = tid == nt - 1 ? n : (n * (tid + 1) / nt) / 8 * 8;
 }
+
+// The barrier between the loop's phases: a counter and a phase number on their own cache lines.
+// A decode step of a small model has ~30 phases of a few microseconds, so what a barrier costs
+// matters: this one is an atomic increment and a spin on one line. A thread that waits long (its
+// partner was descheduled on a busy machine) yields the CPU instead of spinning on.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> phase{0};
+  int n = 1;
+  void wait() {
+    if (n <= 1) return;
+    const int ph = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(ph + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase.load(std::memory_order_acquire) == ph; ++spins) {
+#if defined(LEAPFROG_AVX2)
+      if (spins < (1 << 14)) { _mm_pause(); continue; }
+#endif
+      std::this_thread::yield();
+    }
+  }
+};
 
 }  // namespace
 
@@ -234,10 +261,13 @@ class DecodeLoop {
     const float* cosp = cos_.data_ptr<float>();
     const float* sinp = sin_.data_ptr<float>();
     const int nt_req = std::max(1, at::get_num_threads());
+    SpinBarrier bar;
 
 #pragma omp parallel num_threads(nt_req)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      if (tid == 0) bar.n = nt;
+#pragma omp barrier
       std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
       SampleScratch scratch;
       for (int64_t s = 0; s < st.steps; ++s) {
@@ -254,14 +284,14 @@ class DecodeLoop {
             ++T;
           }
         }
-#pragma omp barrier
+        bar.wait();
         if (T == 0) break;
         const bool panels = T > kSkinnyRows;
         for (const auto& L : layers_) {
           // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.in_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
           product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, panels, tid, nt);
-#pragma omp barrier
+          bar.wait();
           // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
           {
             int64_t t0, t1;
@@ -295,7 +325,7 @@ class DecodeLoop {
                            attn.data() + r * H * D, scores.data(), acc.data());
             }
           }
-#pragma omp barrier
+          bar.wait();
           // 3. output projection and residual, this thread's columns.
           {
             product<wt>(attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, panels, tid, nt);
@@ -311,12 +341,12 @@ class DecodeLoop {
             for (int64_t r = 0; r < T; ++r)
               for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
           }
-#pragma omp barrier
+          bar.wait();
           // 4. post norm (every thread), gate/up and SwiGLU.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.post_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
           if (panels) {
             product<wt>(h.data(), T, d, L.gu, L.p_gu, L.gu_b, gu.data(), 2 * I, true, tid, nt);
-#pragma omp barrier
+            bar.wait();
             int64_t a0, a1;
             span8(I, tid, nt, a0, a1);
             for (int64_t r = 0; r < T; ++r)
@@ -331,7 +361,7 @@ class DecodeLoop {
             for (int64_t r = 0; r < T; ++r)
               if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
           }
-#pragma omp barrier
+          bar.wait();
           // 5. down projection and residual.
           {
             product<wt>(act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
@@ -347,13 +377,13 @@ class DecodeLoop {
             for (int64_t r = 0; r < T; ++r)
               for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
           }
-#pragma omp barrier
+          bar.wait();
         }
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
         if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
         else product<float>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
-#pragma omp barrier
+        bar.wait();
         if (st.return_logits) {
           for (int64_t r = tid; r < T; r += nt)
             std::copy(logits.data() + r * V, logits.data() + (r + 1) * V, st.logits_out + active[r] * V);
@@ -378,7 +408,7 @@ class DecodeLoop {
           done[b] = stop;
           next[b] = t;
         }
-#pragma omp barrier
+        bar.wait();
       }
     }
     for (int64_t b = 0; b < B; ++b) st.counts[b] = produced[b];

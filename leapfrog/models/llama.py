@@ -215,14 +215,13 @@ class LlamaForCausalLM(nn.Module):
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):
             return None
+        key = (block_size, skinny_rows_max(), *(id(t) for x in attn for t in (x.k_cache, x.v_cache)))
+        cached = self.__dict__.get("_decode_loop")
+        if cached is not None and cached[0] == key and all(
+                mod._parameters[name] is p and p._version == v for mod, name, p, v in cached[2]):
+            return cached[1]
         weights = [layer._fused_weights() for layer in layers]
         lm_w, lm_panels = kernel_weight(self.lm_head), kernel_panels(self.lm_head)
-        key = [block_size, skinny_rows_max(), id(lm_w), id(lm_panels), id(embed), embed._version,
-               id(self.model.norm.weight), self.model.norm.weight._version] + [id(w) for w in weights]
-        key += [id(t) for a in attn for t in (a.k_cache, a.v_cache)]
-        cached = self.__dict__.get("_decode_loop")
-        if cached is not None and cached[0] == key:
-            return cached[1]
         proj = {w[i].dtype for w in weights for i in (1, 5, 8, 10)}
         if len(proj) != 1 or proj.pop() not in (torch.float32, torch.float16):
             return None
@@ -235,7 +234,9 @@ class LlamaForCausalLM(nn.Module):
             a.num_kv_heads, a.head_dim, block_size,
             a.attn.scale, layers[0].input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0,
             self.model.norm.eps, skinny_rows_max())
-        self.__dict__["_decode_loop"] = (key, loop)
+        watch = [(mod, name, p, p._version) for mod in self.modules()
+                 for name, p in mod._parameters.items() if p is not None]
+        self.__dict__["_decode_loop"] = (key, loop, watch)
         return loop
 
     @torch.inference_mode()
