@@ -33,7 +33,7 @@ class EngineConfig:
     num_threads: int | None = None           # CPU threads for torch (default: torch's choice)
     # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's
     # num_scheduler_steps. 1 still runs single steps in the loop.
-    num_scheduler_steps: int = 8
+    num_scheduler_steps: int = 16
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:

@@ -112,7 +112,7 @@ def test_n_stop_logprobs_priority(server, client):
 
 
 def test_aborted_stream_frees_kv_blocks(server, monkeypatch):
-    pace_engine(monkeypatch)     # still decoding when the client hangs up
+    pace_engine(monkeypatch, 0.1)     # still decoding when the client hangs up (16 tokens a step)
     assert server.wait_idle() == 0
     with httpx.stream("POST", server.url + "/v1/completions",
                       json={"prompt": "Once upon a time", "max_tokens": 200, "stream": True,
@@ -120,7 +120,7 @@ def test_aborted_stream_frees_kv_blocks(server, monkeypatch):
         it = r.iter_lines()
         for _ in range(3):
             next(it)
-        # the gauges are published at most every 50 ms: poll while the request decodes (~1 s)
+        # the gauges are published at most every 50 ms: poll while the request decodes (~1.3 s)
         deadline = time.time() + 0.5
         while server.metric("kv_cache_used_blocks") == 0 and time.time() < deadline:
             time.sleep(0.01)

@@ -205,6 +205,13 @@ def markdown(result: dict) -> str:
             f"(ignore_eos={cfg['ignore_eos']}), prompts of <= {cfg['prompt_words']} words, "
             f"temperature {cfg['temperature']}; 1-min load average before each level: {loads}; "
             f"{result['timestamp']}.")
+    off = result.get("offline")
+    if off:
+        first = result["levels"][0]
+        note += (f"\nOffline engine ({off['model']}, {off['threads']} threads, in the bench's process, the same "
+                 f"prompts one at a time): TPOT p50 {off['tpot_s']['p50'] * 1e3:.2f} ms; served TPOT p50 at "
+                 f"{'c=' + str(first['concurrency']) if first['request_rate'] is None else 'the first level'} "
+                 f"is {first['tpot_s']['p50'] / off['tpot_s']['p50']:.2f}x it.")
     return "\n".join(rows) + "\n" + note + compare(result)
 
 
@@ -277,7 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-url", default=None, help="a peer OpenAI-compatible server (llama-server, vLLM) "
                    "measured with the same client and prompts, level by level; one comparison table")
     p.add_argument("--peer-name", default="llama-server", help="the peer's name in the table")
+    p.add_argument("--offline-model", default=None,
+                   help="also decode the same prompts one at a time with this model in the bench's own "
+                        "process (the server idle meanwhile): the offline TPOT that served TPOT at one client "
+                        "is compared with")
+    p.add_argument("--offline-threads", type=int, default=2, help="CPU threads of the offline engine")
     return p
+
+
+def offline_reference(args: argparse.Namespace) -> dict:
+    """TPOT of the offline engine on the first level's prompts, one request at a time, with the
+    same settings, measured as the client measures it: (end - first token) / (tokens - 1)."""
+    from leapfrog import LLM, SamplingParams
+    llm = LLM(args.offline_model, num_threads=args.offline_threads)
+    texts = prompts(max(8, args.num_prompts or 8), args.prompt_words, args.seed)
+    llm.generate(texts[:1], SamplingParams(max_tokens=8, temperature=0))         # warm-up
+    tpot = []
+    for i, text in enumerate(texts):
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                ignore_eos=args.ignore_eos, seed=args.seed + i)
+        m = llm.generate([text], params)[0].metrics
+        if m.num_output_tokens > 1 and m.time_to_first_token is not None:
+            tpot.append((m.total_time - m.time_to_first_token) / (m.num_output_tokens - 1))
+    return {"model": args.offline_model, "threads": args.offline_threads, "tpot_s": _stats(tpot)}
 
 
 def _levels(args: argparse.Namespace) -> list[tuple[int | None, float]]:
@@ -314,6 +343,9 @@ async def _run(args: argparse.Namespace) -> dict:
     if args.peer_url:
         result["peer"] = {"name": args.peer_name, "url": args.peer_url, "model": targets[1][2],
                           "levels": levels[args.peer_name]}
+    if args.offline_model:
+        log(f"offline reference: {args.offline_model}, one request at a time")
+        result["offline"] = offline_reference(args)
     return result
 
 

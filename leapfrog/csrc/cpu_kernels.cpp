@@ -160,8 +160,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 template <typename wt>
 static void skinny_kernel(const float* x, const wt* w, const float* bias, float* y,
                           int64_t M, int64_t N, int64_t K) {
+  const bool pair = N * K * static_cast<int64_t>(sizeof(wt)) <= kPairRowsMaxBytes;
   at::parallel_for(0, N, grain_for(M * K, kStreamedParallelWork), [&](int64_t n0, int64_t n1) {
-    dot_rows(x, M, w, bias, y, N, n0, n1, K);
+    dot_rows(x, M, w, bias, y, N, n0, n1, K, pair);
   });
 }
 

@@ -69,7 +69,7 @@ struct SpinBarrier {
     }
     for (int spins = 0; phase.load(std::memory_order_acquire) == ph; ++spins) {
 #if defined(LEAPFROG_AVX2)
-      if (spins < (1 << 14)) { _mm_pause(); continue; }
+      if (spins < (1 << 10)) { _mm_pause(); continue; }
 #endif
       std::this_thread::yield();
     }
@@ -134,6 +134,10 @@ class DecodeLoop {
     V_ = lm_head_.size(0);
     I_ = layers_[0].gu.size(0) / 2;
     rot_ = cos_.size(1);
+    int64_t bytes = lm_head_.numel() * lm_head_.element_size();
+    for (const auto& L : layers_)
+      for (const auto* t : {&L.qkv, &L.o, &L.gu, &L.down}) bytes += t->numel() * t->element_size();
+    pair_rows_ = bytes <= kPairRowsModelBytes;
   }
 
   // Whether a step of `rows` rows can run here bit for bit as the one-step path runs it.
@@ -228,8 +232,8 @@ class DecodeLoop {
   // y[r, :] = x[r] W^T + bias for T rows, this thread's share of the output columns:
   // row by row from the weight (T <= skinny_rows) or from its packed panels.
   template <typename wt>
-  static void product(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
-                      const torch::Tensor& bias, float* y, int64_t N, bool use_panels, int tid, int nt) {
+  void product(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+               const torch::Tensor& bias, float* y, int64_t N, bool use_panels, int tid, int nt) const {
     const float* b = fptr(bias);
     if (use_panels) {
       const int64_t P = (N + kPanel - 1) / kPanel;
@@ -243,7 +247,7 @@ class DecodeLoop {
     }
     int64_t n0, n1;
     span(N, tid, nt, n0, n1);
-    dot_rows(x, T, wp<wt>(w), b, y, N, n0, n1, K);
+    dot_rows(x, T, wp<wt>(w), b, y, N, n0, n1, K, pair_rows_);
   }
 
   template <typename wt, typename kv_t>
@@ -356,8 +360,8 @@ class DecodeLoop {
             span8(I, tid, nt, a0, a1);
             const wt* w = wp<wt>(L.gu);
             const float* bias = fptr(L.gu_b);
-            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, a0, a1, d);
-            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, I + a0, I + a1, d);
+            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, a0, a1, d, pair_rows_);
+            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, I + a0, I + a1, d, pair_rows_);
             for (int64_t r = 0; r < T; ++r)
               if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
           }
@@ -421,6 +425,7 @@ class DecodeLoop {
   int64_t lm_skinny_rows_;
   int64_t d_ = 0, V_ = 0, I_ = 0, rot_ = 0;
   bool half_ = false, lm_half_ = false, kv_half_ = false;
+  bool pair_rows_ = false;     // the model's weights fit in L3: two weight rows at a time (cpu_math.h)
 };
 
 // The sampler of the decode loop for a step's logits computed elsewhere ([N, V] float32, one
