@@ -57,3 +57,15 @@ def test_bench_serve_against_a_peer_server(server, llama_dir, tmp_path):
     table = (tmp_path / "p.md").read_text()
     assert "| load | leapfrog out tok/s | other out tok/s | leapfrog / other |" in table
     assert table.count("| c=") == 4          # two levels in each of the two tables
+
+
+def test_bench_serve_offline_reference(server, llama_dir, tmp_path):
+    """--offline-model decodes the first level's prompts with the offline engine in the bench's
+    process; the report compares served TPOT at one client with it."""
+    rc = bench_main(["--serve", "--url", server.url, "--concurrency", "1", "--num-prompts", "2",
+                     "--max-tokens", "6", "--offline-model", str(llama_dir), "--offline-threads", "1",
+                     "--out", str(tmp_path), "--name", "o"])
+    assert rc == 0
+    off = json.loads((tmp_path / "o.json").read_text())["offline"]
+    assert off["threads"] == 1 and 0 < off["tpot_s"]["p50"] < 1.0
+    assert "Offline engine (" in (tmp_path / "o.md").read_text()

@@ -160,7 +160,8 @@ def run_peers(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(single, folder), "rows": concurrency_table(rows)}
+            "single": single_rows(single, folder), "rows": concurrency_table(rows),
+            "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 run = run_peers      # every suite module offers run / markdown / plot
@@ -177,7 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def markdown(result: dict) -> str:
     lines = [f"Single request, {result['new_tokens']} new tokens, {result['threads']} threads; machine read "
              f"bandwidth {result['read_bandwidth_gb_per_s']:.1f} GB/s; load average "
-             f"{result['load_average'][0]:.2f} -> {result['load_average'][1]:.2f}", "",
+             f"{result['load_average'][0]:.2f} -> {result['load_average'][1]:.2f}"
+             + (f"; {result['timestamp']}" if "timestamp" in result else ""), "",
              "| engine | decode tok/s | ms / token | GB/s of weights | vs leapfrog |", "|---|---|---|---|---|"]
     for r in result["single"]:
         lines.append(f"| {r['engine']} | {r['decode_tokens_per_s']:.0f} | {r['ms_per_token']:.2f} | "

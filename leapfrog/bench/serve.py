@@ -329,6 +329,7 @@ async def _run(args: argparse.Namespace) -> dict:
     if args.peer_url:
         targets.append((args.peer_name, args.peer_url, await first_model(args.peer_url, args.api_key)))
     levels: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
+    offline = None
     for k, (concurrency, rate) in enumerate(_levels(args)):
         num = args.num_prompts or max(8, 2 * (concurrency or int(min(rate, 64)) or 1))
         for name, url, target_model in (targets if k % 2 == 0 else targets[::-1]):
@@ -337,6 +338,9 @@ async def _run(args: argparse.Namespace) -> dict:
             log(f"  {lv['completed']}/{num} ok, {lv['output_throughput']:.1f} out tok/s, "
                 f"TTFT p50 {lv['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {lv['tpot_s']['p50'] * 1e3:.1f} ms")
             levels[name].append(lv)
+        if k == 0 and args.offline_model:      # right after the level it is compared with
+            log(f"offline reference: {args.offline_model}, one request at a time")
+            offline = offline_reference(args)
     cfg = {k: v for k, v in vars(args).items() if k not in ("api_key", "serve")}
     result = {"model": model, "config": cfg, "levels": levels["leapfrog"],
               "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -344,8 +348,7 @@ async def _run(args: argparse.Namespace) -> dict:
         result["peer"] = {"name": args.peer_name, "url": args.peer_url, "model": targets[1][2],
                           "levels": levels[args.peer_name]}
     if args.offline_model:
-        log(f"offline reference: {args.offline_model}, one request at a time")
-        result["offline"] = offline_reference(args)
+        result["offline"] = offline
     return result
 
 
