@@ -250,6 +250,24 @@ class DecodeLoop {
     dot_rows(x, T, wp<wt>(w), b, y, N, n0, n1, K, pair_rows_);
   }
 
+  // x[r, :] += (a[r] W^T + bias) for this thread's share of the d output columns (the residual
+  // after the output and down projections): tmp holds the product, the sum is x + y as torch's.
+  template <typename wt>
+  void add_product(float* x, const float* a, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+                   const torch::Tensor& bias, float* tmp, int64_t d, bool use_panels, int tid, int nt) const {
+    product<wt>(a, T, K, w, panels, bias, tmp, d, use_panels, tid, nt);
+    int64_t n0, n1;
+    if (use_panels) {               // the columns of this thread's panels
+      span((d + kPanel - 1) / kPanel, tid, nt, n0, n1);
+      n0 *= kPanel;
+      n1 = std::min(d, n1 * kPanel);
+    } else {
+      span(d, tid, nt, n0, n1);
+    }
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
+  }
+
   template <typename wt, typename kv_t>
   void loop(State& st) {
     const int64_t B = st.B, d = d_, H = H_, KVH = KVH_, D = D_, I = I_, V = V_, group = H / KVH;
@@ -331,20 +349,7 @@ class DecodeLoop {
           }
           bar.wait();
           // 3. output projection and residual, this thread's columns.
-          {
-            product<wt>(attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, panels, tid, nt);
-            int64_t n0, n1;
-            if (panels) {
-              const int64_t P = (d + kPanel - 1) / kPanel;
-              span(P, tid, nt, n0, n1);
-              n0 *= kPanel;
-              n1 = std::min(d, n1 * kPanel);
-            } else {
-              span(d, tid, nt, n0, n1);
-            }
-            for (int64_t r = 0; r < T; ++r)
-              for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
-          }
+          add_product<wt>(x.data(), attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, panels, tid, nt);
           bar.wait();
           // 4. post norm (every thread), gate/up and SwiGLU.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.post_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
@@ -367,20 +372,7 @@ class DecodeLoop {
           }
           bar.wait();
           // 5. down projection and residual.
-          {
-            product<wt>(act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
-            int64_t n0, n1;
-            if (panels) {
-              const int64_t P = (d + kPanel - 1) / kPanel;
-              span(P, tid, nt, n0, n1);
-              n0 *= kPanel;
-              n1 = std::min(d, n1 * kPanel);
-            } else {
-              span(d, tid, nt, n0, n1);
-            }
-            for (int64_t r = 0; r < T; ++r)
-              for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
-          }
+          add_product<wt>(x.data(), act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
           bar.wait();
         }
         // Final norm and the LM head.
