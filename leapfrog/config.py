@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from leapfrog.build import materialize
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_DIRS = [Path(os.environ.get("LEAPFROG_CHECKPOINTS", REPO_ROOT / "checkpoints"))]
 DEFAULT_MODEL = "stories"
@@ -76,13 +78,14 @@ class EngineConfig:
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
-    """A checkpoint folder, or the name of a built-in model under checkpoints/."""
+    """A checkpoint folder, or the name of a built-in model under checkpoints/. A folder holding a
+    build recipe (build.json) resolves to the model it builds, made on first use (build.py)."""
     path = Path(model)
     if path.is_dir():
-        return path
+        return materialize(path)
     for root in CHECKPOINT_DIRS:
         if (root / str(model)).is_dir():
-            return root / str(model)
+            return materialize(root / str(model))
     builtin = sorted(p.name for root in CHECKPOINT_DIRS if root.is_dir() for p in root.iterdir() if p.is_dir())
     raise FileNotFoundError(f"model {str(model)!r}: no such folder and no built-in model of that name "
                             f"(built-in: {', '.join(builtin) or 'none'})")

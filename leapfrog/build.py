@@ -1,0 +1,243 @@
+"""Built-in models made on first use from shipped small weights (a recipe folder's build.json).
+
+A checkpoint folder may hold, instead of weights, a `build.json` recipe: grow a shipped base model
+by function-preserving growth, then add a shipped low-rank training delta. The first use builds
+the model into a cache folder (LEAPFROG_CACHE, default ~/.cache/leapfrog), checks the result
+against the recipe folder's SHA256SUMS, and later uses read it from there. This keeps the
+repository small: a 146M-parameter model is ~290 MB of float16, its recipe and delta a few MB.
+
+Growth, on Hugging Face Llama tensors (names as in the checkpoint):
+* wider by an integer factor k (Net2Net, Chen et al. 2016; bert2BERT, Chen et al. 2022): every
+  hidden unit, attention head, KV head and MLP unit is copied k times, copy-major (unit i of copy
+  j sits at j * n + i), and each weight's input side is divided by k, so a layer's output is the
+  same sum, copied. RMSNorm sees the same root-mean-square over the copies; copy-major heads keep
+  each query head with its KV head; with tied embeddings the final norm's weight is divided by k
+  (the LM head's input is the copied hidden state). Dividing by k = 2^n is exact.
+* deeper by inserting, after every layer, a copy of it whose output projections (o_proj,
+  down_proj) are zero (LLaMA Pro's block expansion, Wu et al. 2024): the copy adds nothing to the
+  residual stream until trained.
+The grown model computes the base model's logits (up to float rounding: tested).
+
+The delta: for each listed weight, W += B @ A (B: [out, r], A: [r, in]), float32 arithmetic,
+then float16, as LoRA training produced it (leapfrog.train.large).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+BUILD_FILE = "build.json"
+COPIED_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LEAPFROG_CACHE", Path.home() / ".cache" / "leapfrog"))
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+# --- growth -----------------------------------------------------------------------------------------
+def widen(t: torch.Tensor, k: int, out_copies: bool, in_copies: bool) -> torch.Tensor:
+    """A weight [out, in] (or a vector [out]) with its output side copied k times and its input
+    side copied k times and divided by k, both copy-major."""
+    if out_copies:
+        t = t.repeat(k, *([1] * (t.dim() - 1)))
+    if in_copies:
+        t = t.repeat(1, k) / k
+    return t
+
+
+def grow_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int, depth: int) -> tuple[dict, dict]:
+    """(tensors, config) of the base model grown `width` times wider and `depth` times deeper."""
+    if cfg.get("model_type") != "llama" or cfg.get("architectures") != ["LlamaForCausalLM"]:
+        raise BuildError("growth supports Llama checkpoints (LlamaForCausalLM)")
+    if width & (width - 1) or depth < 1:
+        raise BuildError("width must be a power of two (exact division) and depth >= 1")
+    k, tied = width, bool(cfg.get("tie_word_embeddings", False))
+    out: dict[str, torch.Tensor] = {}
+    f32 = {name: t.float() for name, t in tensors.items()}
+    out["model.embed_tokens.weight"] = f32["model.embed_tokens.weight"].repeat(1, k)
+    norm = f32["model.norm.weight"].repeat(k)
+    out["model.norm.weight"] = norm / k if tied else norm
+    if not tied:
+        out["lm_head.weight"] = widen(f32["lm_head.weight"], k, False, True)
+    layers = cfg["num_hidden_layers"]
+    for src in range(layers):
+        p = f"model.layers.{src}."
+        grown = {
+            "input_layernorm.weight": f32[p + "input_layernorm.weight"].repeat(k),
+            "post_attention_layernorm.weight": f32[p + "post_attention_layernorm.weight"].repeat(k),
+        }
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            grown[name + ".weight"] = widen(f32[p + name + ".weight"], k, True, True)
+            if p + name + ".bias" in f32:
+                grown[name + ".bias"] = f32[p + name + ".bias"].repeat(k)
+        for copy in range(depth):
+            q = f"model.layers.{src * depth + copy}."
+            for name, t in grown.items():
+                silent = copy > 0 and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                                                "self_attn.o_proj.bias", "mlp.down_proj.bias")
+                out[q + name] = torch.zeros_like(t) if silent else t.clone()
+    new = dict(cfg)
+    new["hidden_size"] = cfg["hidden_size"] * k
+    new["intermediate_size"] = cfg["intermediate_size"] * k
+    heads = cfg["num_attention_heads"]
+    new["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    new["num_attention_heads"] = heads * k
+    new["num_key_value_heads"] = (cfg.get("num_key_value_heads") or heads) * k
+    new["num_hidden_layers"] = layers * depth
+    return out, new
+
+
+def grow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int, depth: int,
+                         tied_target: bool) -> tuple[dict, dict]:
+    """A DFlash/DSpark drafter of a base model, grown to match the base grown `width` wider and
+    `depth` deeper: its fc reads the same taps of the deeper target (after each tapped layer's
+    silent copy), its layers are widened as the target's are, and its final norm (the input of
+    the target's LM head) is divided by `width` where the target ties its embeddings. The Markov
+    head works on token ids and is kept; the confidence head's hidden-state weights are copied
+    (divided by `width` where the target does not tie)."""
+    k = width
+    f = {name: t.float() for name, t in tensors.items()}
+    sub = cfg.get("dflash_config") or {}
+    taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if taps is None:
+        raise BuildError("drafter config.json names no target_layer_ids to grow")
+    d = cfg["hidden_size"]
+    fc = f["fc.weight"]                                     # [d, m*d], input block-major
+    wide_in = fc.view(d, len(taps), 1, d).expand(d, len(taps), k, d).reshape(d, len(taps) * k * d) / k
+    out = {"fc.weight": wide_in.repeat(k, 1), "hidden_norm.weight": f["hidden_norm.weight"].repeat(k)}
+    norm = f["norm.weight"].repeat(k)
+    out["norm.weight"] = norm / k if tied_target else norm
+    for name, t in f.items():
+        if name.startswith("layers."):
+            leaf = name.split(".", 2)[2]
+            if leaf.endswith(("q_norm.weight", "k_norm.weight")):
+                out[name] = t.clone()                       # per head dimension: unchanged
+            elif leaf.endswith("layernorm.weight"):
+                out[name] = t.repeat(k)
+            elif leaf.endswith(".weight"):
+                out[name] = widen(t, k, True, True)
+            else:
+                raise BuildError(f"drafter tensor {name!r}: no growth rule")
+        elif name.startswith("markov_head."):
+            out[name] = t.clone()
+        elif name == "confidence_head.proj.weight":
+            hid = t[:, :d].repeat(1, k) / (1 if tied_target else k)
+            out[name] = torch.cat([hid, t[:, d:]], dim=1)
+        elif name == "confidence_head.proj.bias":
+            out[name] = t.clone()
+        elif name in ("embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight"):
+            continue        # copies of the target's (DeepSpec layout): leapfrog uses the target's own
+        elif name not in out and name not in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+            raise BuildError(f"drafter tensor {name!r}: no growth rule")
+    new = dict(cfg)
+    heads = cfg["num_attention_heads"]
+    new.update(hidden_size=d * k, intermediate_size=cfg["intermediate_size"] * k,
+               head_dim=cfg.get("head_dim") or d // heads, num_attention_heads=heads * k,
+               num_key_value_heads=(cfg.get("num_key_value_heads") or heads) * k,
+               num_target_layers=int(cfg["num_target_layers"]) * depth)
+    grown_taps = [t * depth + depth - 1 for t in taps]
+    if "target_layer_ids" in sub:
+        new["dflash_config"] = {**sub, "target_layer_ids": grown_taps}
+    else:
+        new["target_layer_ids"] = grown_taps
+    return out, new
+
+
+def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> None:
+    """W += B @ A for every `<name>.lora_B` / `<name>.lora_A` pair of the delta (in place)."""
+    names = sorted({n.rsplit(".lora_", 1)[0] for n in delta})
+    for name in names:
+        if name not in tensors:
+            raise BuildError(f"the delta names {name!r}, which the grown model does not have")
+        b, a = delta[name + ".lora_B"].float(), delta[name + ".lora_A"].float()
+        tensors[name] = tensors[name] + b @ a
+
+
+# --- the recipe folder --------------------------------------------------------------------------
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_sums(path: Path) -> dict[str, str]:
+    sums = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            sums[name.strip().lstrip("*")] = digest
+    return sums
+
+
+def build(recipe_dir: Path, out_dir: Path, checkpoints: Path) -> Path:
+    """Build the recipe's model into out_dir (atomically: a temporary folder renamed at the end)."""
+    recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
+    base = checkpoints / recipe["base"]
+    if not (base / "model.safetensors").is_file():
+        raise BuildError(f"{recipe_dir / BUILD_FILE}: base model {recipe['base']!r} not found at {base}")
+    cfg = json.loads((base / "config.json").read_text())
+    tensors, new_cfg = grow_tensors(load_file(str(base / "model.safetensors")), cfg,
+                                    int(recipe.get("width", 1)), int(recipe.get("depth", 1)))
+    if recipe.get("delta"):
+        apply_delta(tensors, load_file(str(recipe_dir / recipe["delta"])))
+    new_cfg.update(recipe.get("config", {}))
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: t.to(torch.float16).contiguous() for n, t in sorted(tensors.items())},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2, sort_keys=True) + "\n")
+    for name in COPIED_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, tmp / name)
+    for name in recipe.get("files", []):          # README, leapfrog.json, ... from the recipe folder
+        shutil.copy2(recipe_dir / name, tmp / name)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    for dst, src in recipe.get("drafters", {}).items():    # drafters grown to match
+        src_dir = checkpoints / src
+        dcfg = json.loads((src_dir / "config.json").read_text())
+        dt, dnew = grow_drafter_tensors(load_file(str(src_dir / "model.safetensors")), dcfg,
+                                        int(recipe.get("width", 1)), int(recipe.get("depth", 1)), tied)
+        (tmp / dst).mkdir(parents=True)
+        save_file({n: t.to(torch.float16).contiguous() for n, t in sorted(dt.items())},
+                  str(tmp / dst / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / dst / "config.json").write_text(json.dumps(dnew, indent=2, sort_keys=True) + "\n")
+    sums_file = recipe_dir / "SHA256SUMS"
+    if sums_file.is_file():
+        for name, digest in read_sums(sums_file).items():
+            if not (tmp / name).is_file() or sha256(tmp / name) != digest:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise BuildError(f"{recipe_dir}: the built {name} does not match {sums_file} "
+                                 "(a different torch or a changed base model?)")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def materialize(folder: Path) -> Path:
+    """`folder` itself, or for a recipe folder the built model (built now if not yet)."""
+    if not (folder / BUILD_FILE).is_file():
+        return folder
+    digest = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            digest.update(f.name.encode() + sha256(f).encode())
+    out = cache_root() / f"{folder.name}-{digest.hexdigest()[:12]}"
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    print(f"[leapfrog] building {folder.name} from its recipe into {out} (once)", file=sys.stderr)
+    return build(folder, out, folder.parent)

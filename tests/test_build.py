@@ -1,0 +1,119 @@
+"""Models built on first use from a recipe (leapfrog/build.py): function-preserving growth.
+
+Oracles: the base model itself. A model grown wider and deeper computes the base model's logits;
+a drafter grown with it proposes the base drafter's drafts, so speculative decoding on the grown
+pair gives the base pair's tokens; a recipe folder resolves to a built folder whose files match
+its SHA256SUMS, and a mismatch is an error naming the file.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.build import BuildError, grow_tensors, materialize, sha256
+from leapfrog.loader import load_model
+
+IDS = torch.tensor([[1, 40, 33, 95, 120, 7, 8, 9, 300, 200, 17, 5, 6]])
+
+
+def grow_folder(src: Path, dst: Path, width: int, depth: int) -> Path:
+    cfg = json.loads((src / "config.json").read_text())
+    tensors, new = grow_tensors(load_file(str(src / "model.safetensors")), cfg, width, depth)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(new))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(src / f, dst / f)
+    return dst
+
+
+@pytest.mark.parametrize("width,depth", [(2, 1), (4, 2), (1, 3)])
+def test_grown_model_computes_the_base_logits(llama_dir, tmp_path, width, depth):
+    grown = grow_folder(llama_dir, tmp_path / "g", width, depth)
+    cfg = json.loads((grown / "config.json").read_text())
+    assert cfg["hidden_size"] == 64 * width and cfg["num_hidden_layers"] == 2 * depth
+    assert cfg["num_attention_heads"] == 4 * width and cfg["num_key_value_heads"] == 2 * width
+    base, big = load_model(llama_dir).forward_dense(IDS), load_model(grown).forward_dense(IDS)
+    torch.testing.assert_close(big, base, atol=2e-5, rtol=1e-5)
+
+
+def test_tied_embeddings_scale_the_final_norm(family_dirs, tmp_path):
+    """qwen2's tiny model ties its embeddings: the LM head reads the copied hidden state."""
+    src = family_dirs["qwen2"]
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"   # same tensors, Llama names
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors = {n: t for n, t in tensors.items() if not n.endswith("_proj.bias")}
+    grown, _ = grow_tensors(tensors, cfg, 4, 1)
+    torch.testing.assert_close(grown["model.norm.weight"], tensors["model.norm.weight"].float().repeat(4) / 4)
+    assert "lm_head.weight" not in grown
+
+
+def test_growth_refuses_what_it_cannot_preserve(llama_dir):
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    tensors = load_file(str(llama_dir / "model.safetensors"))
+    with pytest.raises(BuildError, match="power of two"):
+        grow_tensors(tensors, cfg, 3, 1)
+    with pytest.raises(BuildError, match="Llama"):
+        grow_tensors(tensors, {**cfg, "architectures": ["Qwen3ForCausalLM"]}, 2, 1)
+
+
+def write_recipe(root: Path, base: str, drafters: dict | None = None) -> Path:
+    recipe = root / "grown"
+    recipe.mkdir(parents=True)
+    (recipe / "build.json").write_text(json.dumps({"base": base, "width": 2, "depth": 2, "delta": None,
+                                                   "files": ["leapfrog.json"], "drafters": drafters or {}}))
+    (recipe / "leapfrog.json").write_text(json.dumps({"default_method": "ar"}))
+    return recipe
+
+
+def test_a_recipe_folder_builds_once_and_checks_its_sums(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "ckpts"
+    shutil.copytree(llama_dir, root / "base")
+    recipe = write_recipe(root, "base")
+    built = materialize(recipe)
+    assert built != recipe and (built / "model.safetensors").is_file() and (built / "leapfrog.json").is_file()
+    assert materialize(recipe) == built                                    # built once, then reused
+    out = LLM(str(recipe)).generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0]
+    want = LLM(str(llama_dir)).generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.token_ids == want.token_ids
+    # SHA256SUMS of the built files are checked: a wrong digest is an error naming the file
+    digest = sha256(built / "model.safetensors")
+    (recipe / "SHA256SUMS").write_text(f"{digest}  model.safetensors\n{'0' * 64}  config.json\n")
+    with pytest.raises(BuildError, match="config.json does not match"):
+        materialize(recipe)                    # the recipe changed: a new build, which fails the check
+    (recipe / "SHA256SUMS").write_text(f"{digest}  model.safetensors\n")
+    assert (materialize(recipe) / "model.safetensors").is_file()
+
+
+def test_a_missing_base_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path, "no-such-base")
+    with pytest.raises(BuildError, match="no-such-base"):
+        materialize(recipe)
+
+
+def test_grown_drafters_keep_speculative_decoding_equal(llama_dir, tmp_path, monkeypatch):
+    """A DSpark drafter grown with its target proposes the same drafts: greedy dspark on the grown
+    pair gives the base pair's tokens, with the same number of target forwards."""
+    from test_speculative import write_drafter
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "ckpts"
+    shutil.copytree(llama_dir, root / "base")
+    write_drafter(root / "base" / "drafters" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
+    recipe = write_recipe(root, "base", {"drafters/dspark": "base/drafters/dspark"})
+    built = materialize(recipe)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat liked to play"]
+    base = LLM(str(root / "base"), method="dspark", draft_model=str(root / "base" / "drafters" / "dspark"))
+    grown = LLM(str(built), method="dspark", draft_model=str(built / "drafters" / "dspark"))
+    a, b = base.generate(prompts, params), grown.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.metrics.num_forwards for o in a] == [o.metrics.num_forwards for o in b]
