@@ -117,3 +117,15 @@ def test_grown_drafters_keep_speculative_decoding_equal(llama_dir, tmp_path, mon
     a, b = base.generate(prompts, params), grown.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.metrics.num_forwards for o in a] == [o.metrics.num_forwards for o in b]
+
+
+def test_the_shipped_stories_large_recipe_builds_and_decodes_as_stories(tmp_path, monkeypatch):
+    """A fresh clone: `stories-large` builds from the shipped `stories` weights, its files match
+    the recipe's SHA256SUMS, and dspark on it (with its grown drafter) writes stories' greedy text."""
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    large = LLM("stories-large", method="dspark").generate(["Once upon a time"], params)[0]
+    small = LLM("stories").generate(["Once upon a time"], params)[0]
+    assert large.token_ids == small.token_ids
+    built = next(tmp_path.iterdir())
+    assert json.loads((built / "config.json").read_text())["hidden_size"] == 1024
