@@ -129,3 +129,12 @@ def test_the_shipped_stories_large_recipe_builds_and_decodes_as_stories(tmp_path
     assert large.token_ids == small.token_ids
     built = next(tmp_path.iterdir())
     assert json.loads((built / "config.json").read_text())["hidden_size"] == 1024
+
+
+def test_the_shipped_diffusion_recipe_builds_and_decodes_as_its_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    large = LLM("stories-large-diffusion").generate(["Once upon a time"], params)[0]
+    small = LLM("stories-diffusion").generate(["Once upon a time"], params)[0]
+    assert large.token_ids == small.token_ids
+    assert large.metrics.num_forwards == small.metrics.num_forwards
