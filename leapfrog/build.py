@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -184,7 +185,16 @@ def read_sums(path: Path) -> dict[str, str]:
 
 
 def build(recipe_dir: Path, out_dir: Path, checkpoints: Path) -> Path:
-    """Build the recipe's model into out_dir (atomically: a temporary folder renamed at the end)."""
+    """Build the recipe's model into out_dir (atomically: a temporary folder renamed at the end,
+    removed if anything fails)."""
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    try:
+        return _build(recipe_dir, out_dir, checkpoints, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path) -> Path:
     recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
     base = checkpoints / recipe["base"]
     if not (base / "model.safetensors").is_file():
@@ -195,7 +205,6 @@ def build(recipe_dir: Path, out_dir: Path, checkpoints: Path) -> Path:
     if recipe.get("delta"):
         apply_delta(tensors, load_file(str(recipe_dir / recipe["delta"])))
     new_cfg.update(recipe.get("config", {}))
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({n: t.to(torch.float16).contiguous() for n, t in sorted(tensors.items())},
@@ -220,10 +229,11 @@ def build(recipe_dir: Path, out_dir: Path, checkpoints: Path) -> Path:
     if sums_file.is_file():
         for name, digest in read_sums(sums_file).items():
             if not (tmp / name).is_file() or sha256(tmp / name) != digest:
-                shutil.rmtree(tmp, ignore_errors=True)
                 raise BuildError(f"{recipe_dir}: the built {name} does not match {sums_file} "
                                  "(a different torch or a changed base model?)")
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if (out_dir / "model.safetensors").is_file():     # another process finished the same build first
+        return out_dir
+    shutil.rmtree(out_dir, ignore_errors=True)           # a partial folder (not ours to trust)
     tmp.rename(out_dir)
     return out_dir
 
@@ -240,4 +250,9 @@ def materialize(folder: Path) -> Path:
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     print(f"[leapfrog] building {folder.name} from its recipe into {out} (once)", file=sys.stderr)
-    return build(folder, out, folder.parent)
+    built = build(folder, out, folder.parent)
+    for old in out.parent.glob(f"{folder.name}-*"):      # builds of earlier versions of the recipe,
+        stale_tmp = ".tmp" in old.name and time.time() - old.stat().st_mtime > 3600   # and killed ones
+        if old != out and old.is_dir() and (stale_tmp or len(old.name) == len(out.name)):
+            shutil.rmtree(old, ignore_errors=True)
+    return built

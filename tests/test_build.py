@@ -90,7 +90,9 @@ def test_a_recipe_folder_builds_once_and_checks_its_sums(llama_dir, tmp_path, mo
     with pytest.raises(BuildError, match="config.json does not match"):
         materialize(recipe)                    # the recipe changed: a new build, which fails the check
     (recipe / "SHA256SUMS").write_text(f"{digest}  model.safetensors\n")
-    assert (materialize(recipe) / "model.safetensors").is_file()
+    rebuilt = materialize(recipe)
+    assert (rebuilt / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [rebuilt.name]    # the old build removed
 
 
 def test_a_missing_base_is_named(tmp_path, monkeypatch):
