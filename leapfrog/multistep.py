@@ -53,7 +53,7 @@ class MultiStep:
 
     def loop(self):
         model = self.runner.model
-        if not ENABLED or not self.method.decode_loop or self.runner.device.type != "cpu" or not hasattr(model, "decode_loop"):
+        if not ENABLED or self.runner.device.type != "cpu" or not hasattr(model, "decode_loop"):
             return None
         return model.decode_loop(self.runner.block_size)
 
@@ -61,12 +61,15 @@ class MultiStep:
         """A plan when the loop can run this batch, else None (the layer-by-layer path runs it)."""
         if not batch.seqs or any(s.num_known != 1 or s.num_extra or not s.reaches_end for s in batch.seqs):
             return None
+        allowed = self.method.loop_steps(batch)
+        if allowed <= 0:
+            return None
         loop = self._loop = self.loop()
         if loop is None or not loop.supports_rows(len(batch.seqs)):
             return None
         if not all(eligible(s.seq) for s in batch.seqs):
-            return LoopPlan([1] * len(batch.seqs), 1, True)
-        steps = self.max_steps if num_waiting == 0 else 1
+            return LoopPlan([1] * len(batch.seqs), 1, True) if self.method.decode_loop else None
+        steps = min(allowed, self.max_steps if num_waiting == 0 else 1)
         budgets = []
         for s in batch.seqs:
             seq = s.seq
@@ -90,9 +93,9 @@ class MultiStep:
         if plan.logits_only:
             empty = torch.full((len(seqs), 1), -1, dtype=torch.long)
             zeros = torch.zeros(len(seqs), dtype=torch.long)
-            _, _, logits = loop.run(tokens, positions, tables, t(plan.budgets), 1,
+            _, _, logits, _ = loop.run(tokens, positions, tables, t(plan.budgets), 1,
                                     torch.zeros(len(seqs)), zeros, torch.ones(len(seqs)), torch.zeros(len(seqs)),
-                                    zeros, zeros, empty, empty, zeros, True)
+                                    zeros, zeros, empty, empty, zeros, True, [])
             self.num_loop_steps += 1
             self.method.prepare(batch)
             return self.method.commit(batch, StepOutput(logits))
@@ -103,13 +106,15 @@ class MultiStep:
             stops.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids)))
             bans.append(list(s.eos_token_ids) + list(p.stop_token_ids) if p.min_tokens else [])
         min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
-        out, counts, _ = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
-                                  _padded(stops, dev), _padded(bans, dev), min_left, False)
+        out, counts, _, captured = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
+                                            _padded(stops, dev), _padded(bans, dev), min_left, False,
+                                            list(self.method.capture_layers))
         self.num_loop_steps += plan.steps
         commits = []
         for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):
             seq.num_draws += n
             commits.append(Commit(row[:n], n, forwards=n))
+        self.method.after_loop(batch, commits, captured)
         return commits
 
 

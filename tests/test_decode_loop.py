@@ -194,3 +194,54 @@ def test_sampler_greedy_ties_nans_and_counters():
     a = draw(torch.arange(200))
     assert a == draw(torch.arange(200)) and len(set(a)) > 5       # a pure function of (key, counter)
     assert a[50:] == draw(torch.arange(50, 250))[:150]
+
+
+def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(llama_dir, monkeypatch):
+    """Steps a verify policy decided not to draft in run in the decode loop, which returns the
+    tapped layers' rows: the drafter's context K/V at every later draft equal the layer path's
+    bit for bit, and so do the tokens, drafts and forwards."""
+    from test_speculative import write_drafter
+
+    from leapfrog.methods.verify import VerifyPolicy
+
+    class EverySixth(VerifyPolicy):       # drafts at every sixth decision, deterministically
+        name = "test"
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def should_draft(self, records) -> bool:
+            self.n += 1
+            return self.n % 6 == 0
+
+        def steps_without_drafting(self, batch: int) -> int:
+            return 6 - self.n % 6 if self.n % 6 else 0
+
+        def skipped_in_loop(self, steps: int) -> None:
+            self.n += steps - 1
+
+    drafter = write_drafter(llama_dir.parent / "loop-dspark", llama_dir, "dspark", num_layers=2, block_size=4)
+    runs = []
+    for enabled in (False, True):
+        monkeypatch.setattr(multistep, "ENABLED", enabled)
+        llm = LLM(str(llama_dir), method="dspark", draft_model=str(drafter), num_scheduler_steps=16)
+        method = llm.engine.method
+        method.policy = EverySixth()
+        seen = []
+        real = method.propose
+
+        def propose(anchors, real=real, method=method, seen=seen):
+            props = real(anchors)
+            seen.append([[k.clone() for k in method.state(a.seq).context.keys] for a in anchors])
+            return props
+        method.propose = propose
+        outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        runs.append(([o.token_ids for o in outs], [o.metrics.num_forwards for o in outs], seen,
+                     method.stats()["num_drafted_tokens"], llm.engine.multistep))
+    (tok_a, fwd_a, seen_a, drafted_a, _), (tok_b, fwd_b, seen_b, drafted_b, ms) = runs
+    assert tok_a == tok_b and fwd_a == fwd_b and drafted_a == drafted_b > 0
+    assert ms.num_loop_steps > ms.num_calls > 0          # the skipped steps ran in the loop
+    assert len(seen_a) == len(seen_b) > 1
+    for a, b in zip(seen_a, seen_b):
+        for ka, kb in zip(a, b):
+            assert all(torch.equal(x, y) for x, y in zip(ka, kb))

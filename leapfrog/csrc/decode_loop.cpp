@@ -159,7 +159,8 @@ class DecodeLoop {
                                  torch::Tensor budgets, int64_t steps, torch::Tensor temps,
                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
                                  torch::Tensor keys, torch::Tensor counters, torch::Tensor stop_ids,
-                                 torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits) {
+                                 torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits,
+                                 std::vector<int64_t> capture_layers) {
     const int64_t B = tokens.size(0);
     TORCH_CHECK(steps >= 1 && (!return_logits || steps == 1), "DecodeLoop.run: steps >= 1 (1 with return_logits)");
     TORCH_CHECK(supports_rows(B), "DecodeLoop.run: this many rows need packed panels");
@@ -199,6 +200,10 @@ class DecodeLoop {
     auto out = torch::full({B, steps}, -1, torch::kInt64);
     auto counts = torch::zeros({B}, torch::kInt64);
     auto logits_out = return_logits ? torch::empty({B, V_}, torch::kFloat32) : torch::Tensor();
+    for (const int64_t l : capture_layers)
+      TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "DecodeLoop.run: capture layer out of range");
+    const int64_t C = static_cast<int64_t>(capture_layers.size());
+    auto captured = C ? torch::zeros({B, steps, C, d_}, torch::kFloat32) : torch::empty({0});
 
     State st;
     st.B = B; st.steps = steps; st.MB = MB; st.max_ctx = max_ctx; st.return_logits = return_logits;
@@ -207,12 +212,16 @@ class DecodeLoop {
     st.bans = bans.data_ptr<int64_t>(); st.nban = bans.size(1); st.minl = minl.data_ptr<int64_t>();
     st.samp = samp.data(); st.out = out.data_ptr<int64_t>(); st.counts = counts.data_ptr<int64_t>();
     st.logits_out = return_logits ? logits_out.data_ptr<float>() : nullptr;
+    st.capture.assign(layers_.size(), -1);
+    for (int64_t c = 0; c < C; ++c) st.capture[capture_layers[c]] = c;
+    st.C = C;
+    st.captured = C ? captured.data_ptr<float>() : nullptr;
     if (half_) {
       if (kv_half_) loop<at::Half, at::Half>(st); else loop<at::Half, float>(st);
     } else {
       if (kv_half_) loop<float, at::Half>(st); else loop<float, float>(st);
     }
-    return {out, counts, return_logits ? logits_out : torch::empty({0})};
+    return {out, counts, return_logits ? logits_out : torch::empty({0}), captured};
   }
 
  private:
@@ -224,6 +233,9 @@ class DecodeLoop {
     const RowSampling* samp;
     int64_t *out, *counts;
     float* logits_out;
+    std::vector<int64_t> capture;      // per layer: its index among the captured layers, or -1
+    int64_t C = 0;
+    float* captured = nullptr;         // [B, steps, C, d]: the residual stream after those layers
   };
 
   template <typename wt>
@@ -309,7 +321,8 @@ class DecodeLoop {
         bar.wait();
         if (T == 0) break;
         const bool panels = T > kSkinnyRows;
-        for (const auto& L : layers_) {
+        for (size_t li = 0; li < layers_.size(); ++li) {
+          const auto& L = layers_[li];
           // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.in_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
           product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, panels, tid, nt);
@@ -374,6 +387,10 @@ class DecodeLoop {
           // 5. down projection and residual.
           add_product<wt>(x.data(), act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
           bar.wait();
+          if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
+            for (int64_t r = tid; r < T; r += nt)
+              std::copy(x.data() + r * d, x.data() + (r + 1) * d,
+                        st.captured + ((active[r] * st.steps + produced[active[r]]) * st.C + st.capture[li]) * d);
         }
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);

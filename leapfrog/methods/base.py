@@ -95,7 +95,7 @@ class Method:
     max_step_tokens: int = 1               # query tokens one decode step feeds per sequence
     eos_token_ids: tuple[int, ...] = ()    # end-of-text ids the engine stops on besides the tokenizer's
     # Whether its decode steps (one known token per sequence, no extra slots, one token sampled
-    # from the last row) may run in the C++ decode loop (multistep.py): `ar`.
+    # from the last row) always may run in the C++ decode loop (multistep.py): `ar`.
     decode_loop: bool = False
 
     def num_extra_tokens(self, seq: Sequence) -> int:
@@ -122,6 +122,16 @@ class Method:
     def acceptance_length(self, seq: Sequence) -> float | None:
         """τ of a speculative method: tokens committed per verify step; None for the others."""
         return None
+
+    def loop_steps(self, batch: Batch) -> int:
+        """How many decode steps of this batch (one known token per sequence, nothing else) may
+        run in the C++ decode loop before the method needs Python again; 0: none. The loop
+        samples with the CPU sampler and returns the rows of `capture_layers`."""
+        return 1 << 30 if self.decode_loop else 0
+
+    def after_loop(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
+        """The loop ran: `commits` are its tokens (not applied yet), `captured` [B, steps,
+        len(capture_layers), d] the rows of the captured layers at each fed position."""
 
     def modules(self) -> list[torch.nn.Module]:
         """Models the method runs besides the target (a drafter), for the engine to prepare

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from leapfrog.loader import find_drafter, load_drafter
-from leapfrog.methods.base import Batch, Commit, StepOutput
+from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, draw_token
 from leapfrog.methods.verify import make_policy
@@ -109,19 +109,30 @@ class DFlashMethod(SpeculativeMethod):
         row = 0
         for s, c in zip(batch.seqs, commits):
             row += s.num_query
-            st = self.state(s.seq)
-            if st.drafting_off:
-                continue                  # fallback: this request decodes as ar from now on
-            ctx = st.context
-            if ctx is None or ctx.start + ctx.num_positions != s.start_pos:
-                # First chunk. After a prefix-cache hit the target computes no features for the
-                # cached prefix: reuse an earlier sequence's draft K/V for it when there is one
-                # (else the drafter sees less context: lower acceptance, never wrong output).
-                ctx = (self.context_cache.get(s.seq.token_ids, s.start_pos, self.drafter.flush_contexts)
-                       if s.start_pos else None)
-                ctx = st.context = ctx or DraftContext(s.start_pos)
             first = row - s.num_query
-            self.drafter.queue_context(ctx, feats[first:first + c.num_kv_keep])
+            self._queue(s, feats[first:first + c.num_kv_keep])
+
+    def extend_contexts(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
+        if self.drafter is None:
+            return
+        feats = captured[:, :, self._tap_order].flatten(2)           # [B, steps, taps * d]
+        for i, (s, c) in enumerate(zip(batch.seqs, commits)):
+            self._queue(s, feats[i, :c.num_kv_keep])
+
+    def _queue(self, s: ScheduledSeq, rows: torch.Tensor) -> None:
+        """Queue the target features of `s`'s newly kept positions for its drafter context."""
+        st = self.state(s.seq)
+        if st.drafting_off:
+            return                        # fallback: this request decodes as ar from now on
+        ctx = st.context
+        if ctx is None or ctx.start + ctx.num_positions != s.start_pos:
+            # First chunk. After a prefix-cache hit the target computes no features for the
+            # cached prefix: reuse an earlier sequence's draft K/V for it when there is one
+            # (else the drafter sees less context: lower acceptance, never wrong output).
+            ctx = (self.context_cache.get(s.seq.token_ids, s.start_pos, self.drafter.flush_contexts)
+                   if s.start_pos else None)
+            ctx = st.context = ctx or DraftContext(s.start_pos)
+        self.drafter.queue_context(ctx, rows)
 
     @torch.inference_mode()
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:

@@ -207,12 +207,33 @@ class SpeculativeMethod(Method):
     def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
         commits = self._verify(batch, out)
         self.observe(batch, out, commits)
+        self.policy.observe_step(batch.num_tokens)
+        self._plan_next(batch, commits)
+        return commits
+
+    def _plan_next(self, batch: Batch, commits: list[Commit]) -> None:
+        """Draft (or decide not to) after each request's last committed token."""
         anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
                    for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
-        self.policy.observe_step(batch.num_tokens)
         for a, prop in zip(anchors, self._proposals(anchors) if anchors else []):
             self.state(a.seq).proposal = prop
-        return commits
+
+    def loop_steps(self, batch: Batch) -> int:
+        """Steps the policy has decided not to draft in run in the C++ decode loop, for greedy
+        requests (the loop's sampler draws other random numbers than verification's)."""
+        if not all(s.seq.params.greedy and not s.seq.params.needs_penalties for s in batch.seqs):
+            return 0
+        return self.policy.steps_without_drafting(len(batch.seqs))
+
+    def after_loop(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
+        self.extend_contexts(batch, commits, captured)
+        # the first step was skipped (and counted) by the last decision; the loop skipped the rest
+        self.counters.num_skipped_drafts += sum(len(c.token_ids) for c in commits) - len(commits)
+        self.policy.skipped_in_loop(max(len(c.token_ids) for c in commits))
+        self._plan_next(batch, commits)
+
+    def extend_contexts(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
+        """Feed the drafter the captured rows of the positions the loop committed (subclasses)."""
 
     def _proposals(self, anchors: list[Anchor]) -> list[Proposal]:
         """propose(), unless the verify policy finds drafting not worth it this step."""

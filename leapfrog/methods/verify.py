@@ -68,6 +68,16 @@ class VerifyPolicy:
     def observe_step(self, num_tokens: int) -> None:
         """A step of `num_tokens` query tokens finished its forward and verification."""
 
+    def steps_without_drafting(self, batch: int) -> int:
+        """How many steps, the one about to run included, will certainly not draft for a batch
+        of `batch` requests (0: unknown, or the next step may draft): those may run in the C++
+        decode loop."""
+        return 0
+
+    def skipped_in_loop(self, steps: int) -> None:
+        """`steps` steps ran in the decode loop without drafting (the first of them decided by
+        the last should_draft); they are neither timed nor decided one by one."""
+
     def observe(self, record: VerifyRecord, confidence: list[float], num_verified: int,
                 num_accepted: int) -> None:
         """What verification showed for drafts whose confidences were `confidence`."""
@@ -246,6 +256,16 @@ class ConfidencePolicy(VerifyPolicy):
     def next_step(self) -> None:
         self._probing = False
         self._step_end = time.perf_counter()      # the next step's clock starts after drafting
+
+    def steps_without_drafting(self, batch: int) -> int:
+        """After a decision to skip, at the same batch size, the steps until the re-probe."""
+        if batch != self._decided_batch or not 0 < self._skipped_steps < self._reprobe_every:
+            return 0
+        return self._reprobe_every - self._skipped_steps + 1
+
+    def skipped_in_loop(self, steps: int) -> None:
+        self._skipped_steps += steps - 1
+        self._step_end = time.perf_counter()       # the loop's time is not a step's
 
     def observe_step(self, num_tokens: int) -> None:
         """Time the step just verified (from the end of the previous step's verification, or of
