@@ -217,7 +217,7 @@ def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(l
         def steps_without_drafting(self, batch: int) -> int:
             return 6 - self.n % 6 if self.n % 6 else 0
 
-        def skipped_in_loop(self, steps: int) -> None:
+        def skipped_in_loop(self, steps: int, batch: int) -> None:
             self.n += steps - 1
 
     drafter = write_drafter(llama_dir.parent / "loop-dspark", llama_dir, "dspark", num_layers=2, block_size=4)

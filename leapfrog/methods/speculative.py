@@ -229,7 +229,7 @@ class SpeculativeMethod(Method):
         self.extend_contexts(batch, commits, captured)
         # the first step was skipped (and counted) by the last decision; the loop skipped the rest
         self.counters.num_skipped_drafts += sum(len(c.token_ids) for c in commits) - len(commits)
-        self.policy.skipped_in_loop(max(len(c.token_ids) for c in commits))
+        self.policy.skipped_in_loop(max(len(c.token_ids) for c in commits), len(batch.seqs))
         self._plan_next(batch, commits)
 
     def extend_contexts(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:

@@ -74,9 +74,9 @@ class VerifyPolicy:
         decode loop."""
         return 0
 
-    def skipped_in_loop(self, steps: int) -> None:
-        """`steps` steps ran in the decode loop without drafting (the first of them decided by
-        the last should_draft); they are neither timed nor decided one by one."""
+    def skipped_in_loop(self, steps: int, batch: int) -> None:
+        """`steps` steps of `batch` requests ran in the decode loop without drafting (the first
+        of them decided by the last should_draft), not decided one by one."""
 
     def observe(self, record: VerifyRecord, confidence: list[float], num_verified: int,
                 num_accepted: int) -> None:
@@ -263,9 +263,15 @@ class ConfidencePolicy(VerifyPolicy):
             return 0
         return self._reprobe_every - self._skipped_steps + 1
 
-    def skipped_in_loop(self, steps: int) -> None:
+    def skipped_in_loop(self, steps: int, batch: int) -> None:
+        """The loop's steps are what a plain decode step costs now: priced as their mean (else
+        the cost model keeps the slower layer-by-layer step it profiled, and drafting looks
+        better than it is)."""
+        now = time.perf_counter()
+        if self._step_end is not None and self.measured is not None and steps > 0:
+            self.measured.observe(batch, (now - self._step_end) / steps)
         self._skipped_steps += steps - 1
-        self._step_end = time.perf_counter()       # the loop's time is not a step's
+        self._step_end = now
 
     def observe_step(self, num_tokens: int) -> None:
         """Time the step just verified (from the end of the previous step's verification, or of
