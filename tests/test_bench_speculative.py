@@ -44,3 +44,16 @@ def test_a_drafter_folder_without_config_is_a_clear_error(llama_dir, tmp_path):
     from leapfrog.bench.speculative import latency_contenders
     with pytest.raises(FileNotFoundError, match="no config.json"):
         latency_contenders(llama_dir, None, [str(tmp_path)])
+
+
+def test_drafters_may_be_named_as_variants_of_the_model(llama_dir, tmp_path):
+    """--drafters NAME finds <model>/drafters/NAME (a built model's cache path need not be typed)."""
+    import shutil
+
+    from leapfrog.bench.speculative import latency_contenders
+    from test_speculative import write_drafter
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    write_drafter(model / "drafters" / "mine", llama_dir, "dspark", num_layers=1, block_size=4)
+    labels = [c.label for c in latency_contenders(model, None, ["mine"])]
+    assert labels == ["ar", "mine", "mine, confidence-scheduled"]

@@ -39,12 +39,14 @@ class Contender:
 def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] | None = None
                        ) -> list[Contender]:
     """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification), or
-    the drafter folders given instead (labelled by their path); a DSpark drafter with a
+    the drafters given instead: folders (labelled by their path) or names of variants under
+    <model>/drafters/ (labelled by name); a DSpark drafter with a
     confidence head also with confidence-scheduled verification (how many of the γ drafts to
     verify chosen per step, Algorithm 1), the setting a deployment would use."""
     out = [Contender("ar", "ar")]
     if drafters:
-        folders = [(d, Path(d)) for d in drafters]
+        folders = [(d, model_dir / "drafters" / d) if not Path(d).is_dir() and (model_dir / "drafters" / d).is_dir()
+                   else (d, Path(d)) for d in drafters]
     else:
         folders = [(f.parent.name, f.parent) for f in sorted((model_dir / "drafters").glob("*/config.json"))]
     for label, folder in folders:
@@ -240,7 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=16, help="held-out openings decoded at batch 1")
     g.add_argument("--gamma", type=int, default=None, help="drafts per step (default: each drafter's block)")
     g.add_argument("--drafters", nargs="+", default=None, metavar="DIR",
-                   help="drafter folders to compare (default: every one under <model>/drafters/)")
+                   help="drafter folders, or variant names under <model>/drafters/, to compare "
+                   "(default: every one under <model>/drafters/)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode past the end of text to exactly --new-tokens (default: stop there)")
     g.add_argument("--throughput-drafter", default=None,
