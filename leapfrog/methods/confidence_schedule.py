@@ -239,7 +239,8 @@ class AcceptanceFeedback:
 def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
                 device: torch.device) -> Callable[[], None]:
     """A paged forward of b query rows after `context` cached positions, as the runner builds
-    it for verification (one kernel row per query, its keys a prefix), on scratch caches."""
+    it for verification (one kernel row per query, its keys a prefix), on scratch caches; one
+    row on a CPU with the decode loop: a step of the loop, as plain decode steps run."""
     from leapfrog.layers.attention import AttnGroup, AttnMetadata
     block = 16
     slots = -(-(context + b) // block) * block
@@ -252,6 +253,15 @@ def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
                       ctx_lens=pos + 1, block_size=block)
     meta = AttnMetadata(pos.clone(), [group])
     ids = torch.zeros(b, dtype=torch.long, device=device)
+    loop = model.decode_loop(block) if b == 1 and hasattr(model, "decode_loop") else None
+    if loop is not None:
+        # A plain decode step of one request runs in the C++ decode loop (multistep.py): price
+        # it as that, greedy, on the scratch caches.
+        one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        none = torch.full((1, 1), -1, dtype=torch.long)
+        args = (ids.cpu(), pos.cpu(), tables.cpu(), one, 1, torch.zeros(1), zero, torch.ones(1), torch.zeros(1),
+                zero, zero, none, none, zero, False, [])
+        return lambda: loop.run(*args)
 
     def step() -> None:
         hidden, _ = model(ids, pos, meta)
