@@ -267,11 +267,13 @@ static inline void dot_rows(const float* x, int64_t M, const wt* w, const float*
     return;
   }
 #if defined(LEAPFROG_AVX512)
-  if constexpr (kSimdWeight<wt>) {
+  // Two or more rows of x: blocks of rows per weight row, and two weight rows at a time where
+  // they come from the caches (pair_rows); one row of x keeps dot_row (above).
+  if constexpr (kSimdWeight<wt>) if (M > 1) {
     float sums[8], sums1[8];
     const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile = (M + tiles - 1) / tiles;
     int64_t n2 = n0;
-    for (; n2 + 2 <= n1; n2 += 2) {
+    for (; pair_rows && n2 + 2 <= n1; n2 += 2) {
       const wt* wa = w + n2 * K;
       const float ba = bias ? bias[n2] : 0.f, bb = bias ? bias[n2 + 1] : 0.f;
       for (int64_t m0 = 0; m0 < M; m0 += tile) {
