@@ -86,7 +86,10 @@ def test_skinny_linear_widens_float16_weights_exactly(m, n, k):
 
 
 def test_compact_cpu_weights_only_copies_exact_weights_and_drops_stale_copies():
-    from leapfrog.layers.linear import compact_cpu_weights
+    """A float16-exact weight gets a float16 copy and float16 panels, another float32 panels;
+    both layers then compute through their panels (the same bits as the float32 panels of the
+    same values), and a weight updated in place falls back to torch."""
+    from leapfrog.layers.linear import compact_cpu_weights, kernel_panels
 
     exact, inexact = Linear(64, 48), Linear(64, 48)
     with torch.no_grad():
@@ -94,12 +97,15 @@ def test_compact_cpu_weights_only_copies_exact_weights_and_drops_stale_copies():
     model = torch.nn.Sequential(exact, inexact)
     assert compact_cpu_weights(model) == 1
     assert "_half_weight" in exact.__dict__ and "_half_weight" not in inexact.__dict__
+    assert kernel_panels(exact).dtype == torch.float16 and kernel_panels(inexact).dtype == torch.float32
     x = torch.randn(2, 64)
     with torch.inference_mode():
-        assert torch.equal(exact(x), mod.skinny_linear(x, exact.weight, torch.empty(0)))
+        for layer in (exact, inexact):
+            assert torch.equal(layer(x), mod.panel_linear(x, mod.pack_panels(layer.weight.detach()), torch.empty(0), 48))
+        torch.testing.assert_close(inexact(x), F.linear(x, inexact.weight), rtol=1e-5, atol=1e-4)
     with torch.no_grad():                             # an in-place update (an optimiser step)
         exact.weight.add_(0.5)
-    with torch.inference_mode():                      # the float16 copy is stale: not used
+    with torch.inference_mode():                      # the copies are stale: not used
         torch.testing.assert_close(exact(x), F.linear(x, exact.weight, exact.bias), rtol=1e-5, atol=1e-4)
 
 
@@ -173,24 +179,39 @@ def test_fused_decoder_layer_equals_the_layer_by_layer_path(family_dirs, family,
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 33, 64, 130])
-@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (16, 8), (1408, 704)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 9, 12, 33, 64, 130])
+@pytest.mark.parametrize("n,k", [(4096, 256), (13, 37), (16, 8), (1408, 704), (40, 300)])
 def test_panel_linear_equals_torch_and_ignores_its_batch(m, n, k):
     """The packed-panel kernel gives F.linear's result, and a row's output is bit-identical
-    whatever rows share its tile (each element summed over k in order)."""
+    whatever rows share its tile (each element summed over k in order): one row (two panels at
+    a time), one group of rows, several groups taking the panel in slices of k. Float16 panels
+    give exactly the float32 panels' result for the same values."""
     g = torch.Generator().manual_seed(m * 7 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     panels = mod.pack_panels(w)
-    assert panels.shape == (-(-n // 16), k, 16)
+    assert panels.shape == (-(-n // 16), k, 16) and panels.dtype == torch.float32
     torch.testing.assert_close(mod.panel_linear(x, panels, b, n), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), n), F.linear(x, w), rtol=1e-5, atol=1e-4)
     full = mod.panel_linear(x, panels, b, n)
-    alone = torch.stack([mod.panel_linear(x[i:i + 1], panels, b, n)[0] for i in range(0, m, max(1, m // 4))])
-    assert torch.equal(alone, full[0:m:max(1, m // 4)])
+    rows = range(0, m, max(1, m // 4))
+    alone = torch.stack([mod.panel_linear(x[i:i + 1], panels, b, n)[0] for i in rows])
+    assert torch.equal(alone, full[list(rows)])
+    w16 = w.half()
+    p16 = mod.pack_panels(w16)
+    assert p16.dtype == torch.float16
+    assert torch.equal(mod.panel_linear(x, p16, b, n), mod.panel_linear(x, mod.pack_panels(w16.float()), b, n))
+
+
+def test_panel_linear_rejects_panels_of_another_weight():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="packed weight does not match"):
+        mod.panel_linear(x, mod.pack_panels(torch.randn(48, 64)), torch.empty(0), 16)   # N too small for 3 panels
+    with pytest.raises(RuntimeError, match="packed weight does not match"):
+        mod.panel_linear(x, mod.pack_panels(torch.randn(48, 32)), torch.empty(0), 48)
 
 
 def test_medium_row_counts_use_current_panels_only():
-    """compact_cpu_weights packs panels; 33-256 rows go through them (same result as F.linear);
+    """compact_cpu_weights packs panels; up to 256 rows go through them (same result as F.linear);
     once the weight changes in place the stale panels are not used."""
     from leapfrog.layers import linear as lin_mod
 

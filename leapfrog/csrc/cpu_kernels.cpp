@@ -189,33 +189,34 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias
 }
 
 // ---------------------------------------------------------------------------------------------
-// Medium-row matmul (33 to a few hundred rows: batched decode steps, the LM head of a batch).
-// The weight is packed once into column panels, panel p holding output columns 16p..16p+15 as
-// [K][16] floats, so a micro-kernel keeps a 6 x 16 tile of y in registers and, per k, loads one
-// panel row and broadcasts six x values: 12 FMAs for 8 loads, with no horizontal sums. Every
-// output element is summed over k in order, whatever rows it shares the tile with, so a row's
-// result does not depend on the batch it is in. BLAS does these shapes at ~35% of this CPU's
-// float32 peak (its blocking is tuned for large products).
+// Products from packed column panels (cpu_math.h, panel_rows): panel p holds output columns
+// 16p..16p+15 as [K][16] values, float16 for a float16-exact weight (half the bytes to stream)
+// or float32. One kernel for every row count a decode, verify or batched step has: each output
+// is summed over k in order whatever the rows, so a row's result does not depend on its batch.
+// BLAS does these shapes at ~35% of this CPU's float32 peak (its blocking is tuned for large
+// products) and the row-major few-row kernel at about a third for 9 rows.
 torch::Tensor pack_panels(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_panels: w must be [N, K]");
-  auto wf = w.to(torch::kFloat32).contiguous();
-  const int64_t N = wf.size(0), K = wf.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = torch::zeros({P, K, kPanel}, wf.options());
-  const float* src = wf.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    float* col = dst + (n / kPanel) * K * kPanel + n % kPanel;
-    const float* row = src + n * K;
-    for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
-  }
-  return out;
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kHalf,
+              "pack_panels: w must be float32 or float16");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanel - 1) / kPanel;
+  // [N, K] -> zero rows up to 16P -> [P, 16, K] -> [P, K, 16]
+  auto padded = torch::zeros({P * kPanel, K}, wc.options());
+  padded.narrow(0, 0, N).copy_(wc);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
+
+// Rows per task of a panel product: tasks are (panel, row chunk), panel-major, so a thread's
+// consecutive tasks reuse the panel it just read; few-row products are split by panels alone.
+static constexpr int64_t kPanelChunkRows = 10 * kPanelTileRows;
 
 // x: [M, K] float32; wp: pack_panels(w) for w [N, K]; bias: [N] or empty. Returns [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "panel_linear: x must be [M, K] float32");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == x.size(1) && wp.size(2) == kPanel &&
-              wp.size(0) * kPanel >= N && wp.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == x.size(1) && wp.size(2) == kPanel && wp.size(0) * kPanel >= N &&
+              (wp.size(0) - 1) * kPanel < N && wp.is_contiguous() &&
+              (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kHalf),
               "panel_linear: packed weight does not match x");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), P = wp.size(0);
@@ -224,17 +225,24 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
   auto bc = has_bias ? bias.to(torch::kFloat32).contiguous() : bias;
   const float* bp = has_bias ? bc.data_ptr<float>() : nullptr;
   const float* xp = xc.data_ptr<float>();
-  const float* wpp = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = kPanelTileRows;
-  const int64_t RB = (M + kRows - 1) / kRows;
-  // Tasks panel-major: a thread's consecutive tiles reuse the panel it just read.
-  at::parallel_for(0, P * RB, grain_for(kRows * kPanel * K), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / RB, m0 = (t % RB) * kRows, rows = std::min<int64_t>(kRows, M - m0);
-      panel_rows(xp + m0 * K, rows, K, wpp, p, bp, yp + m0 * N, N, N);
-    }
-  });
+  const int64_t RB = (M + kPanelChunkRows - 1) / kPanelChunkRows;
+  auto run = [&](auto* panels) {
+    at::parallel_for(0, P * RB, grain_for(std::min(M, kPanelChunkRows) * kPanel * K, kStreamedParallelWork),
+                     [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1;) {
+        const int64_t p = t / RB, c = t % RB, m0 = c * kPanelChunkRows;
+        const int64_t rows = std::min<int64_t>(kPanelChunkRows, M - m0);
+        // consecutive panels of one chunk together (one row: the two-panel kernel)
+        int64_t p1 = p + 1;
+        while (RB == 1 && t + (p1 - p) < t1 && p1 < P) ++p1;
+        panel_rows(xp + m0 * K, rows, K, panels, p, p1, bp, yp + m0 * N, N, N);
+        t += p1 - p;
+      }
+    });
+  };
+  if (wp.scalar_type() == torch::kHalf) run(wp.data_ptr<at::Half>());
+  else run(wp.data_ptr<float>());
   return y;
 }
 
@@ -273,15 +281,14 @@ static inline void rms_inplace(float* v, const float* w, int64_t n, float eps) {
 static constexpr int64_t kSkinnyRows = 32;
 
 // w[16..19], when present: the same four weights packed for panel_linear (empty where not
-// packed), used from kSkinnyRows + 1 up to kPanelRows rows.
+// packed), used for every step of up to kPanelRows rows: one kernel, so a row's sums are the
+// same whatever the batch (a one-row decode step, a verify step, a batch of 64).
 static constexpr int64_t kPanelRows = 256;
 
-// panel_from: the fewest rows sent to the panels (a row-split layer's slices pass 1: their
-// rows are a batch's, and should be summed like the unsplit batch's).
 static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t i,
-                             int64_t f32_index, int64_t panel_from = kSkinnyRows + 1) {
+                             int64_t f32_index) {
   const int64_t packed = f32_index + 4;
-  if (x.size(0) >= panel_from && x.size(0) <= kPanelRows && w.size() == 20 && w[packed].dim() == 3)
+  if (x.size(0) <= kPanelRows && w.size() == 20 && w[packed].dim() == 3)
     return panel_linear(x, w[packed], w[i + 1], w[f32_index].size(0));
   if (x.size(0) > kSkinnyRows && w.size() >= 16) {
     const auto& b = w[i + 1];
@@ -294,12 +301,11 @@ static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Te
 // with q and k rotated in place.
 static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
                               const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                              int64_t KVH, int64_t D, double eps, double qk_eps,
-                              int64_t panel_from = kSkinnyRows + 1) {
+                              int64_t KVH, int64_t D, double eps, double qk_eps) {
   TORCH_CHECK(w.size() == 12 || w.size() == 16 || w.size() == 20, "fused layer: 12, 16 or 20 weight tensors expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "fused layer: x must be [T, d] float32");
   const int64_t T = x.size(0), width = (H + 2 * KVH) * D;
-  auto qkv = project(rms_norm(x, w[0], eps), w, 1, 12, panel_from);
+  auto qkv = project(rms_norm(x, w[0], eps), w, 1, 12);
   TORCH_CHECK(qkv.size(1) == width, "fused layer: qkv width mismatch");
   float* p = qkv.data_ptr<float>();
   auto cs = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
@@ -323,17 +329,16 @@ static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::T
 
 // Output projection and residual, then post norm, SwiGLU and residual.
 static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
-                             const std::vector<torch::Tensor>& w, double eps,
-                             int64_t panel_from = kSkinnyRows + 1) {
+                             const std::vector<torch::Tensor>& w, double eps) {
   const int64_t T = x.size(0);
-  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13, panel_from);
-  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14, panel_from);
+  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13);
+  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14);
   const int64_t I = gu.size(1) / 2;
   auto act = torch::empty({T, I}, gu.options());
   const float* g = gu.data_ptr<float>();
   float* a = act.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) silu_mul(g + t * 2 * I, g + t * 2 * I + I, a + t * I, I);
-  return x2.add_(project(act, w, 10, 15, panel_from));
+  return x2.add_(project(act, w, 10, 15));
 }
 
 static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
@@ -341,8 +346,8 @@ static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch:
                                 torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                                 const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
                                 int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
-                                double eps, double qk_eps, int64_t panel_from) {
-  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps, panel_from);
+                                double eps, double qk_eps) {
+  auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
   const int64_t T = x.size(0), width = qkv.size(1);
   const float* p = qkv.data_ptr<float>();
   auto sl = slots.to(torch::kInt64).contiguous();
@@ -362,7 +367,7 @@ static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch:
     }
   });
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps, panel_from);
+  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps);
 }
 
 // One Llama-family decoder layer over a step's query rows. A batch of kSkinnyRows + 1 to
@@ -395,7 +400,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
   cuts.push_back(T);
   if (cuts.size() <= 2)
     return layer_rows(x, w, cos, sin, k_cache, v_cache, slots, block_tables, ctx_lens, block_size,
-                      H, KVH, D, scale, eps, qk_eps, kSkinnyRows + 1);
+                      H, KVH, D, scale, eps, qk_eps);
   auto out = torch::empty_like(x);
   const int64_t parts = static_cast<int64_t>(cuts.size()) - 1;
   const at::ThreadLocalState state;     // inference mode etc. for the worker threads
@@ -406,7 +411,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
       out.narrow(0, r0, n).copy_(layer_rows(
           x.narrow(0, r0, n), w, cos.narrow(0, r0, n), sin.narrow(0, r0, n), k_cache, v_cache,
           slots.narrow(0, r0, n), block_tables.narrow(0, r0, n), ctx_lens.narrow(0, r0, n),
-          block_size, H, KVH, D, scale, eps, qk_eps, 1));
+          block_size, H, KVH, D, scale, eps, qk_eps));
     }
   });
   return out;

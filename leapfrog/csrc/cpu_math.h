@@ -491,69 +491,161 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Medium-row products from a weight packed in column panels (pack_panels): panel p holds output
-// columns 16p..16p+15 as [K][16] floats; a micro-kernel keeps an R x 16 tile of y in registers.
-// Every output element is summed over k in order, whatever rows share its tile.
+// Products from a weight packed in column panels (pack_panels), for any row count up to a
+// batch's: panel p holds output columns 16p..16p+15 as [K][16] values of the weight's type
+// (float32, or float16 widened exactly as it is read), so one panel is one sequential run of
+// memory. A micro-kernel keeps an R x 16 tile of y in registers and, per k, widens one panel
+// row and broadcasts R values of x: 2R multiply-adds per two loads of weights. Every output
+// element is one chain of fused multiply-adds over k in order, from zero, whatever rows share
+// its tile, whichever kernel below computes it and whatever the weight's type: a row's result
+// does not depend on the batch it is in, and a verify step's rows are the bits a one-row decode
+// step gives.
+//
+// Row-major weights read a weight row per output (dot_row above): one row of x then streams
+// about as fast, but R rows of x cost R widenings of every weight element and R horizontal sums
+// per output, so a 9-row product ran at a third of this CPU's float32 peak; from panels a 9-row
+// product costs about 1.9x a one-row one while the weights stream from memory.
 static constexpr int64_t kPanel = 16;
 
-template <int R>
-__attribute__((noinline)) static void panel_block(const float* __restrict x, int64_t K,
-                                                  const float* __restrict pw, float* __restrict out) {
+template <typename wt>
+static inline const wt* panel_at(const wt* panels, int64_t K, int64_t p) { return panels + p * K * kPanel; }
+
+// out[r][c] = sum over k of x[r * ldx + k] * pw[k][c], r < R (R <= 6: 2R accumulators, two
+// weight registers and one broadcast in the 16 registers of AVX2).
+// With resume, the sums continue from out (a previous call's over the k before these).
+template <int R, typename wt>
+__attribute__((noinline)) static void panel_block(const float* __restrict x, int64_t ldx, int64_t K,
+                                                  const wt* __restrict pw, float* __restrict out,
+                                                  bool resume = false) {
+  if constexpr (kSimdWeight<wt>) {
 #if defined(LEAPFROG_AVX2)
-  __m256 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(pw + k * kPanel), w1 = _mm256_loadu_ps(pw + k * kPanel + 8);
+    // The loops over rows are unrolled by the pragmas: without them GCC kept a copy of every
+    // accumulator in memory and stored all of them on every k, at half the speed.
+    __m256 acc[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      acc[r][0] = resume ? _mm256_loadu_ps(out + r * kPanel) : _mm256_setzero_ps();
+      acc[r][1] = resume ? _mm256_loadu_ps(out + r * kPanel + 8) : _mm256_setzero_ps();
     }
-  }
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 w0 = load8(pw + k * kPanel), w1 = load8(pw + k * kPanel + 8);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
-    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
+      _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
+    }
+    return;
+#endif
   }
-#else
   for (int r = 0; r < R; ++r) {
     float* o = out + r * kPanel;
-    for (int64_t c = 0; c < kPanel; ++c) o[c] = 0.f;
+    if (!resume)
+      for (int64_t c = 0; c < kPanel; ++c) o[c] = 0.f;
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < kPanel; ++c) o[c] = std::fma(x[r * K + k], pw[k * kPanel + c], o[c]);
+      for (int64_t c = 0; c < kPanel; ++c) o[c] = std::fma(x[r * ldx + k], static_cast<float>(pw[k * kPanel + c]), o[c]);
   }
-#endif
 }
 
-template <int R>
-static inline void panel_tile(const float* x, int64_t K, const float* pw, const float* bias,
-                              float* y, int64_t ldy, int64_t N, int64_t n0) {
-  const int64_t cols = std::min<int64_t>(kPanel, N - n0);
-  alignas(64) float out[R * kPanel];
-  panel_block<R>(x, K, pw, out);
-  for (int r = 0; r < R; ++r) {
+// One row of x against two panels at once (32 columns): four accumulator chains instead of
+// two, so a one-row step is not held up by the latency of its multiply-adds; each output is
+// summed exactly as panel_block sums it.
+template <typename wt>
+__attribute__((noinline)) static void panel_pair(const float* __restrict x, int64_t K, const wt* __restrict pa,
+                                                 const wt* __restrict pb, float* __restrict out) {
+  if constexpr (kSimdWeight<wt>) {
+#if defined(LEAPFROG_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 xb = _mm256_broadcast_ss(x + k);
+      a0 = _mm256_fmadd_ps(xb, load8(pa + k * kPanel), a0);
+      a1 = _mm256_fmadd_ps(xb, load8(pa + k * kPanel + 8), a1);
+      b0 = _mm256_fmadd_ps(xb, load8(pb + k * kPanel), b0);
+      b1 = _mm256_fmadd_ps(xb, load8(pb + k * kPanel + 8), b1);
+    }
+    _mm256_storeu_ps(out, a0);
+    _mm256_storeu_ps(out + 8, a1);
+    _mm256_storeu_ps(out + 16, b0);
+    _mm256_storeu_ps(out + 24, b1);
+    return;
+#endif
+  }
+  panel_block<1>(x, K, K, pa, out);
+  panel_block<1>(x, K, K, pb, out + kPanel);
+}
+
+// y[r, 16p + c] = out[r][c] + bias for the panel's columns below N.
+static inline void panel_store(const float* out, int64_t rows, const float* bias, float* y, int64_t ldy,
+                               int64_t N, int64_t p) {
+  const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
     float* yr = y + r * ldy + n0;
     const float* o = out + r * kPanel;
     for (int64_t c = 0; c < cols; ++c) yr[c] = o[c] + (bias ? bias[n0 + c] : 0.f);
   }
 }
 
-// Rows m0..m0+rows-1 (at most 6) of x [., K] times panel p, into y (row stride ldy).
-static inline void panel_rows(const float* x, int64_t rows, int64_t K, const float* panels, int64_t p,
-                              const float* bias, float* y, int64_t ldy, int64_t N) {
-  const float* pw = panels + p * K * kPanel;
+static constexpr int64_t kPanelTileRows = 6;
+
+template <typename wt>
+static inline void panel_tile(const float* x, int64_t ldx, int64_t rows, int64_t K, const wt* pw, float* out,
+                              bool resume = false) {
   switch (rows) {
-    case 6: panel_tile<6>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
-    case 5: panel_tile<5>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
-    case 4: panel_tile<4>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
-    case 3: panel_tile<3>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
-    case 2: panel_tile<2>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
-    default: panel_tile<1>(x, K, pw, bias, y, ldy, N, p * kPanel); break;
+    case 6: panel_block<6>(x, ldx, K, pw, out, resume); break;
+    case 5: panel_block<5>(x, ldx, K, pw, out, resume); break;
+    case 4: panel_block<4>(x, ldx, K, pw, out, resume); break;
+    case 3: panel_block<3>(x, ldx, K, pw, out, resume); break;
+    case 2: panel_block<2>(x, ldx, K, pw, out, resume); break;
+    default: panel_block<1>(x, ldx, K, pw, out, resume); break;
   }
 }
-static constexpr int64_t kPanelTileRows = 6;
+
+// k per slice when several groups of rows share a panel: all groups take a slice before the
+// next is read, so the panel streams from memory once, without the pause a second whole pass
+// over it (from the caches, with no demand on memory to keep the prefetcher going) costs.
+static constexpr int64_t kPanelSliceK = 128;
+
+// y[m, :] = x[m] W^T + bias over panels p0..p1-1, for M rows of x (row stride K) and of y (row
+// stride ldy). Rows go in balanced groups of at most six per pass over a panel (9 rows: 5 + 4);
+// a panel is read from memory by the first group and from the caches by the others.
+template <typename wt>
+static inline void panel_rows(const float* x, int64_t M, int64_t K, const wt* panels, int64_t p0, int64_t p1,
+                              const float* bias, float* y, int64_t ldy, int64_t N) {
+  alignas(64) float out[kPanelTileRows * kPanel];
+  int64_t p = p0;
+  if (M == 1)
+    for (; p + 2 <= p1; p += 2) {
+      panel_pair(x, K, panel_at(panels, K, p), panel_at(panels, K, p + 1), out);
+      panel_store(out, 1, bias, y, ldy, N, p);
+      panel_store(out + kPanel, 1, bias, y, ldy, N, p + 1);
+    }
+  const int64_t groups = (M + kPanelTileRows - 1) / kPanelTileRows, per = (M + groups - 1) / groups;
+  if (groups == 1) {
+    for (; p < p1; ++p) {
+      panel_tile(x, K, M, K, panel_at(panels, K, p), out);
+      panel_store(out, M, bias, y, ldy, N, p);
+    }
+    return;
+  }
+  std::vector<float> sums(groups * kPanelTileRows * kPanel);
+  for (; p < p1; ++p) {
+    const wt* pw = panel_at(panels, K, p);
+    for (int64_t k0 = 0; k0 < K; k0 += kPanelSliceK) {
+      const int64_t kn = std::min(kPanelSliceK, K - k0);
+      for (int64_t g = 0, m0 = 0; m0 < M; ++g, m0 += per)
+        panel_tile(x + m0 * K + k0, K, std::min<int64_t>(per, M - m0), kn, pw + k0 * kPanel,
+                   sums.data() + g * kPanelTileRows * kPanel, k0 > 0);
+    }
+    for (int64_t g = 0, m0 = 0; m0 < M; ++g, m0 += per)
+      panel_store(sums.data() + g * kPanelTileRows * kPanel, std::min<int64_t>(per, M - m0), bias, y + m0 * ldy, ldy, N, p);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Sampling one token from a row of logits (CPU): greedy (argmax, lowest index among ties, NaN

@@ -241,41 +241,48 @@ class DecodeLoop {
   template <typename wt>
   static const wt* wp(const torch::Tensor& t) { return reinterpret_cast<const wt*>(t.data_ptr()); }
 
-  // y[r, :] = x[r] W^T + bias for T rows, this thread's share of the output columns:
-  // row by row from the weight (T <= skinny_rows) or from its packed panels.
+  // y[r, :] = x[r] W^T + bias for T rows, this thread's share of the output columns: from
+  // the weight's packed panels when it has them (as decode_layer), else row by row from the
+  // weight (T <= skinny rows). Panels p0..p1-1 (columns 16 p0 .. 16 p1 - 1) or columns n0..n1-1.
   template <typename wt>
-  void product(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
-               const torch::Tensor& bias, float* y, int64_t N, bool use_panels, int tid, int nt) const {
-    const float* b = fptr(bias);
-    if (use_panels) {
-      const int64_t P = (N + kPanel - 1) / kPanel;
-      int64_t p0, p1;
-      span(P, tid, nt, p0, p1);
-      const float* pp = panels.data_ptr<float>();
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t m0 = 0; m0 < T; m0 += kPanelTileRows)
-          panel_rows(x + m0 * K, std::min<int64_t>(kPanelTileRows, T - m0), K, pp, p, b, y + m0 * N, N, N);
+  void product_range(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+                     const float* b, float* y, int64_t N, int64_t a, int64_t c) const {
+    if (panels.defined()) {
+      if (panels.scalar_type() == torch::kHalf) panel_rows(x, T, K, panels.data_ptr<at::Half>(), a, c, b, y, N, N);
+      else panel_rows(x, T, K, panels.data_ptr<float>(), a, c, b, y, N, N);
       return;
     }
+    dot_rows(x, T, wp<wt>(w), b, y, N, a, c, K, pair_rows_);
+  }
+
+  // This thread's share of a product's N columns: [n0, n1), on panel boundaries with panels.
+  static void columns(int64_t N, bool panels, int tid, int nt, int64_t& n0, int64_t& n1) {
+    if (!panels) return span(N, tid, nt, n0, n1);
+    span((N + kPanel - 1) / kPanel, tid, nt, n0, n1);
+    n0 *= kPanel;
+    n1 = std::min(N, n1 * kPanel);
+  }
+
+  template <typename wt>
+  void product(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+               const torch::Tensor& bias, float* y, int64_t N, int tid, int nt) const {
     int64_t n0, n1;
-    span(N, tid, nt, n0, n1);
-    dot_rows(x, T, wp<wt>(w), b, y, N, n0, n1, K, pair_rows_);
+    if (panels.defined()) {
+      span((N + kPanel - 1) / kPanel, tid, nt, n0, n1);
+    } else {
+      span(N, tid, nt, n0, n1);
+    }
+    product_range<wt>(x, T, K, w, panels, fptr(bias), y, N, n0, n1);
   }
 
   // x[r, :] += (a[r] W^T + bias) for this thread's share of the d output columns (the residual
   // after the output and down projections): tmp holds the product, the sum is x + y as torch's.
   template <typename wt>
   void add_product(float* x, const float* a, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
-                   const torch::Tensor& bias, float* tmp, int64_t d, bool use_panels, int tid, int nt) const {
-    product<wt>(a, T, K, w, panels, bias, tmp, d, use_panels, tid, nt);
+                   const torch::Tensor& bias, float* tmp, int64_t d, int tid, int nt) const {
+    product<wt>(a, T, K, w, panels, bias, tmp, d, tid, nt);
     int64_t n0, n1;
-    if (use_panels) {               // the columns of this thread's panels
-      span((d + kPanel - 1) / kPanel, tid, nt, n0, n1);
-      n0 *= kPanel;
-      n1 = std::min(d, n1 * kPanel);
-    } else {
-      span(d, tid, nt, n0, n1);
-    }
+    columns(d, panels.defined(), tid, nt, n0, n1);
     for (int64_t r = 0; r < T; ++r)
       for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
   }
@@ -320,12 +327,11 @@ class DecodeLoop {
         }
         bar.wait();
         if (T == 0) break;
-        const bool panels = T > kSkinnyRows;
         for (size_t li = 0; li < layers_.size(); ++li) {
           const auto& L = layers_[li];
           // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.in_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
-          product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, panels, tid, nt);
+          product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, tid, nt);
           bar.wait();
           // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
           {
@@ -362,30 +368,42 @@ class DecodeLoop {
           }
           bar.wait();
           // 3. output projection and residual, this thread's columns.
-          add_product<wt>(x.data(), attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, panels, tid, nt);
+          add_product<wt>(x.data(), attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, tid, nt);
           bar.wait();
           // 4. post norm (every thread), gate/up and SwiGLU.
           for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.post_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
-          if (panels) {
-            product<wt>(h.data(), T, d, L.gu, L.p_gu, L.gu_b, gu.data(), 2 * I, true, tid, nt);
-            bar.wait();
-            int64_t a0, a1;
-            span8(I, tid, nt, a0, a1);
-            for (int64_t r = 0; r < T; ++r)
-              if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
-          } else {
-            int64_t a0, a1;
-            span8(I, tid, nt, a0, a1);
-            const wt* w = wp<wt>(L.gu);
+          {
+            // Gate and up columns of the same units on one thread, so SwiGLU needs no barrier:
+            // matching panel ranges of both halves (when I is a whole number of panels) or
+            // matching column ranges cut on multiples of 8 (row by row); otherwise all of
+            // gate/up first, then SwiGLU.
             const float* bias = fptr(L.gu_b);
-            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, a0, a1, d, pair_rows_);
-            dot_rows(h.data(), T, w, bias, gu.data(), 2 * I, I + a0, I + a1, d, pair_rows_);
+            int64_t a0, a1;
+            bool split = true;
+            if (L.p_gu.defined()) {
+              split = I % kPanel == 0;
+              if (split) {
+                span(I / kPanel, tid, nt, a0, a1);
+                product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, a0, a1);
+                product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, I / kPanel + a0, I / kPanel + a1);
+                a0 *= kPanel;
+                a1 *= kPanel;
+              } else {
+                product<wt>(h.data(), T, d, L.gu, L.p_gu, L.gu_b, gu.data(), 2 * I, tid, nt);
+                bar.wait();
+                span8(I, tid, nt, a0, a1);
+              }
+            } else {
+              span8(I, tid, nt, a0, a1);
+              product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, a0, a1);
+              product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, I + a0, I + a1);
+            }
             for (int64_t r = 0; r < T; ++r)
               if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
           }
           bar.wait();
           // 5. down projection and residual.
-          add_product<wt>(x.data(), act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, panels, tid, nt);
+          add_product<wt>(x.data(), act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, tid, nt);
           bar.wait();
           if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
             for (int64_t r = tid; r < T; r += nt)
@@ -394,8 +412,8 @@ class DecodeLoop {
         }
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
-        if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
-        else product<float>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, T > lm_skinny_rows_, tid, nt);
+        if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);
+        else product<float>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);
         bar.wait();
         if (st.return_logits) {
           for (int64_t r = tid; r < T; r += nt)
