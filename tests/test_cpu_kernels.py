@@ -155,8 +155,14 @@ def test_fused_decoder_layer_equals_the_layer_by_layer_path(family_dirs, family,
     llm = LLM(str(family_dirs[family]), max_batch_size=4, kv_cache_tokens=512)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     prompts = [[5, 9, 11, 3, 7], [4, 4, 8], [12, 6, 2, 19, 21, 30, 31]]
+    # The whole forward in one C++ call (DecodeLoop.forward) gives the fused layers' bits.
+    whole = llm.generate(prompts, params)
+    assert not calls, "with the decode loop's forward no layer runs on its own"
+    monkeypatch.setattr(llama, "_FORWARD_LOOP", False)
     fused = llm.generate(prompts, params)
     assert calls, "decode steps should run through the fused layer"
+    for a, b in zip(whole, fused):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     monkeypatch.setattr(llama, "_FUSED_LAYERS", False)
     calls.clear()
     plain = llm.generate(prompts, params)
@@ -248,16 +254,18 @@ def test_fused_layer_with_panels_equals_the_layer_by_layer_path(family_dirs, thr
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
         prompts = [[5 + i % 20, 9, 11 + i % 7, 3, 8, 2, 6, 1][:2 + i % 7] for i in range(40)]
         assert sum(map(len, prompts)) <= 256
-        fused = llm.generate(prompts, params)
-        llama._FUSED_LAYERS = False
+        whole = llm.generate(prompts, params)          # DecodeLoop.forward: whole forwards
+        llama._FORWARD_LOOP = False
         try:
+            fused = llm.generate(prompts, params)      # decode_layer, one call per layer
+            llama._FUSED_LAYERS = False
             plain = llm.generate(prompts, params)
         finally:
-            llama._FUSED_LAYERS = True
+            llama._FUSED_LAYERS = llama._FORWARD_LOOP = True
     finally:
         torch.set_num_threads(before)
-    for a, b in zip(fused, plain):
-        assert a.token_ids == b.token_ids
+    for a, b, c in zip(fused, plain, whole):
+        assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == c.logprobs
         for la, lb in zip(a.logprobs, b.logprobs):
             assert abs(la["logprob"] - lb["logprob"]) < 1e-4
 

@@ -224,6 +224,67 @@ class DecodeLoop {
     return {out, counts, return_logits ? logits_out : torch::empty({0}), captured};
   }
 
+  // Whether a forward of `rows` rows runs here with the arithmetic decode_layer gives them:
+  // with every projection packed, up to kPanelRows rows; without, the few rows the row-major
+  // kernel takes (decode_layer hands more to BLAS).
+  bool forward_supports(int64_t rows) const {
+    if (rows < 1 || rows > kPanelRows) return false;
+    if (rows > kSkinnyRows)
+      for (const auto& L : layers_)
+        if (!L.p_qkv.defined() || !L.p_o.defined() || !L.p_gu.defined() || !L.p_down.defined()) return false;
+    return true;
+  }
+
+  // One forward of T query rows through every layer in one parallel region, for the steps the
+  // engine runs outside the loop: draft verification, diffusion canvases, mixed batches. The
+  // layer-by-layer path (decode_layer per layer) gives the same bits in ~5 parallel regions a
+  // layer, each waking the workers again. tokens [T]; positions [T] (rotary); slots [T] (the
+  // cache slot each row's keys and values go to); tables [T, MB] (each row's block table);
+  // ctx_lens [T] (how many positions each row attends to: its own prefix, or up to the end of
+  // its block for block-causal rows). Every row's keys are written before any row attends.
+  // Returns {final-normed hidden [T, d], the residual stream after each capture layer [T, C, d]}.
+  std::vector<torch::Tensor> forward(torch::Tensor tokens, torch::Tensor positions, torch::Tensor slots,
+                                     torch::Tensor tables, torch::Tensor ctx_lens,
+                                     std::vector<int64_t> capture_layers) {
+    const int64_t T = tokens.numel();
+    TORCH_CHECK(forward_supports(T), "DecodeLoop.forward: this many rows need packed panels");
+    auto tok = tokens.to(torch::kInt64).contiguous().view({T});
+    auto pos = positions.to(torch::kInt64).contiguous().view({T});
+    auto sl = slots.to(torch::kInt64).contiguous().view({T});
+    auto tab = tables.to(torch::kInt64).contiguous();
+    auto cl = ctx_lens.to(torch::kInt64).contiguous().view({T});
+    TORCH_CHECK(tab.dim() == 2 && tab.size(0) == T, "DecodeLoop.forward: one block table row per query row");
+    const int64_t MB = tab.size(1), slots_total = layers_[0].k_cache.size(0);
+    const int64_t blocks = slots_total / block_size_, vocab = embed_.size(0);
+    int64_t max_ctx = 1;
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t t = tok.data_ptr<int64_t>()[r], p = pos.data_ptr<int64_t>()[r];
+      const int64_t n = cl.data_ptr<int64_t>()[r], slot = sl.data_ptr<int64_t>()[r];
+      TORCH_CHECK(t >= 0 && t < vocab && p >= 0 && p < cos_.size(0) && slot >= 0 && slot < slots_total &&
+                  n >= 1 && n <= MB * block_size_, "DecodeLoop.forward: a row's token, position, slot or context is out of range");
+      for (int64_t j = 0; j < (n + block_size_ - 1) / block_size_; ++j) {
+        const int64_t blk = tab.data_ptr<int64_t>()[r * MB + j];
+        TORCH_CHECK(blk >= 0 && blk < blocks, "DecodeLoop.forward: a block table entry is out of range");
+      }
+      max_ctx = std::max(max_ctx, n);
+    }
+    for (const int64_t l : capture_layers)
+      TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "DecodeLoop.forward: capture layer out of range");
+    const int64_t C = static_cast<int64_t>(capture_layers.size());
+    std::vector<int64_t> capture(layers_.size(), -1);
+    for (int64_t c = 0; c < C; ++c) capture[capture_layers[c]] = c;
+    auto hidden = torch::empty({T, d_}, torch::kFloat32);
+    auto captured = torch::empty({T, C, d_}, torch::kFloat32);
+    if (half_) {
+      if (kv_half_) forward_rows<at::Half, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+      else forward_rows<at::Half, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+    } else {
+      if (kv_half_) forward_rows<float, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+      else forward_rows<float, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+    }
+    return {hidden, captured};
+  }
+
  private:
   struct State {
     int64_t B, steps, MB, max_ctx;
@@ -287,20 +348,163 @@ class DecodeLoop {
       for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
   }
 
+  // The step's shared buffers (rows are the step's rows, in order).
+  struct Bufs {
+    float *x, *qkv, *attn, *gu, *act, *tmp;
+  };
+
+  // Every layer over a step's T rows, this thread's share, between barriers; x (bufs.x) holds
+  // the rows' residual stream in and out. Row r is at position rpos[r], writes its keys and
+  // values to cache slot slot[r] and attends to the first ctx[r] positions of its sequence
+  // through the block table rtab[r]. sync_kv: rows of one sequence may read each other's keys
+  // (a verify block, a diffusion canvas), so every row's keys are written, behind a barrier,
+  // before any row attends. after(li, r): the rows' stream after layer li (thread's rows).
+  template <typename wt, typename kv_t, typename After>
+  void layer_pass(const Bufs& bufs, int64_t T, const int64_t* slot, const int64_t* ctx,
+                  const int64_t* rpos, const int64_t* const* rtab, bool sync_kv, float* h, float* scores, float* acc,
+                  int tid, int nt, SpinBarrier& bar, After after) const {
+    const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH;
+    const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
+    const float* cosp = cos_.data_ptr<float>();
+    const float* sinp = sin_.data_ptr<float>();
+    float* x = bufs.x;
+    float* qkv = bufs.qkv;
+    float* attn = bufs.attn;
+    float* gu = bufs.gu;
+    float* act = bufs.act;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const auto& L = layers_[li];
+      // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
+      for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.in_norm.data_ptr<float>(), h + r * d, d, eps_);
+      product<wt>(h, T, d, L.qkv, L.p_qkv, L.qkv_b, qkv, width, tid, nt);
+      bar.wait();
+      // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
+      {
+        int64_t t0, t1;
+        span(T * KVH, tid, nt, t0, t1);
+        kv_t* kc = reinterpret_cast<kv_t*>(L.k_cache.data_ptr());
+        kv_t* vc = reinterpret_cast<kv_t*>(L.v_cache.data_ptr());
+        const float* qn = L.q_norm.numel() == D ? L.q_norm.data_ptr<float>() : nullptr;
+        const float* kn = L.k_norm.numel() == D ? L.k_norm.data_ptr<float>() : nullptr;
+        for (int64_t task = t0; task < t1; ++task) {
+          const int64_t r = task / KVH, g = task % KVH;
+          float* row = qkv + r * width;
+          const float* c = cosp + rpos[r] * rot_;
+          const float* si = sinp + rpos[r] * rot_;
+          for (int64_t j = 0; j < group; ++j) {
+            float* qh = row + (g * group + j) * D;
+            if (qn) rms_row(qh, qn, qh, D, qk_eps_);
+            rope_head(qh, c, si, half);
+          }
+          float* kh = row + (H + g) * D;
+          if (kn) rms_row(kh, kn, kh, D, qk_eps_);
+          rope_head(kh, c, si, half);
+          const float* vh = row + (H + KVH + g) * D;
+          kv_t* kd = kc + (slot[r] * KVH + g) * D;
+          kv_t* vd = vc + (slot[r] * KVH + g) * D;
+          for (int64_t i = 0; i < D; ++i) {
+            kd[i] = static_cast<kv_t>(kh[i]);
+            vd[i] = static_cast<kv_t>(vh[i]);
+          }
+          if (!sync_kv)
+            attend_group(row, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_, attn + r * H * D,
+                         scores, acc);
+        }
+        if (sync_kv) {
+          bar.wait();
+          for (int64_t task = t0; task < t1; ++task) {
+            const int64_t r = task / KVH, g = task % KVH;
+            attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_,
+                         attn + r * H * D, scores, acc);
+          }
+        }
+      }
+      bar.wait();
+      // 3. output projection and residual, this thread's columns.
+      add_product<wt>(x, attn, T, H * D, L.o, L.p_o, L.o_b, bufs.tmp, d, tid, nt);
+      bar.wait();
+      // 4. post norm (every thread), gate/up and SwiGLU.
+      for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.post_norm.data_ptr<float>(), h + r * d, d, eps_);
+      {
+        // Gate and up columns of the same units on one thread, so SwiGLU needs no barrier:
+        // matching panel ranges of both halves (when I is a whole number of panels) or
+        // matching column ranges cut on multiples of 8 (row by row); otherwise all of
+        // gate/up first, then SwiGLU.
+        const float* bias = fptr(L.gu_b);
+        int64_t a0, a1;
+        if (L.p_gu.defined() && I % kPanel == 0) {
+          span(I / kPanel, tid, nt, a0, a1);
+          product_range<wt>(h, T, d, L.gu, L.p_gu, bias, gu, 2 * I, a0, a1);
+          product_range<wt>(h, T, d, L.gu, L.p_gu, bias, gu, 2 * I, I / kPanel + a0, I / kPanel + a1);
+          a0 *= kPanel;
+          a1 *= kPanel;
+        } else if (L.p_gu.defined()) {
+          product<wt>(h, T, d, L.gu, L.p_gu, L.gu_b, gu, 2 * I, tid, nt);
+          bar.wait();
+          span8(I, tid, nt, a0, a1);
+        } else {
+          span8(I, tid, nt, a0, a1);
+          product_range<wt>(h, T, d, L.gu, L.p_gu, bias, gu, 2 * I, a0, a1);
+          product_range<wt>(h, T, d, L.gu, L.p_gu, bias, gu, 2 * I, I + a0, I + a1);
+        }
+        for (int64_t r = 0; r < T; ++r)
+          if (a1 > a0) silu_mul(gu + r * 2 * I + a0, gu + r * 2 * I + I + a0, act + r * I + a0, a1 - a0);
+      }
+      bar.wait();
+      // 5. down projection and residual.
+      add_product<wt>(x, act, T, I, L.down, L.p_down, L.down_b, bufs.tmp, d, tid, nt);
+      bar.wait();
+      for (int64_t r = tid; r < T; r += nt) after(li, r);
+    }
+  }
+
+  template <typename wt, typename kv_t>
+  void forward_rows(int64_t T, const torch::Tensor& tok, const torch::Tensor& pos, const torch::Tensor& sl,
+                    const torch::Tensor& tab, const torch::Tensor& cl, int64_t max_ctx,
+                    const std::vector<int64_t>& capture, torch::Tensor& hidden, torch::Tensor& captured) {
+    const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH, width = (H + 2 * KVH) * D;
+    const int64_t C = captured.size(1), MB = tab.size(1);
+    std::vector<float> x(T * d), qkv(T * width), attn(T * H * D), gu(T * 2 * I), act(T * I), tmp(T * std::max(d, I));
+    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
+    std::vector<const int64_t*> rtab(T);
+    const int64_t* tp = tab.data_ptr<int64_t>();
+    for (int64_t r = 0; r < T; ++r) rtab[r] = tp + r * MB;
+    const float* embed = embed_.data_ptr<float>();
+    const int64_t* tk = tok.data_ptr<int64_t>();
+    for (int64_t r = 0; r < T; ++r) std::copy(embed + tk[r] * d, embed + (tk[r] + 1) * d, x.data() + r * d);
+    float* hid = hidden.data_ptr<float>();
+    float* cap = captured.data_ptr<float>();
+    const int nt_req = std::max(1, at::get_num_threads());
+    SpinBarrier bar;
+#pragma omp parallel num_threads(nt_req)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      if (tid == 0) bar.n = nt;
+#pragma omp barrier
+      std::vector<float> h(T * std::max(d, I)), scores(group * max_ctx), acc(group * D);
+      layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                           rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar,
+                           [&](size_t li, int64_t r) {
+        if (capture[li] >= 0) std::copy(x.data() + r * d, x.data() + (r + 1) * d, cap + (r * C + capture[li]) * d);
+      });
+      for (int64_t r = tid; r < T; r += nt) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), hid + r * d, d, final_eps_);
+    }
+  }
+
   template <typename wt, typename kv_t>
   void loop(State& st) {
     const int64_t B = st.B, d = d_, H = H_, KVH = KVH_, D = D_, I = I_, V = V_, group = H / KVH;
-    const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
+    const int64_t width = (H + 2 * KVH) * D;
     // Shared buffers (rows are the active rows of the current step, in order).
     std::vector<float> x(B * d), qkv(B * width), attn(B * H * D), gu(B * 2 * I), act(B * I),
         tmp(B * std::max(d, I)), logits(B * V);
-    std::vector<int64_t> active(B), slot(B), ctx(B), produced(B, 0), next(B);
+    std::vector<int64_t> active(B), slot(B), ctx(B), rpos(B), produced(B, 0), next(B);
+    std::vector<const int64_t*> rtab(B);
     std::vector<char> done(B, 0);
+    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
     int64_t T = 0;
     for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
     const float* embed = embed_.data_ptr<float>();
-    const float* cosp = cos_.data_ptr<float>();
-    const float* sinp = sin_.data_ptr<float>();
     const int nt_req = std::max(1, at::get_num_threads());
     SpinBarrier bar;
 
@@ -321,95 +525,20 @@ class DecodeLoop {
             active[T] = b;
             slot[T] = st.tab[b * st.MB + p / block_size_] * block_size_ + p % block_size_;
             ctx[T] = p + 1;
+            rpos[T] = p;
+            rtab[T] = st.tab + b * st.MB;
             std::copy(embed + next[b] * d, embed + (next[b] + 1) * d, x.data() + T * d);
             ++T;
           }
         }
         bar.wait();
         if (T == 0) break;
-        for (size_t li = 0; li < layers_.size(); ++li) {
-          const auto& L = layers_[li];
-          // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
-          for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.in_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
-          product<wt>(h.data(), T, d, L.qkv, L.p_qkv, L.qkv_b, qkv.data(), width, tid, nt);
-          bar.wait();
-          // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
-          {
-            int64_t t0, t1;
-            span(T * KVH, tid, nt, t0, t1);
-            kv_t* kc = reinterpret_cast<kv_t*>(L.k_cache.data_ptr());
-            kv_t* vc = reinterpret_cast<kv_t*>(L.v_cache.data_ptr());
-            const float* qn = L.q_norm.numel() == D ? L.q_norm.data_ptr<float>() : nullptr;
-            const float* kn = L.k_norm.numel() == D ? L.k_norm.data_ptr<float>() : nullptr;
-            for (int64_t task = t0; task < t1; ++task) {
-              const int64_t r = task / KVH, g = task % KVH, b = active[r];
-              float* row = qkv.data() + r * width;
-              const int64_t p = ctx[r] - 1;
-              const float* c = cosp + p * rot_;
-              const float* si = sinp + p * rot_;
-              for (int64_t j = 0; j < group; ++j) {
-                float* qh = row + (g * group + j) * D;
-                if (qn) rms_row(qh, qn, qh, D, qk_eps_);
-                rope_head(qh, c, si, half);
-              }
-              float* kh = row + (H + g) * D;
-              if (kn) rms_row(kh, kn, kh, D, qk_eps_);
-              rope_head(kh, c, si, half);
-              const float* vh = row + (H + KVH + g) * D;
-              kv_t* kd = kc + (slot[r] * KVH + g) * D;
-              kv_t* vd = vc + (slot[r] * KVH + g) * D;
-              for (int64_t i = 0; i < D; ++i) {
-                kd[i] = static_cast<kv_t>(kh[i]);
-                vd[i] = static_cast<kv_t>(vh[i]);
-              }
-              attend_group(row, kc, vc, st.tab + b * st.MB, ctx[r], block_size_, KVH, D, g, group, scale_,
-                           attn.data() + r * H * D, scores.data(), acc.data());
-            }
-          }
-          bar.wait();
-          // 3. output projection and residual, this thread's columns.
-          add_product<wt>(x.data(), attn.data(), T, H * D, L.o, L.p_o, L.o_b, tmp.data(), d, tid, nt);
-          bar.wait();
-          // 4. post norm (every thread), gate/up and SwiGLU.
-          for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, L.post_norm.data_ptr<float>(), h.data() + r * d, d, eps_);
-          {
-            // Gate and up columns of the same units on one thread, so SwiGLU needs no barrier:
-            // matching panel ranges of both halves (when I is a whole number of panels) or
-            // matching column ranges cut on multiples of 8 (row by row); otherwise all of
-            // gate/up first, then SwiGLU.
-            const float* bias = fptr(L.gu_b);
-            int64_t a0, a1;
-            bool split = true;
-            if (L.p_gu.defined()) {
-              split = I % kPanel == 0;
-              if (split) {
-                span(I / kPanel, tid, nt, a0, a1);
-                product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, a0, a1);
-                product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, I / kPanel + a0, I / kPanel + a1);
-                a0 *= kPanel;
-                a1 *= kPanel;
-              } else {
-                product<wt>(h.data(), T, d, L.gu, L.p_gu, L.gu_b, gu.data(), 2 * I, tid, nt);
-                bar.wait();
-                span8(I, tid, nt, a0, a1);
-              }
-            } else {
-              span8(I, tid, nt, a0, a1);
-              product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, a0, a1);
-              product_range<wt>(h.data(), T, d, L.gu, L.p_gu, bias, gu.data(), 2 * I, I + a0, I + a1);
-            }
-            for (int64_t r = 0; r < T; ++r)
-              if (a1 > a0) silu_mul(gu.data() + r * 2 * I + a0, gu.data() + r * 2 * I + I + a0, act.data() + r * I + a0, a1 - a0);
-          }
-          bar.wait();
-          // 5. down projection and residual.
-          add_product<wt>(x.data(), act.data(), T, I, L.down, L.p_down, L.down_b, tmp.data(), d, tid, nt);
-          bar.wait();
+        layer_pass<wt, kv_t>(bufs, T, slot.data(), ctx.data(), rpos.data(), rtab.data(), false, h.data(),
+                             scores.data(), acc.data(), tid, nt, bar, [&](size_t li, int64_t r) {
           if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
-            for (int64_t r = tid; r < T; r += nt)
-              std::copy(x.data() + r * d, x.data() + (r + 1) * d,
-                        st.captured + ((active[r] * st.steps + produced[active[r]]) * st.C + st.capture[li]) * d);
-        }
+            std::copy(bufs.x + r * d, bufs.x + (r + 1) * d,
+                      st.captured + ((active[r] * st.steps + produced[active[r]]) * st.C + st.capture[li]) * d);
+        });
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
         if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);
@@ -495,6 +624,8 @@ void register_decode_loop(pybind11::module& m) {
                           torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double, double, double, int64_t>())
       .def("supports_rows", &DecodeLoop::supports_rows)
+      .def("forward_supports", &DecodeLoop::forward_supports)
+      .def("forward", &DecodeLoop::forward, "one forward of query rows through every layer (CPU, float32)", nogil)
       .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);
   m.def("sample_rows", &sample_rows, "one token per row: greedy or temperature/top-k/top-p/min-p (CPU)", nogil);
 }

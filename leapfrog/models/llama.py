@@ -123,6 +123,8 @@ class DecoderLayer(nn.Module):
 _EMPTY = torch.empty(0)
 # LEAPFROG_FUSED_LAYERS=0 keeps the layer-by-layer path (comparisons, debugging).
 _FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
+# LEAPFROG_DECODE_LOOP=0 also keeps forwards of query rows layer by layer (see multistep.py).
+_FORWARD_LOOP = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
 
 
 def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
@@ -189,6 +191,16 @@ class LlamaForCausalLM(nn.Module):
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping
         # Module.__call__ saves ~0.4 ms per decode step on a small model.
         fused = fused_rows(x, meta)
+        if fused and _FORWARD_LOOP:
+            # The whole forward as one C++ call (decode_loop.cpp's DecodeLoop.forward), the
+            # same arithmetic as the layer-by-layer fused path in one parallel region.
+            g = meta.groups[0]
+            loop = self.decode_loop(g.block_size)
+            if loop is not None and loop.forward_supports(x.shape[0]):
+                taps = sorted({i for i in capture_layers if 0 <= i < len(self.model.layers)})
+                hidden, cap = loop.forward(input_ids.reshape(-1), positions.reshape(-1), meta.slot_mapping,
+                                           g.block_tables, g.ctx_lens, taps)
+                return hidden, [cap[:, c] for c in range(len(taps))]
         if fused:
             t = x.shape[0]
             cos_sin = (rope.cos_sin[0].reshape(t, -1), rope.cos_sin[1].reshape(t, -1))
