@@ -156,6 +156,41 @@ def grow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int
     return out, new
 
 
+def narrow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int, depth: int,
+                           base: dict[str, torch.Tensor], base_cfg: dict) -> tuple[dict, dict]:
+    """A DFlash/DSpark drafter of a base model kept at its width for the base grown `width`
+    wider and `depth` deeper: its fc reads the wider target's features (the same taps of the
+    deeper target, each tapped unit's `width` copies averaged: the input side copied and
+    divided by `width`), and it carries the base's embedding and LM head as its own
+    (target_hidden_size in its config), since the target's are wider. Its layers, norms and
+    heads are the base drafter's. A drafter's cost grows with its width, not its target's."""
+    k = width
+    f = {name: t.float() for name, t in tensors.items()}
+    sub = cfg.get("dflash_config") or {}
+    taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if taps is None:
+        raise BuildError("drafter config.json names no target_layer_ids to grow")
+    d = cfg["hidden_size"]
+    if base_cfg["hidden_size"] != d:
+        raise BuildError(f"drafter hidden_size {d} != its base model's {base_cfg['hidden_size']}")
+    out = {name: t.clone() for name, t in f.items()
+           if name not in ("fc.weight", "embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight")}
+    out["fc.weight"] = f["fc.weight"].view(d, len(taps), 1, d).expand(d, len(taps), k, d).reshape(d, -1) / k
+    tied = bool(base_cfg.get("tie_word_embeddings", False))
+    out["embed_tokens.weight"] = base["model.embed_tokens.weight"].float().clone()
+    if not tied:
+        out["lm_head.weight"] = base["lm_head.weight"].float().clone()
+    new = dict(cfg)
+    new.update(target_hidden_size=d * k, num_target_layers=int(cfg["num_target_layers"]) * depth,
+               vocab_size=base_cfg["vocab_size"], tie_word_embeddings=tied)
+    grown_taps = [t * depth + depth - 1 for t in taps]
+    if "target_layer_ids" in sub:
+        new["dflash_config"] = {**sub, "target_layer_ids": grown_taps}
+    else:
+        new["target_layer_ids"] = grown_taps
+    return out, new
+
+
 def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> None:
     """W += B @ A for every `<name>.lora_B` / `<name>.lora_A` pair of the delta (in place)."""
     names = sorted({n.rsplit(".lora_", 1)[0] for n in delta})
@@ -216,11 +251,18 @@ def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path) -> Pat
     for name in recipe.get("files", []):          # README, leapfrog.json, ... from the recipe folder
         shutil.copy2(recipe_dir / name, tmp / name)
     tied = bool(cfg.get("tie_word_embeddings", False))
-    for dst, src in recipe.get("drafters", {}).items():    # drafters grown to match
+    base_tensors = None
+    for dst, spec in recipe.get("drafters", {}).items():   # drafters grown to match, or kept narrow
+        src, narrow = (spec, False) if isinstance(spec, str) else (spec["from"], bool(spec.get("narrow")))
         src_dir = checkpoints / src
         dcfg = json.loads((src_dir / "config.json").read_text())
-        dt, dnew = grow_drafter_tensors(load_file(str(src_dir / "model.safetensors")), dcfg,
-                                        int(recipe.get("width", 1)), int(recipe.get("depth", 1)), tied)
+        width, depth = int(recipe.get("width", 1)), int(recipe.get("depth", 1))
+        if narrow:
+            base_tensors = base_tensors or load_file(str(base / "model.safetensors"))
+            dt, dnew = narrow_drafter_tensors(load_file(str(src_dir / "model.safetensors")), dcfg, width, depth,
+                                              base_tensors, cfg)
+        else:
+            dt, dnew = grow_drafter_tensors(load_file(str(src_dir / "model.safetensors")), dcfg, width, depth, tied)
         (tmp / dst).mkdir(parents=True)
         save_file({n: t.to(torch.float16).contiguous() for n, t in sorted(dt.items())},
                   str(tmp / dst / "model.safetensors"), metadata={"format": "pt"})

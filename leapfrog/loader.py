@@ -215,9 +215,9 @@ def load_drafter(folder: str | os.PathLike, device: torch.device | str = "cpu",
     files = weight_files(folder)
     loaded: set[str] = set()
     for f, name, tensor in iter_tensors(files):
-        name = name.removeprefix("model.") if name.startswith("model.layers.") else name
-        if name in SHARED_TENSORS or "rotary_emb" in name:
-            continue
+        name = name.removeprefix("model.") if name.startswith(("model.layers.", "model.embed_tokens.")) else name
+        if (name in SHARED_TENSORS and name not in params) or "rotary_emb" in name:
+            continue                 # copies of the target's (DeepSpec layout): the target's own are used
         target, shard = name, None
         for src, (dst, shard_id) in model.packed_modules.items():
             if name.startswith("layers.") and f".{src}." in name:   # not markov_head.gate_proj

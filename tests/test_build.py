@@ -102,23 +102,45 @@ def test_a_missing_base_is_named(tmp_path, monkeypatch):
         materialize(recipe)
 
 
-def test_grown_drafters_keep_speculative_decoding_equal(llama_dir, tmp_path, monkeypatch):
-    """A DSpark drafter grown with its target proposes the same drafts: greedy dspark on the grown
-    pair gives the base pair's tokens, with the same number of target forwards."""
+@pytest.mark.parametrize("narrow", [False, True])
+def test_grown_drafters_keep_speculative_decoding_equal(llama_dir, tmp_path, monkeypatch, narrow):
+    """A DSpark drafter grown with its target, or kept at its width with its fc reading the
+    wider features and the base's embedding and LM head as its own (narrow), proposes the same
+    drafts: greedy dspark on the grown target gives the base pair's tokens, with the same number
+    of target forwards."""
     from test_speculative import write_drafter
     monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "ckpts"
     shutil.copytree(llama_dir, root / "base")
     write_drafter(root / "base" / "drafters" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
-    recipe = write_recipe(root, "base", {"drafters/dspark": "base/drafters/dspark"})
+    spec = {"from": "base/drafters/dspark", "narrow": True} if narrow else "base/drafters/dspark"
+    recipe = write_recipe(root, "base", {"drafters/dspark": spec})
     built = materialize(recipe)
+    dcfg = json.loads((built / "drafters" / "dspark" / "config.json").read_text())
+    base_cfg = json.loads((root / "base" / "config.json").read_text())
+    assert dcfg["hidden_size"] == base_cfg["hidden_size"] * (1 if narrow else 2)
+    assert dcfg.get("target_hidden_size", dcfg["hidden_size"]) == 2 * base_cfg["hidden_size"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["Once upon a time", "The cat liked to play"]
     base = LLM(str(root / "base"), method="dspark", draft_model=str(root / "base" / "drafters" / "dspark"))
     grown = LLM(str(built), method="dspark", draft_model=str(built / "drafters" / "dspark"))
+    assert (grown.engine.method.drafter.lm_head is not None) == narrow
     a, b = base.generate(prompts, params), grown.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.metrics.num_forwards for o in a] == [o.metrics.num_forwards for o in b]
+
+
+def test_a_narrow_drafter_on_the_wrong_target_is_refused(llama_dir, tmp_path, monkeypatch):
+    """A narrow drafter reads features of its target's width: on the base model itself (half
+    that width) loading stops with a message naming both widths."""
+    from test_speculative import write_drafter
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "ckpts"
+    shutil.copytree(llama_dir, root / "base")
+    write_drafter(root / "base" / "drafters" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
+    built = materialize(write_recipe(root, "base", {"drafters/dspark": {"from": "base/drafters/dspark", "narrow": True}}))
+    with pytest.raises(ValueError, match="features of width"):
+        LLM(str(root / "base"), method="dspark", draft_model=str(built / "drafters" / "dspark"))
 
 
 def test_the_shipped_stories_large_recipe_builds_and_decodes_as_stories(tmp_path, monkeypatch):

@@ -15,7 +15,6 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from leapfrog.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
@@ -87,8 +86,11 @@ class DFlashMethod(SpeculativeMethod):
 
     def _check_target(self, model: torch.nn.Module) -> None:
         tcfg, dcfg = model.config, self.drafter.config
-        if tcfg["hidden_size"] != dcfg["hidden_size"]:
-            raise ValueError(f"drafter hidden_size {dcfg['hidden_size']} != target {tcfg['hidden_size']}")
+        if tcfg["hidden_size"] != self.drafter.target_hidden_size:
+            raise ValueError(f"drafter reads features of width {self.drafter.target_hidden_size}; "
+                             f"the target's hidden_size is {tcfg['hidden_size']}")
+        if self.drafter.lm_head is not None and dcfg.get("vocab_size") != tcfg.get("vocab_size"):
+            raise ValueError(f"drafter vocab_size {dcfg.get('vocab_size')} != target {tcfg.get('vocab_size')}")
         bad = [t for t in self.drafter.drafter.target_layer_ids if not 0 <= t < tcfg["num_hidden_layers"]]
         if bad:
             raise ValueError(f"drafter taps target layers {bad}; the target has {tcfg['num_hidden_layers']}")
@@ -145,11 +147,12 @@ class DFlashMethod(SpeculativeMethod):
         cfg, dev = self.drafter.drafter, self.ctx.device
         ids = torch.tensor([[a.token_id] + [cfg.mask_token_id] * (cfg.block_size - 1) for a in anchors],
                            dtype=torch.long, device=dev)
-        embeds = F.embedding(ids, self.target.model.embed_tokens.weight)
+        embeds = self.drafter.embed(ids, self.target)
         pos = torch.tensor([a.pos for a in anchors], dtype=torch.long, device=dev)
         hidden = self.drafter.forward(embeds, pos, [st.context for st in states])
         hidden = hidden[:, cfg.block_size - cfg.num_draft_tokens:][:, :self.num_speculative_tokens]
-        base = self.target.compute_logits(hidden)                    # [B, γ, V] shared LM head
+        base = self.drafter.compute_logits(hidden, self.target)      # [B, γ, V]: the target's LM head
+                                                                     # (or a narrow drafter's own)
         seqs = [a.seq for a in anchors]
         temps = [self._draft_temperature(s) for s in seqs]
         # A policy that never reads the confidences (fixed): skip the head (γ small ops per step).

@@ -148,7 +148,18 @@ class DFlashDraftModel(nn.Module):
         d = cfg["hidden_size"]
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.layers = nn.ModuleList(DecoderLayer(cfg, "qwen3") for _ in range(cfg["num_hidden_layers"]))
-        self.fc = Linear(len(self.drafter.target_layer_ids) * d, d)
+        # A drafter narrower than its target (leapfrog's `target_hidden_size`): fc reads the
+        # target's wider features, and the embedding and LM head, which the drafter otherwise
+        # borrows from the target, are its own at its width.
+        self.target_hidden_size = int(cfg.get("target_hidden_size", d))
+        self.fc = Linear(len(self.drafter.target_layer_ids) * self.target_hidden_size, d)
+        self.embed_tokens: nn.Embedding | None = None
+        self.lm_head: Linear | None = None
+        if self.target_hidden_size != d:
+            self.embed_tokens = nn.Embedding(cfg["vocab_size"], d)
+            self.lm_head = Linear(d, cfg["vocab_size"])
+            if cfg.get("tie_word_embeddings", False):
+                self.lm_head.weight = self.embed_tokens.weight
         self.hidden_norm = RMSNorm(d, eps)
         self.norm = RMSNorm(d, eps)
         attn = self.layers[0].self_attn
@@ -160,6 +171,16 @@ class DFlashDraftModel(nn.Module):
         if self.drafter.kind == "dspark":
             from leapfrog.models.dflash_heads import build_heads
             self.markov_head, self.confidence_head = build_heads(self.drafter, d, cfg["vocab_size"])
+
+    # --- vocabulary: the drafter's own (narrow drafter) or the target's ----------------------
+    def embed(self, ids: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.embed_tokens is not None else target.model.embed_tokens.weight
+        return F.embedding(ids, weight)
+
+    def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.forward(hidden).float()
+        return target.compute_logits(hidden)
 
     # --- context K/V ---------------------------------------------------------------------------
     def _kv(self, layer: DecoderLayer, h: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
