@@ -12,6 +12,8 @@ receives (--ignore-eos measures that too: equal lengths, lower τ).
 
 Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, the DSpark drafter verifying all
 γ drafts (fixed), and the same drafter with confidence-scheduled verification (Algorithm 1).
+Each level runs at least --num-prompts prompts, in waves of its concurrency, so one request at
+a time is measured on the same prompts as part 1, not on the first alone.
 """
 from __future__ import annotations
 
@@ -124,8 +126,15 @@ def _pos_key(k: str) -> int:
     return int(k.removeprefix("acceptance_rate_pos")) if k.startswith("acceptance_rate_pos") else 0
 
 
+def waves(num_prompts: int, conc: int) -> int:
+    """Prompts a concurrency level runs: at least num_prompts, in whole waves of `conc` (one
+    request at a time would otherwise be measured on a single prompt)."""
+    return -(-max(num_prompts, conc) // conc) * conc
+
+
 def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
-                   drafter: str | None, repeats: int, ignore_eos: bool = False) -> list[dict]:
+                   drafter: str | None, repeats: int, ignore_eos: bool = False,
+                   num_prompts: int = 1) -> list[dict]:
     from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = [Contender("ar", "ar")]
@@ -149,7 +158,8 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
             for j, llm in (order if rep % 2 == 0 else order[::-1]):
                 _reset_counters(llm)
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts[:conc], params)
+                n = waves(num_prompts, conc)
+                outs = [o for i in range(0, n, conc) for o in llm.generate(prompts[i:i + conc], params)]
                 rate = sum(o.metrics.num_output_tokens for o in outs) / (time.perf_counter() - t0)
                 if rate > best[j]:
                     best[j] = rate
@@ -171,14 +181,14 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     tok = LLM(str(model_dir), max_batch_size=1).tokenizer
-    prompts = story_prompts(max(args.num_prompts, max(args.concurrency)), tok)
+    prompts = story_prompts(max(waves(args.num_prompts, c) for c in args.concurrency), tok)
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
         f"{args.num_prompts} prompts at batch 1")
     latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
                           args.ignore_eos)
     drafter = args.throughput_drafter or _best_dspark(latency)
     throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
-                                args.ignore_eos)
+                                args.ignore_eos, args.num_prompts)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
             "ignore_eos": args.ignore_eos,
