@@ -57,3 +57,20 @@ def test_drafters_may_be_named_as_variants_of_the_model(llama_dir, tmp_path):
     write_drafter(model / "drafters" / "mine", llama_dir, "dspark", num_layers=1, block_size=4)
     labels = [c.label for c in latency_contenders(model, None, ["mine"])]
     assert labels == ["ar", "mine", "mine, confidence-scheduled"]
+
+
+def test_several_gammas_give_a_fixed_row_each_and_one_scheduled_row(llama_dir, tmp_path):
+    """--gamma 2 3: a fixed row per γ, and the confidence-scheduled row over the whole block
+    (the scheduler's choice set against the sweep); one γ still applies to every row."""
+    import shutil
+
+    from leapfrog.bench.speculative import latency_contenders
+    from test_speculative import write_drafter
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    write_drafter(model / "drafters" / "mine", llama_dir, "dspark", num_layers=1, block_size=4)
+    rows = latency_contenders(model, [2, 3], ["mine"])
+    assert [c.label for c in rows] == ["ar", "mine, γ=2", "mine, γ=3", "mine, confidence-scheduled"]
+    assert [c.options.get("num_speculative_tokens") for c in rows] == [None, 2, 3, None]
+    one = latency_contenders(model, [2], ["mine"])
+    assert [c.options.get("num_speculative_tokens") for c in one] == [None, 2, 2]

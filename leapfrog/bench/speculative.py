@@ -38,13 +38,16 @@ class Contender:
     model: str | None = None           # None: the suite's model
 
 
-def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] | None = None
+def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters: list[str] | None = None
                        ) -> list[Contender]:
     """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification), or
     the drafters given instead: folders (labelled by their path) or names of variants under
     <model>/drafters/ (labelled by name); a DSpark drafter with a
     confidence head also with confidence-scheduled verification (how many of the γ drafts to
-    verify chosen per step, Algorithm 1), the setting a deployment would use."""
+    verify chosen per step, Algorithm 1), the setting a deployment would use. Several γ: one
+    fixed row per γ and drafter, and the scheduled row over the drafter's whole block (what the
+    scheduler chooses is then set against the sweep)."""
+    gammas = [gamma] if isinstance(gamma, int) else list(gamma or [None])
     out = [Contender("ar", "ar")]
     if drafters:
         folders = [(d, model_dir / "drafters" / d) if not Path(d).is_dir() and (model_dir / "drafters" / d).is_dir()
@@ -56,11 +59,12 @@ def latency_contenders(model_dir: Path, gamma: int | None, drafters: list[str] |
             raise FileNotFoundError(f"{folder}: no config.json (not a drafter folder)")
         cfg = json.loads((folder / "config.json").read_text())
         method = "dspark" if "Qwen3DSparkModel" in (cfg.get("architectures") or []) else "dflash"
-        opts = {"draft_model": str(folder)}
-        if gamma:
-            opts["num_speculative_tokens"] = gamma
-        out.append(Contender(label, method, opts))
+        base = {"draft_model": str(folder)}
+        for g in gammas:
+            opts = {**base, "num_speculative_tokens": g} if g else base
+            out.append(Contender(label if len(gammas) == 1 else f"{label}, γ={g}", method, opts))
         if method == "dspark" and cfg.get("enable_confidence_head"):
+            opts = {**base, "num_speculative_tokens": gammas[0]} if len(gammas) == 1 and gammas[0] else base
             out.append(Contender(f"{label}, confidence-scheduled", method, {**opts, "verify": "confidence"}))
     return out
 
@@ -115,6 +119,8 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
         if drafter is not None:
             row["drafter_layers"] = drafter.config["num_hidden_layers"]
             row["gamma"] = llm.engine.method.num_speculative_tokens
+            if stats.get("num_verify_steps"):       # drafts verified per verify step (scheduled: chosen)
+                row["mean_verified"] = stats["num_drafted_tokens"] / stats["num_verify_steps"]
         rows.append(row)
     base = rows[0]["tokens_per_s"]
     for r in rows:
@@ -208,7 +214,10 @@ def markdown(result: dict) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
-        lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {r.get('gamma', '—')} | "
+        gamma = r.get("gamma", "—")
+        if "verify" in r["method"] or "scheduled" in r["method"]:
+            gamma = f"≤{gamma}, {r['mean_verified']:.1f} verified" if r.get("mean_verified") else gamma
+        lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
                      f"{r['identical_to_ar']} |")
     lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
@@ -250,7 +259,8 @@ def plot(result: dict, path: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative suite")
     g.add_argument("--num-prompts", type=int, default=16, help="held-out openings decoded at batch 1")
-    g.add_argument("--gamma", type=int, default=None, help="drafts per step (default: each drafter's block)")
+    g.add_argument("--gamma", type=int, nargs="+", default=None,
+                   help="drafts per step (default: each drafter's block); several values: a fixed row per γ")
     g.add_argument("--drafters", nargs="+", default=None, metavar="DIR",
                    help="drafter folders, or variant names under <model>/drafters/, to compare "
                    "(default: every one under <model>/drafters/)")

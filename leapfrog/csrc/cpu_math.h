@@ -507,6 +507,9 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
 // product costs about 1.9x a one-row one while the weights stream from memory.
 static constexpr int64_t kPanel = 16;
 
+// How far ahead the panel kernels prefetch (bytes of the panel being read).
+static constexpr int64_t kPanelPrefetch = 1024;
+
 template <typename wt>
 static inline const wt* panel_at(const wt* panels, int64_t K, int64_t p) { return panels + p * K * kPanel; }
 
@@ -527,7 +530,11 @@ __attribute__((noinline)) static void panel_block(const float* __restrict x, int
       acc[r][0] = resume ? _mm256_loadu_ps(out + r * kPanel) : _mm256_setzero_ps();
       acc[r][1] = resume ? _mm256_loadu_ps(out + r * kPanel + 8) : _mm256_setzero_ps();
     }
+    // A software prefetch one cache line per two k, kPanelPrefetch bytes ahead: while a step of
+    // several rows is busy multiplying, the hardware prefetcher alone let the panel stream stall.
+    constexpr int64_t ahead = kPanelPrefetch / (kPanel * static_cast<int64_t>(sizeof(wt)));
     for (int64_t k = 0; k < K; ++k) {
+      if (R > 1 && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(pw + (k + ahead) * kPanel), _MM_HINT_T0);
       const __m256 w0 = load8(pw + k * kPanel), w1 = load8(pw + k * kPanel + 8);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -562,7 +569,12 @@ __attribute__((noinline)) static void panel_pair(const float* __restrict x, int6
   if constexpr (kSimdWeight<wt>) {
 #if defined(LEAPFROG_AVX2)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    constexpr int64_t ahead = kPanelPrefetch / (kPanel * static_cast<int64_t>(sizeof(wt)));
     for (int64_t k = 0; k < K; ++k) {
+      if ((k & 1) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(pa + (k + ahead) * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pb + (k + ahead) * kPanel), _MM_HINT_T0);
+      }
       const __m256 xb = _mm256_broadcast_ss(x + k);
       a0 = _mm256_fmadd_ps(xb, load8(pa + k * kPanel), a0);
       a1 = _mm256_fmadd_ps(xb, load8(pa + k * kPanel + 8), a1);
