@@ -252,18 +252,24 @@ class DFlashDraftModel(nn.Module):
         rope = self.rotary_emb.table(pos, embeds.dtype)
         ctx_len = max(c.num_positions for c in contexts)
         x = embeds
-        if b == 1 and ctx_len > 0:     # one sequence: its context as is, no padding, no mask
-            ctx = contexts[0]
-            if _fused_ok(x, self.layers):  # CPU inference: each layer one C++ call
-                x, (cos, sin) = x[0], rope
-                cos, sin = cos.reshape(length, -1), sin.reshape(length, -1)
+        if all(c.num_keys for c in contexts) and _fused_ok(x, self.layers):
+            # CPU inference: each sequence's block through each layer as one C++ call, its
+            # context as is (no padding, no mask); the drafts of a sequence do not depend on
+            # the batch it is drafted in.
+            out = []
+            for j, ctx in enumerate(contexts):
+                xj = x[j]
+                cos, sin = rope[0][j].reshape(length, -1), rope[1][j].reshape(length, -1)
                 for i, layer in enumerate(self.layers):
                     a = layer.self_attn
-                    x = cpu_kernels().draft_layer(
-                        x, layer._fused_weights(), cos, sin, ctx.keys[i], ctx.values[i], self.num_heads,
+                    xj = cpu_kernels().draft_layer(
+                        xj, layer._fused_weights(), cos, sin, ctx.keys[i], ctx.values[i], self.num_heads,
                         self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer.input_layernorm.eps,
                         a.q_norm.eps if a.qk_norm else 0.0)
-                return self.norm.forward(x[None])
+                out.append(xj)
+            return self.norm.forward(torch.stack(out))
+        if b == 1 and ctx_len > 0:     # one sequence: its context as is, no padding, no mask
+            ctx = contexts[0]
             for i, layer in enumerate(self.layers):
                 x = self._layer(layer, x, rope, ctx.keys[i][None], ctx.values[i][None], None)
             return self.norm.forward(x)
@@ -296,10 +302,11 @@ class DFlashDraftModel(nn.Module):
 
 
 def _fused_ok(x: torch.Tensor, layers) -> bool:
-    """One sequence's block on a CPU without autograd, dense SwiGLU layers: the layers may run
-    as single C++ calls (models/llama.py's fused path, for the drafter)."""
+    """Blocks on a CPU without autograd (neither the input nor the drafter's weights need it:
+    training runs the torch path), dense SwiGLU layers: the layers may run as single C++ calls
+    (models/llama.py's fused path, for the drafter)."""
     from leapfrog.models import llama
-    return (llama._FUSED_LAYERS and cpu_inference(x, x)
+    return (llama._FUSED_LAYERS and cpu_inference(x, layers[0].self_attn.qkv_proj.weight) and cpu_inference(x, x)
             and cpu_kernels() is not None and all(layer.fusable for layer in layers))
 
 
