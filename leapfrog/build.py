@@ -100,6 +100,24 @@ def grow_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int, depth:
     return out, new
 
 
+def _drafter_taps(cfg: dict) -> list[int]:
+    sub = cfg.get("dflash_config") or {}
+    taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if taps is None:
+        raise BuildError("drafter config.json names no target_layer_ids to grow")
+    return taps
+
+
+def _move_taps(new: dict, cfg: dict, taps: list[int], depth: int) -> None:
+    """The taps of a target `depth` times deeper: the last layer of each grown group."""
+    sub = cfg.get("dflash_config") or {}
+    grown_taps = [t * depth + depth - 1 for t in taps]
+    if "target_layer_ids" in sub:
+        new["dflash_config"] = {**sub, "target_layer_ids": grown_taps}
+    else:
+        new["target_layer_ids"] = grown_taps
+
+
 def grow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int, depth: int,
                          tied_target: bool) -> tuple[dict, dict]:
     """A DFlash/DSpark drafter of a base model, grown to match the base grown `width` wider and
@@ -110,10 +128,7 @@ def grow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int
     (divided by `width` where the target does not tie)."""
     k = width
     f = {name: t.float() for name, t in tensors.items()}
-    sub = cfg.get("dflash_config") or {}
-    taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
-    if taps is None:
-        raise BuildError("drafter config.json names no target_layer_ids to grow")
+    taps = _drafter_taps(cfg)
     d = cfg["hidden_size"]
     fc = f["fc.weight"]                                     # [d, m*d], input block-major
     wide_in = fc.view(d, len(taps), 1, d).expand(d, len(taps), k, d).reshape(d, len(taps) * k * d) / k
@@ -148,11 +163,7 @@ def grow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: int
                head_dim=cfg.get("head_dim") or d // heads, num_attention_heads=heads * k,
                num_key_value_heads=(cfg.get("num_key_value_heads") or heads) * k,
                num_target_layers=int(cfg["num_target_layers"]) * depth)
-    grown_taps = [t * depth + depth - 1 for t in taps]
-    if "target_layer_ids" in sub:
-        new["dflash_config"] = {**sub, "target_layer_ids": grown_taps}
-    else:
-        new["target_layer_ids"] = grown_taps
+    _move_taps(new, cfg, taps, depth)
     return out, new
 
 
@@ -166,10 +177,7 @@ def narrow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: i
     heads are the base drafter's. A drafter's cost grows with its width, not its target's."""
     k = width
     f = {name: t.float() for name, t in tensors.items()}
-    sub = cfg.get("dflash_config") or {}
-    taps = sub.get("target_layer_ids", cfg.get("target_layer_ids"))
-    if taps is None:
-        raise BuildError("drafter config.json names no target_layer_ids to grow")
+    taps = _drafter_taps(cfg)
     d = cfg["hidden_size"]
     if base_cfg["hidden_size"] != d:
         raise BuildError(f"drafter hidden_size {d} != its base model's {base_cfg['hidden_size']}")
@@ -183,11 +191,7 @@ def narrow_drafter_tensors(tensors: dict[str, torch.Tensor], cfg: dict, width: i
     new = dict(cfg)
     new.update(target_hidden_size=d * k, num_target_layers=int(cfg["num_target_layers"]) * depth,
                vocab_size=base_cfg["vocab_size"], tie_word_embeddings=tied)
-    grown_taps = [t * depth + depth - 1 for t in taps]
-    if "target_layer_ids" in sub:
-        new["dflash_config"] = {**sub, "target_layer_ids": grown_taps}
-    else:
-        new["target_layer_ids"] = grown_taps
+    _move_taps(new, cfg, taps, depth)
     return out, new
 
 
