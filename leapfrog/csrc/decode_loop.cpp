@@ -76,6 +76,21 @@ struct SpinBarrier {
   }
 };
 
+// Runs body(tid, nt, bar) on every thread of one OpenMP region of torch's thread count; the
+// barrier is sized to the threads the region really got.
+template <typename Body>
+void in_region(Body body) {
+  const int nt_req = std::max(1, at::get_num_threads());
+  SpinBarrier bar;
+#pragma omp parallel num_threads(nt_req)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    if (tid == 0) bar.n = nt;
+#pragma omp barrier
+    body(tid, nt, bar);
+  }
+}
+
 }  // namespace
 
 class DecodeLoop {
@@ -474,13 +489,7 @@ class DecodeLoop {
     for (int64_t r = 0; r < T; ++r) std::copy(embed + tk[r] * d, embed + (tk[r] + 1) * d, x.data() + r * d);
     float* hid = hidden.data_ptr<float>();
     float* cap = captured.data_ptr<float>();
-    const int nt_req = std::max(1, at::get_num_threads());
-    SpinBarrier bar;
-#pragma omp parallel num_threads(nt_req)
-    {
-      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-      if (tid == 0) bar.n = nt;
-#pragma omp barrier
+    in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(T * std::max(d, I)), scores(group * max_ctx), acc(group * D);
       layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
                            rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar,
@@ -488,7 +497,7 @@ class DecodeLoop {
         if (capture[li] >= 0) std::copy(x.data() + r * d, x.data() + (r + 1) * d, cap + (r * C + capture[li]) * d);
       });
       for (int64_t r = tid; r < T; r += nt) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), hid + r * d, d, final_eps_);
-    }
+    });
   }
 
   template <typename wt, typename kv_t>
@@ -505,14 +514,7 @@ class DecodeLoop {
     int64_t T = 0;
     for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
     const float* embed = embed_.data_ptr<float>();
-    const int nt_req = std::max(1, at::get_num_threads());
-    SpinBarrier bar;
-
-#pragma omp parallel num_threads(nt_req)
-    {
-      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-      if (tid == 0) bar.n = nt;
-#pragma omp barrier
+    in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
       SampleScratch scratch;
       for (int64_t s = 0; s < st.steps; ++s) {
@@ -570,7 +572,7 @@ class DecodeLoop {
         }
         bar.wait();
       }
-    }
+    });
     for (int64_t b = 0; b < B; ++b) st.counts[b] = produced[b];
   }
 

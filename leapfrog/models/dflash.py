@@ -306,7 +306,7 @@ def _fused_ok(x: torch.Tensor, layers) -> bool:
     training runs the torch path), dense SwiGLU layers: the layers may run as single C++ calls
     (models/llama.py's fused path, for the drafter)."""
     from leapfrog.models import llama
-    return (llama._FUSED_LAYERS and cpu_inference(x, layers[0].self_attn.qkv_proj.weight) and cpu_inference(x, x)
+    return (llama._FUSED_LAYERS and cpu_inference(x, layers[0].self_attn.qkv_proj.weight)
             and cpu_kernels() is not None and all(layer.fusable for layer in layers))
 
 
