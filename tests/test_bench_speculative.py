@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_bench_peers import fake_cpp  # noqa: F401  (fixture)
 from test_speculative import write_drafter
 
 from leapfrog.bench import cli as bench
@@ -13,21 +14,28 @@ from leapfrog.bench import cli as bench
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys):
+def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys, fake_cpp):
     dflash = write_drafter(tmp_path / "d" / "dflash", llama_dir)
     dspark = write_drafter(tmp_path / "d" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
     out = tmp_path / "res"
     rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--drafters", str(dflash), str(dspark),
                      "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "2", "--repeats", "1",
-                     "--threads", "1", "--ignore-eos", "--out", str(out)])
+                     "--threads", "1", "--ignore-eos", "--out", str(out),
+                     "--llama-cpp-dir", str(fake_cpp), "--gguf", str(tmp_path / "m.gguf")])
     assert rc == 0
     res = json.loads((out / "speculative.json").read_text())
     assert res["ignore_eos"] is True           # so every request decodes exactly 8 tokens
+    # llama.cpp's row comes last, in a clean environment (the fake is slow otherwise), and every
+    # row carries its ratio to it
+    peer = res["latency"].pop()
+    assert peer["kind"] == "llama.cpp" and peer["tokens_per_s"] == 5000.0
+    assert "-n 8" in peer["command"] and peer["speedup"] == pytest.approx(5000.0 / res["latency"][0]["tokens_per_s"])
     rows = {r["method"]: r for r in res["latency"]}
     sched = f"{dspark}, confidence-scheduled"      # the DSpark drafter has a confidence head
     assert list(rows) == ["ar", str(dflash), str(dspark), sched]
     assert [rows[k]["kind"] for k in rows] == ["ar", "dflash", "dspark", "dspark"]
     for r in res["latency"]:
+        assert r["vs_llama_cpp"] == pytest.approx(r["tokens_per_s"] / 5000.0)
         assert r["identical_to_ar"] == "2/2" and r["output_tokens"] == 2 * 8
     for name in (str(dflash), str(dspark), sched):
         # Confidence scheduling may decide that drafting does not pay here (no τ then).
@@ -37,7 +45,8 @@ def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys):
         assert rows[name]["drafter_layers"] in (1, 2)
     assert res["throughput_drafter"] == str(dspark)        # the only DSpark drafter given
     assert {r["concurrency"] for r in res["throughput"]} == {1, 2}
-    assert "| ar |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ar |" in printed and "| llama.cpp (f16 GGUF, ar) |" in printed and "vs llama.cpp |" in printed
 
 
 def test_a_drafter_folder_without_config_is_a_clear_error(llama_dir, tmp_path):

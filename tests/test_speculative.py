@@ -400,6 +400,36 @@ def _records(n: int) -> list[VerifyRecord]:
     return [VerifyRecord() for _ in range(n)]
 
 
+def test_plain_steps_are_priced_apart_from_verify_steps():
+    """A step that drafts nothing runs in the decode loop, several times cheaper than a verify
+    step of the same width on the layer-by-layer path; priced from the same samples, drafting
+    looked worth it on `stories` and ran at 0.33x ar. Plain samples move only the plain price,
+    verify samples only the verify price, and steps no decision chose are no samples."""
+    import time as _time
+    policy = _priced((1.0, 0.5), 2.0)          # verify at B tokens: 1 + 0.5 B ms; drafting 2 ms
+    one = _records(1)
+    m = policy.cost_model()
+    assert policy.should_draft(one)            # plain priced by the profile: 1.5 ms, drafting pays
+    for _ in range(5):                          # layer-by-layer steps at width 1: verify samples
+        m.observe(1, 1.5e-3)
+    assert m.plain_cost(1) == pytest.approx(1.5e-3) and policy.should_draft(one)
+    for _ in range(3):                          # the decode loop's steps
+        assert m.observe_plain(1, 0.4e-3)
+    assert m.plain_cost(1) == pytest.approx(0.4e-3) and m.cost(1) == pytest.approx(1.5e-3)
+    assert not policy.should_draft(one)        # 1 token per 0.4 ms beats 6 per 7.5 ms
+    # A step is sampled as what the last decision made it; prompt chunks and undecided steps not.
+    verify, plain = m.num_samples, m.num_plain_samples
+    policy.next_step()                          # the step's clock starts
+    _time.sleep(0.0004)
+    policy.observe_step(1)                      # the step after a decision not to draft
+    _time.sleep(0.0004)
+    policy.observe_step(1)                      # no decision before it: a request's last step
+    policy._next_kind = "plain"
+    _time.sleep(0.0004)
+    policy.observe_step(13, decode_only=False)  # a prompt chunk
+    assert (m.num_samples, m.num_plain_samples) == (verify, plain + 1)
+
+
 def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, drafters):
     """At 8 requests drafting never pays (probes back off to long waits); at 1 it pays (the wait
     restarts short). Back at 8, the step takes the long wait it had there, instead of probing

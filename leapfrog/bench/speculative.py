@@ -10,6 +10,11 @@ A request stops at its end of text or after --new-tokens, as a served request do
 end a story model starts a new text from nothing, which no drafter is trained for and no user
 receives (--ignore-eos measures that too: equal lengths, lower τ).
 
+With a llama.cpp build (--llama-cpp-dir or $LLAMA_CPP_DIR), the latency table also has
+llama.cpp's own single-request decode of the same weights (its converter's float16 GGUF, its
+llama-bench, `-p 0 -n --new-tokens`, in a clean environment), measured in the same run right
+after the leapfrog rows, and every row's ratio to it.
+
 Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, the DSpark drafter verifying all
 γ drafts (fixed), and the same drafter with confidence-scheduled verification (Algorithm 1).
 Each level runs at least --num-prompts prompts, in waves of its concurrency, so one request at
@@ -192,6 +197,12 @@ def run(args: argparse.Namespace) -> dict:
         f"{args.num_prompts} prompts at batch 1")
     latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
                           args.ignore_eos)
+    peer = llama_cpp_row(model_dir, args)
+    if peer is not None:
+        peer["speedup"] = peer["tokens_per_s"] / latency[0]["tokens_per_s"]
+        for r in latency:
+            r["vs_llama_cpp"] = r["tokens_per_s"] / peer["tokens_per_s"]
+        latency.append(peer)
     drafter = args.throughput_drafter or _best_dspark(latency)
     throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
                                 args.ignore_eos, args.num_prompts)
@@ -199,6 +210,22 @@ def run(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
             "ignore_eos": args.ignore_eos,
             "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
+
+
+def llama_cpp_row(model_dir: Path, args: argparse.Namespace) -> dict | None:
+    """llama.cpp's single-request decode of the model's float16 GGUF (best of 3 llama-bench
+    repetitions), or None without a llama.cpp build or when its converter refuses the model."""
+    from leapfrog.bench import llama_cpp
+    exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
+    gguf = Path(args.gguf) if args.gguf else (
+        llama_cpp.make_gguf(model_dir, args.llama_cpp_dir, Path(args.out), "f16") if exe else None)
+    if exe is None or gguf is None:
+        return None
+    log(f"llama.cpp: llama-bench on {gguf.name}")
+    r = llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3)
+    return {"method": "llama.cpp (f16 GGUF, ar)", "kind": "llama.cpp", "tokens_per_s": r["decode_tokens_per_s"],
+            "speedup": None, "vs_llama_cpp": 1.0, "tau": None, "tokens_per_forward": 1.0,
+            "identical_to_ar": "—", "command": r["command"], "env_dropped": r["env_dropped"]}
 
 
 def _best_dspark(rows: list[dict]) -> str | None:
@@ -209,17 +236,19 @@ def _best_dspark(rows: list[dict]) -> str | None:
 
 
 def markdown(result: dict) -> str:
+    lat = result["latency"]
+    peer = any("vs_llama_cpp" in r for r in lat)
     head = ("| method | drafter layers | γ | tok/s | speed-up vs ar | τ | tokens / target forward | "
-            "same output as ar |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in result["latency"]:
+            "same output as ar |" + (" vs llama.cpp |" if peer else ""))
+    lines = [head, "|---|---|---|---|---|---|---|---|" + ("---|" if peer else "")]
+    for r in lat:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
         gamma = r.get("gamma", "—")
         if "verify" in r["method"] or "scheduled" in r["method"]:
             gamma = f"≤{gamma}, {r['mean_verified']:.1f} verified" if r.get("mean_verified") else gamma
         lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
-                     f"{r['identical_to_ar']} |")
+                     f"{r['identical_to_ar']} |" + (f" {r['vs_llama_cpp']:.2f}x |" if peer else ""))
     lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
               "|---|---|---|---|---|---|"]
     for r in result["throughput"]:

@@ -142,13 +142,22 @@ class LinearFit:
 @dataclass(slots=True)
 class MeasuredCost:
     """Step and drafting costs as this engine really sees them, the start-up profile filling in
-    what has not been measured yet.
+    what has not been measured yet. Two kinds of step are priced apart:
 
-    Seconds per step at B batch tokens: the average (exponential, `alpha`) of the steps taken at
-    exactly B tokens once `min_samples` were seen; between measured widths, interpolated; past
-    them, the nearest measured width plus the profile's difference times the average ratio of
-    measured to profiled seconds (`scale`); with nothing measured, the profile times `scale`.
-    Seconds of drafting for R requests: a `LinearFit` a + b * R.
+    * a verify step at B batch tokens (the requests' last tokens and the drafts verified), which
+      runs layer by layer and samples and verifies in Python;
+    * a plain decode step of R requests, which is what a step that does not draft costs. On a
+      CPU with the decode loop that is a step of the loop (no Python per token), several times
+      cheaper than a verify step of the same width; pricing it as one (the same table) made
+      drafting look worth it where it was not, and kept `stories` drafting at 0.33x `ar`.
+
+    For each kind: the average (exponential, `alpha`) of the steps measured at exactly that
+    width once `min_samples` were seen; between measured widths, interpolated; past them, the
+    nearest measured width plus the profile's difference times that kind's average ratio of
+    measured to profiled seconds (`scale`, `plain_scale`); with nothing measured, the profile
+    times that ratio. (The profile's one-row entry is a step of the decode loop when there is
+    one, its other entries layer-by-layer forwards.) Seconds of drafting for R requests: a
+    `LinearFit` a + b * R.
 
     The start-up profile times a bare forward once, on whatever the machine was doing then. A
     real step also schedules, samples and commits, and a machine that becomes busier or quieter
@@ -162,36 +171,61 @@ class MeasuredCost:
     alpha: float = 0.1
     min_samples: int = 3
     ratio: float = 10.0
-    scale: float = 1.0                                                   # measured / profiled
+    scale: float = 1.0                                                   # verify: measured / profiled
+    plain_scale: float = 1.0                                             # plain: measured / profiled
     num_samples: int = 0
     seen: dict[int, tuple[float, int]] = field(default_factory=dict)    # B -> (average s, samples)
+    plain: dict[int, tuple[float, int]] = field(default_factory=dict)   # R -> (average s, samples)
+    num_plain_samples: int = 0
     draft: LinearFit = field(default_factory=LinearFit)                 # seconds ~ a + b * requests
 
     def cost(self, batch: int) -> float:
-        avg, n = self.seen.get(batch, (0.0, 0))
+        """Seconds of a verify step at `batch` tokens."""
+        return self._estimate(self.seen, self.scale, batch)
+
+    def plain_cost(self, requests: int) -> float:
+        """Seconds of a decode step of `requests` requests that drafts nothing."""
+        return self._estimate(self.plain, self.plain_scale, requests)
+
+    def _estimate(self, seen: dict[int, tuple[float, int]], scale: float, batch: int) -> float:
+        avg, n = seen.get(batch, (0.0, 0))
         if n >= self.min_samples:
             return avg
-        known = sorted(b for b, (_, k) in self.seen.items() if k >= self.min_samples)
+        known = sorted(b for b, (_, k) in seen.items() if k >= self.min_samples)
         i = bisect.bisect_left(known, batch)
         if 0 < i < len(known):                 # between two measured widths: interpolate
             b0, b1 = known[i - 1], known[i]
-            y0, y1 = self.seen[b0][0], self.seen[b1][0]
+            y0, y1 = seen[b0][0], seen[b1][0]
             return y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
         if known:                               # beyond them: the scaled profile's difference
             b = known[-1] if i else known[0]
-            y = self.seen[b][0] + self.scale * (self.table.cost(batch) - self.table.cost(b))
+            y = seen[b][0] + scale * (self.table.cost(batch) - self.table.cost(b))
             return max(y, 1e-9)
-        return self.scale * self.table.cost(batch)
+        return scale * self.table.cost(batch)
 
     def observe(self, batch: int, seconds: float) -> bool:
+        """A verify step of `batch` tokens took `seconds`; False where it is not a sample."""
         if not 1 / self.ratio <= seconds / self.cost(batch) <= self.ratio:
             return False
-        avg, n = self.seen.get(batch, (seconds, 0))
-        self.seen[batch] = (avg + max(self.alpha, 1 / (n + 1)) * (seconds - avg), n + 1)
-        r = seconds / self.table.cost(batch)
-        self.scale += max(self.alpha, 1 / (self.num_samples + 1)) * (r - self.scale)
+        self.scale = self._add(self.seen, self.scale, self.num_samples, batch, seconds)
         self.num_samples += 1
         return True
+
+    def observe_plain(self, requests: int, seconds: float) -> bool:
+        """A plain decode step of `requests` requests took `seconds` (for steps of the decode
+        loop: the mean over the call); False where it is not a sample."""
+        if not 1 / self.ratio <= seconds / self.plain_cost(requests) <= self.ratio:
+            return False
+        self.plain_scale = self._add(self.plain, self.plain_scale, self.num_plain_samples, requests, seconds)
+        self.num_plain_samples += 1
+        return True
+
+    def _add(self, seen: dict[int, tuple[float, int]], scale: float, count: int, batch: int,
+             seconds: float) -> float:
+        avg, n = seen.get(batch, (seconds, 0))
+        seen[batch] = (avg + max(self.alpha, 1 / (n + 1)) * (seconds - avg), n + 1)
+        r = seconds / self.table.cost(batch)
+        return scale + max(self.alpha, 1 / (count + 1)) * (r - scale)
 
 
 @dataclass(slots=True)

@@ -117,7 +117,9 @@ class DFlashMethod(SpeculativeMethod):
     def extend_contexts(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
         if self.drafter is None:
             return
-        feats = captured[:, :, self._tap_order].flatten(2)           # [B, steps, taps * d]
+        if self._tap_order != list(range(captured.shape[2])):      # else the rows are in order: no copy
+            captured = captured[:, :, self._tap_order]
+        feats = captured.flatten(2)                                  # [B, steps, taps * d]
         for i, (s, c) in enumerate(zip(batch.seqs, commits)):
             self._queue(s, feats[i, :c.num_kv_keep])
 

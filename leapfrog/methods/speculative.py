@@ -207,7 +207,7 @@ class SpeculativeMethod(Method):
     def commit(self, batch: Batch, out: StepOutput) -> list[Commit]:
         commits = self._verify(batch, out)
         self.observe(batch, out, commits)
-        self.policy.observe_step(batch.num_tokens)
+        self.policy.observe_step(batch.num_tokens, all(s.num_known == 1 for s in batch.seqs))
         self._plan_next(batch, commits)
         return commits
 

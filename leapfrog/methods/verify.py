@@ -14,7 +14,7 @@ paper's non-anticipation argument; the rule itself is Leviathan et al. 2023 / Ch
 A policy sees a request through its VerifyRecord (kept in the request's SpecState) and a step
 through these calls, in this order:
     observe(record, ...)       each verified request: its confidences, what was accepted
-    observe_step(num_tokens)   the step's forward and verification are done
+    observe_step(num_tokens, decode_only)   the step's forward and verification are done
     should_draft(records)      drafting for the next step, or not
     begin_drafting()           after the drafter's context projection, before its forward
     num_to_verify(...)         the drafts are sampled: how many of each to verify
@@ -65,8 +65,9 @@ class VerifyPolicy:
     def next_step(self) -> None:
         """The step's drafting, or the decision not to draft, is done."""
 
-    def observe_step(self, num_tokens: int) -> None:
-        """A step of `num_tokens` query tokens finished its forward and verification."""
+    def observe_step(self, num_tokens: int, decode_only: bool = True) -> None:
+        """A step of `num_tokens` query tokens finished its forward and verification;
+        `decode_only`: every row was a request's next token and its drafts (no prompt chunk)."""
 
     def steps_without_drafting(self, batch: int) -> int:
         """How many steps, the one about to run included, will certainly not draft for a batch
@@ -147,6 +148,7 @@ class ConfidencePolicy(VerifyPolicy):
         self._decided_batch = -1              # batch size of the last drafting decision
         self._probing = False                 # this step drafts only to re-probe: verify >= 1 draft each
         self._step_end: float | None = None   # when the previous step's verification ended
+        self._next_kind: str | None = None    # what the next step is, as decided: "verify" or "plain"
         self._draft_start = 0.0
 
     @property
@@ -178,6 +180,7 @@ class ConfidencePolicy(VerifyPolicy):
         costs are estimates). The decision is for the whole batch (drafting's cost is mostly
         per step, not per request) and, once negative, holds while the batch size does, until
         the next re-probe."""
+        self._next_kind = "verify"
         if self.measured is None or not self.measured.draft.num_samples or self.prior is None:
             return True                   # nothing measured yet
         batch = len(records)
@@ -210,7 +213,7 @@ class ConfidencePolicy(VerifyPolicy):
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
         with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
-        return with_drafts > self.min_gain * batch / table.cost(batch)
+        return with_drafts > self.min_gain * batch / table.plain_cost(batch)
 
     def first_wait(self, batch: int) -> int:
         """Skipped steps before the first re-probe after drafting paid: reprobe_steps from 8
@@ -221,6 +224,7 @@ class ConfidencePolicy(VerifyPolicy):
 
     def _skip(self) -> bool:
         self._skipped_steps += 1
+        self._next_kind = "plain"
         return False
 
     def begin_drafting(self) -> None:
@@ -264,22 +268,28 @@ class ConfidencePolicy(VerifyPolicy):
         return self._reprobe_every - self._skipped_steps + 1
 
     def skipped_in_loop(self, steps: int, batch: int) -> None:
-        """The loop's steps are what a plain decode step costs now: priced as their mean (else
-        the cost model keeps the slower layer-by-layer step it profiled, and drafting looks
-        better than it is)."""
+        """The loop's steps are what a plain decode step costs now: priced as their mean."""
         now = time.perf_counter()
         if self._step_end is not None and self.measured is not None and steps > 0:
-            self.measured.observe(batch, (now - self._step_end) / steps)
+            self.measured.observe_plain(batch, (now - self._step_end) / steps)
         self._skipped_steps += steps - 1
         self._step_end = now
+        self._next_kind = None
 
-    def observe_step(self, num_tokens: int) -> None:
-        """Time the step just verified (from the end of the previous step's verification, or of
-        its drafting: scheduling, the forward, sampling, verification; not drafting, which is
-        timed on its own) and fit the cost model to it."""
+    def observe_step(self, num_tokens: int, decode_only: bool = True) -> None:
+        """Time the step just run (from the end of the previous step's verification, or of its
+        drafting: scheduling, the forward, sampling, verification; not drafting, which is timed
+        on its own) and fit the cost model to it: as a verify step when the last decision
+        drafted, as a plain step when it decided not to. Steps no decision chose are no samples:
+        a request's last step (nothing left to draft for), a step with a prompt chunk in it (its
+        cost is the prompt's; the first step of a request also follows the engine's idle gap)."""
         now = time.perf_counter()
-        if self._step_end is not None and self.measured is not None:
-            self.measured.observe(num_tokens, now - self._step_end)
+        kind, self._next_kind = self._next_kind, None
+        if self._step_end is not None and self.measured is not None and decode_only:
+            if kind == "verify":
+                self.measured.observe(num_tokens, now - self._step_end)
+            elif kind == "plain":
+                self.measured.observe_plain(num_tokens, now - self._step_end)
         self._step_end = now
 
     def observe(self, record: VerifyRecord, confidence: list[float], num_verified: int,
@@ -287,8 +297,10 @@ class ConfidencePolicy(VerifyPolicy):
         record.feedback.observe(survival(confidence), num_verified, num_accepted)
 
     def stats(self) -> dict[str, float]:
+        m = self.measured
         return {"num_drafts": self.num_drafts, "reprobe_wait": self._reprobe_every,
-                "num_step_samples": self.measured.num_samples if self.measured is not None else 0}
+                "num_step_samples": m.num_samples if m is not None else 0,
+                "num_plain_step_samples": m.num_plain_samples if m is not None else 0}
 
 
 def make_policy(verify: str, threshold: float = 0.7, step_costs: dict | None = None,
