@@ -118,6 +118,8 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
+        if params.logits_processors and not self.method.supports_logits_processors:
+            raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
         vocab = self.hf_config["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

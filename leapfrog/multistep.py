@@ -126,4 +126,5 @@ def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 def eligible(seq: Sequence) -> bool:
     """Whether a sequence's sampling runs inside the loop (else the loop returns logits)."""
     p = seq.params
-    return p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+    return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.logits_processors)

@@ -41,6 +41,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if seq.num_output_tokens < p.min_tokens:
             ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
             row[ban] = float("-inf")
+        for process in p.logits_processors:
+            row.copy_(process(seq.output_ids, row))
     return logits
 
 

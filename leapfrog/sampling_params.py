@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 64              # stop strings are searched in the text every step
@@ -38,6 +39,11 @@ class SamplingParams:
     logprobs: int | None = None        # number of top alternatives to return, 0 = chosen only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Called in order on each step's logits row of this request, as processor(output_ids, row)
+    # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
+    # A request with processors samples in Python (not in the decode loop) and verifies no
+    # drafts; block diffusion refuses them. Not part of any HTTP request.
+    logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +86,8 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
         self._validate_stops(bad)
+        if any(not callable(f) for f in self.logits_processors):
+            raise ValueError("logits_processors must be callables (output_ids, logits) -> logits")
 
     def _validate_stops(self, bad) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -99,7 +107,7 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.min_tokens > 0)
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors))
 
 
 def _is_int(value: object) -> bool:

@@ -116,3 +116,19 @@ def test_cli_reports_config_errors(tmp_path, capsys):
 def test_cli_missing_model_fails_fast(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "no-such-model"), "--port", "0"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_served_models_default_both_builtins_and_repeat_model():
+    """No model named: `stories` (first, the default of requests naming none) and `couplets`;
+    --model once: that model alone; --model repeated: those, the first taking the method."""
+    cfg = build_config({}, environ={})
+    assert cfg.models == ["stories", "couplets"] and [v.model_id for v in cfg.views()] == ["stories", "couplets"]
+    assert build_config(flags("--model", "couplets"), environ={}).models == ["couplets"]
+    cfg = build_config(flags("--model", "stories", "--model", "couplets", "--method", "dspark"), environ={})
+    first, second = cfg.views()
+    assert (first.model, first.method, second.model, second.method) == ("stories", "dspark", "couplets", None)
+    assert build_config({}, environ={"LEAPFROG_MODELS": "couplets,stories"}).model == "couplets"
+    with pytest.raises(ConfigError, match="served_model_name"):
+        build_config(flags("--model", "a", "--model", "b", "--served-model-name", "x"), environ={})
+    with pytest.raises(ConfigError, match="named twice"):
+        build_config(flags("--model", "a", "--model", "a"), environ={})

@@ -9,6 +9,8 @@ Suites:
           concurrencies with and without confidence-scheduled verification.
   diffusion  block-diffusion decoding (diffusion.py): `ar` against single- and multi-block
           decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
+  couplets  the couplet writer (couplets.py) with and without the couplet rules enforced: how
+          often each rule holds, part-of-speech parallelism, distinct-n, seconds per couplet.
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.
@@ -21,17 +23,17 @@ import os
 import sys
 from pathlib import Path
 
-from leapfrog.bench import diffusion, peers, speculative
+from leapfrog.bench import couplets, diffusion, peers, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
 
-SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion}
+SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leapfrog bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="peers", choices=["peers", "speculative", "diffusion"],
+    p.add_argument("--suite", default="peers", choices=list(SUITES),
                    help="what to measure (default peers)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_arguments(p)
     speculative.add_arguments(p)
     diffusion.add_arguments(p)
+    couplets.add_arguments(p)
     return p
 
 

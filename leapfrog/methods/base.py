@@ -97,6 +97,9 @@ class Method:
     # Whether its decode steps (one known token per sequence, no extra slots, one token sampled
     # from the last row) always may run in the C++ decode loop (multistep.py): `ar`.
     decode_loop: bool = False
+    # Whether requests with SamplingParams.logits_processors may use it (each row's processors
+    # see the tokens before that row; a diffusion canvas has no such order).
+    supports_logits_processors: bool = True
 
     def num_extra_tokens(self, seq: Sequence) -> int:
         """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""

@@ -103,6 +103,7 @@ def _fraction(name: str, value: object, low_open: bool) -> float:
 
 class DiffusionMethod(Method):
     name = "diffusion"
+    supports_logits_processors = False
     # The canvas follows any number of known tokens: the prompt (prefill and first step share a
     # forward when the budget allows) and committed blocks whose KV is not stored yet.
     max_known_with_extra = 1 << 62

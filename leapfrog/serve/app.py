@@ -13,11 +13,12 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,11 +26,12 @@ from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
-from leapfrog.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from leapfrog.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics, render_all
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
-from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, GenerateRequest, bad_request, parse_body
+from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, CoupletRequest, GenerateRequest,
+                                    bad_request, parse_body)
 
 log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
@@ -48,26 +50,119 @@ def request_defaults(cfg: ServerConfig) -> dict:
     return defaults
 
 
-class ServerState:
-    """Everything the handlers share; one per app."""
+class ModelServer:
+    """One served model: its engine thread, metrics, request defaults and capacity (`cfg` is
+    the model's single-model view, ServerConfig.views)."""
 
     def __init__(self, cfg: ServerConfig, factory: Callable[[], Any]) -> None:
         self.cfg = cfg
+        self.model_id = cfg.model_id
         self.metrics = ServerMetrics(cfg.model_id)
         timeout = cfg.request_timeout or None
         self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout)
-        self.auth = Authenticator(cfg.api_key, cfg.api_key_file, cfg.jwt_secret)
-        self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_limit_burst)
-        self.started = time.time()
-        self.draining = False
         self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
+        self._writer: Any = None            # the couplet writer, made on first use
 
     def limits(self) -> Limits:
         info = self.engine.info
         return Limits({self.cfg.model_id, str(self.cfg.model)}, info.max_model_len, info.vocab_size,
                       self.cfg.default_max_tokens, self.sampling_defaults, self.cfg.max_n,
                       info.max_prompt_chars)
+
+    def check_ready(self) -> None:
+        if not self.engine.ready.is_set():
+            raise APIError(503, f"model {self.model_id!r} is still loading", "server_error", None, "not_ready",
+                           {"Retry-After": "5"})
+
+    def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
+        if len(prep.requests) > self.capacity:     # retrying can never help: not a 429
+            raise bad_request(f"this request asks for {len(prep.requests)} generations (n x prompts) but the "
+                              f"server holds at most {self.capacity} at once (max_batch_size + max_queue_size)",
+                              "n", "too_many_generations")
+        if self.engine.num_in_flight + len(prep.requests) > self.capacity:
+            self.metrics.reject("queue_full")
+            raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
+                           "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+        return Generation(self.engine, prep.requests, priority, arrival, stream)
+
+    def couplet_writer(self) -> Any:
+        """The couplet writer over this model's tokenizer, or None when the model cannot write
+        couplets (its vocabulary is not one token per Chinese character)."""
+        if self._writer is None:
+            from leapfrog.couplet.writer import CoupletWriter
+            try:
+                self._writer = CoupletWriter(self.engine.tokenizer)
+            except ValueError:
+                self._writer = False
+        return self._writer or None
+
+
+class ServerState:
+    """Everything the handlers share; one per app. `models` holds one ModelServer per served
+    model (by id, and by the path or name it was loaded from); `primary` serves requests that
+    name no model. `engine`, `metrics`, `capacity` and `limits()` are the primary's."""
+
+    def __init__(self, cfg: ServerConfig, factory: Callable[[], Any] | None = None) -> None:
+        self.cfg = cfg
+        servers = [ModelServer(view, factory if i == 0 and factory is not None else _engine_factory(view))
+                   for i, view in enumerate(cfg.views())]
+        self.servers = servers
+        self.primary = servers[0]
+        self.models: dict[str, ModelServer] = {}
+        for m in servers:
+            self.models.setdefault(m.model_id, m)
+            self.models.setdefault(str(m.cfg.model), m)
+        self.auth = Authenticator(cfg.api_key, cfg.api_key_file, cfg.jwt_secret)
+        self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_limit_burst)
+        self.started = time.time()
+        self.draining = False
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.primary.engine
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.primary.metrics
+
+    @property
+    def capacity(self) -> int:
+        return self.primary.capacity
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.primary.sampling_defaults
+
+    def limits(self) -> Limits:
+        return self.primary.limits()
+
+    def route(self, name: str | None) -> ModelServer:
+        """The server of the model a request names (None: the primary), ready to take it."""
+        server = self.primary if name is None else self.models.get(name)
+        if server is None:
+            ids = ", ".join(repr(m.model_id) for m in self.servers)
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {ids}",
+                           "invalid_request_error", "model", "model_not_found")
+        server.check_ready()
+        return server
+
+    def couplet_server(self, name: str | None) -> ModelServer:
+        """The server that writes couplets: the one named, else the first that can."""
+        if name is not None:
+            server = self.route(name)
+            if server.couplet_writer() is None:
+                raise bad_request(f"the model {name!r} cannot write couplets (it needs one token per Chinese "
+                                  "character, as the built-in `couplets` model has)", "model", "not_a_couplet_model")
+            return server
+        for server in self.servers:
+            if server.engine.ready.is_set() and server.couplet_writer() is not None:
+                return server
+        if not all(m.engine.ready.is_set() for m in self.servers):
+            raise APIError(503, "the models are still loading", "server_error", None, "not_ready", {"Retry-After": "5"})
+        raise APIError(404, "no served model writes couplets: serve the built-in `couplets` model "
+                       "(leapfrog serve --model stories --model couplets)", "invalid_request_error", "model",
+                       "model_not_found")
 
     # --- the gate every generation request passes ------------------------------------------
     def authenticate(self, request: Request) -> str | None:
@@ -83,8 +178,6 @@ class ServerState:
         if self.draining:
             raise APIError(503, "server is shutting down", "server_error", None, "shutting_down",
                            {"Retry-After": "5", "Connection": "close"})
-        if not self.engine.ready.is_set():
-            raise APIError(503, "model is still loading", "server_error", None, "not_ready", {"Retry-After": "5"})
         client = identity or (request.client.host if request.client else "unknown")
         wait = self.limiter.acquire(client)
         if wait > 0:
@@ -94,15 +187,14 @@ class ServerState:
                            {"Retry-After": retry_after_header(wait)})
 
     def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
-        if len(prep.requests) > self.capacity:     # retrying can never help: not a 429
-            raise bad_request(f"this request asks for {len(prep.requests)} generations (n x prompts) but the "
-                              f"server holds at most {self.capacity} at once (max_batch_size + max_queue_size)",
-                              "n", "too_many_generations")
-        if self.engine.num_in_flight + len(prep.requests) > self.capacity:
-            self.metrics.reject("queue_full")
-            raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
-                           "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-        return Generation(self.engine, prep.requests, priority, arrival, stream)
+        return self.primary.open(prep, priority, arrival, stream)
+
+
+def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
+    def factory() -> Any:
+        from leapfrog.engine import LLMEngine
+        return LLMEngine(cfg.model, **cfg.engine_kwargs())
+    return factory
 
 
 PROBE_PATHS = frozenset({"/health", "/healthz", "/ready"})   # open even with authentication on
@@ -211,18 +303,16 @@ async def stream_events(gen: Generation, render: Callable[[int, Any], dict | Non
 
 # --- app -------------------------------------------------------------------------------------
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
-    if engine_factory is None:
-        def engine_factory() -> Any:
-            from leapfrog.engine import LLMEngine
-            return LLMEngine(cfg.model, **cfg.engine_kwargs())
+    """The app; `engine_factory` (tests) replaces the first served model's engine."""
     state = ServerState(cfg, engine_factory)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.engine.start(asyncio.get_running_loop())
+        for m in state.servers:
+            m.engine.start(asyncio.get_running_loop())
         yield
         state.draining = True     # uvicorn has already waited for in-flight requests
-        await asyncio.to_thread(state.engine.stop)
+        await asyncio.gather(*(asyncio.to_thread(m.engine.stop) for m in state.servers))
 
     app = FastAPI(title="leapfrog", lifespan=lifespan)
     app.state.leapfrog = state
@@ -247,44 +337,51 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
+    _add_couplet_routes(app, state)
     server_schema.install(app, state.auth.enabled)
     return app
 
 
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    engines = [m.engine for m in state.servers]
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        e = state.engine
-        if e.load_error is not None or (e.ready.is_set() and not e.alive):
-            return JSONResponse({"status": "unhealthy", "error": str(e.load_error or "engine thread stopped"),
-                                 "uptime": time.time() - state.started}, status_code=503)
-        return JSONResponse({"status": "healthy", "uptime": time.time() - state.started,
-                             "ready": e.ready.is_set() and not state.draining, "model": state.cfg.model_id})
+        for m in state.servers:
+            e = m.engine
+            if e.load_error is not None or (e.ready.is_set() and not e.alive):
+                return JSONResponse({"status": "unhealthy", "model": m.model_id,
+                                     "error": str(e.load_error or "engine thread stopped"),
+                                     "uptime": time.time() - state.started}, status_code=503)
+        ready = all(e.ready.is_set() for e in engines) and not state.draining
+        return JSONResponse({"status": "healthy", "uptime": time.time() - state.started, "ready": ready,
+                             "model": state.primary.model_id, "models": [m.model_id for m in state.servers]})
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        """Liveness: the process answers and the engine thread has not died."""
-        ok = state.engine.load_error is None and (state.engine.alive or not state.engine.ready.is_set())
+        """Liveness: the process answers and no engine thread has died."""
+        ok = all(e.load_error is None and (e.alive or not e.ready.is_set()) for e in engines)
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """Readiness: loaded, warmed up, and not draining for shutdown."""
-        e = state.engine
-        status = ("failed" if e.load_error is not None else "draining" if state.draining
-                  else "ready" if e.ready.is_set() else "loading")
+        """Readiness: every model loaded and warmed up, and not draining for shutdown."""
+        status = ("failed" if any(e.load_error is not None for e in engines) else "draining" if state.draining
+                  else "ready" if all(e.ready.is_set() for e in engines) else "loading")
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return PlainTextResponse(render_all([m.metrics for m in state.servers]), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         state.authenticate(request)
-        card = {"id": state.cfg.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
-                "max_model_len": state.engine.info.max_model_len, "method": state.engine.info.method}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": m.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
+                  "max_model_len": m.engine.info.max_model_len, "method": m.engine.info.method,
+                  "couplets": m.engine.ready.is_set() and m.couplet_writer() is not None}
+                 for m in state.servers]
+        return JSONResponse({"object": "list", "data": cards})
 
 
 def _add_generate_route(app: FastAPI, state: ServerState) -> None:
@@ -294,9 +391,20 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         state.admit(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
-        req, prep = await off_loop_if_big(len(raw), _prepare_generate, raw, state.limits(), state.engine.tokenizer)
+        req = await off_loop_if_big(len(raw), parse_body, raw, GenerateRequest)
+        if req.keywords is not None:            # the couplet guide's contract
+            if req.prompt is not None:
+                raise bad_request("give either prompt or keywords, not both", "keywords")
+            couplet = await _write_couplet(state, request, CoupletRequest(keywords=req.keywords, seed=req.seed,
+                                                                          model=req.model), arrival)
+            return {"couplet": f"上联：{couplet['upper']}\n下联：{couplet['lower']}\n横批：{couplet['horizontal']}",
+                    **couplet}
+        if req.prompt is None:
+            raise bad_request("missing required field 'prompt'", "prompt", "missing_field")
+        server = state.route(req.model)
+        prep = await off_loop_if_big(len(raw), _prepare_generate, req, server.limits(), server.engine.tokenizer)
         ids = prep.prompts[0]
-        gen = state.open(prep, req.priority, arrival, req.stream)
+        gen = server.open(prep, req.priority, arrival, req.stream)
         if req.stream:
             def render(i: int, out: Any) -> dict | None:
                 if not out.delta_text and not out.finished:
@@ -307,27 +415,29 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         out = (await run_to_end(gen, request))[0]
         total = time.perf_counter() - arrival
         m = out.metrics
-        return {"text": out.text, "model": state.cfg.model_id, "num_tokens": len(out.token_ids),
+        return {"text": out.text, "model": server.model_id, "num_tokens": len(out.token_ids),
                 "prompt_tokens": len(ids), "finish_reason": finish_reason(out),
                 "tokens_per_forward": m.tokens_per_forward,
                 "timing": {"total_s": total, "time_to_first_token_s": m.time_to_first_token,
                            "tokens_per_s": len(out.token_ids) / total if total > 0 else 0.0}}
 
 
-def _prepare_generate(raw: bytes, limits: Limits, tok: Any) -> tuple[GenerateRequest, Prepared]:
-    req = parse_body(raw, GenerateRequest)
+def _prepare_generate(req: GenerateRequest, limits: Limits, tok: Any) -> Prepared:
     check_model(req.model, limits)
     if req.max_tokens is not None and req.max_length not in (None, req.max_tokens):
         raise bad_request("max_tokens and max_length disagree", "max_length")
     ids = encode_prompt(req.prompt, tok, limits)
     check_prompt(ids, limits)
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
-    return req, Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
+    return Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
 
 
-def _parse_and_prepare(raw: bytes, kind: type, prepare: Callable, limits: Limits, tok: Any) -> tuple[Any, Prepared]:
+def _parse_and_prepare(raw: bytes, kind: type, prepare: Callable, state: ServerState
+                       ) -> tuple[Any, ModelServer, Prepared]:
+    """Parse the body, route it to the model it names, tokenize and check it there."""
     req = parse_body(raw, kind)
-    return req, prepare(req, limits, tok)
+    server = state.route(req.model)
+    return req, server, prepare(req, server.limits(), server.engine.tokenizer)
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -338,10 +448,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         state.admit(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
-        tok = state.engine.tokenizer
-        req, prep = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, prepare, state.limits(), tok)
-        gen = state.open(prep, req.priority, arrival, req.stream)
-        rid, created, model = new_id(id_prefix), now(), state.cfg.model_id
+        req, server, prep = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, prepare, state)
+        tok = server.engine.tokenizer
+        gen = server.open(prep, req.priority, arrival, req.stream)
+        rid, created, model = new_id(id_prefix), now(), server.model_id
         if req.stream:
             return sse_response(stream(gen, req, prep, tok, rid, created, model), gen)
         final = await run_to_end(gen, request)
@@ -355,6 +465,59 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         return await handle(request, ChatRequest, prepare_chat, _stream_chat, chat_body, "chatcmpl")
+
+
+COUPLET_PAGE = Path(__file__).parent / "static" / "couplet.html"
+COUPLET_METHODS = ("constrained", "free")
+MAX_CANDIDATES = 16
+
+
+def _add_couplet_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/couplet", include_in_schema=False)
+    async def couplet_page() -> HTMLResponse:
+        """The couplet terminal (春联生成终端): a palace gate that opens on a fresh couplet."""
+        return HTMLResponse(COUPLET_PAGE.read_text(encoding="utf-8"),
+                            headers={"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
+                                     "script-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+                                     "X-Content-Type-Options": "nosniff"})
+
+    @app.post("/couplet")
+    async def couplet(request: Request) -> Any:
+        """Keywords in; 上联, 下联 and 横批 out, with the rules that held and the time taken."""
+        arrival = time.perf_counter()
+        state.admit(request)
+        raw = await read_body(request, state.cfg.max_body_bytes)
+        return await _write_couplet(state, request, parse_body(raw, CoupletRequest), arrival)
+
+
+async def _write_couplet(state: ServerState, request: Request, req: CoupletRequest, arrival: float) -> dict:
+    """Runs the couplet writer's rounds on the couplet model's engine, next to everyone else's
+    requests in its batches."""
+    from leapfrog.couplet.rules import split_keywords
+    from leapfrog.sampling_params import SEED_RANGE
+    try:
+        keywords = split_keywords(req.keywords)
+    except ValueError as exc:
+        raise bad_request(str(exc), "keywords", "invalid_keywords") from None
+    if req.method not in COUPLET_METHODS:
+        raise bad_request(f"method={req.method!r}: expected one of {', '.join(COUPLET_METHODS)}", "method")
+    if not 1 <= req.num_candidates <= MAX_CANDIDATES:
+        raise bad_request(f"num_candidates={req.num_candidates}: must be in [1, {MAX_CANDIDATES}]", "num_candidates")
+    if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:
+        raise bad_request(f"seed={req.seed}: must be in [0, 2^64 - 1]", "seed")
+    server = state.couplet_server(req.model)
+    writer = server.couplet_writer()
+    plan = writer.plan(keywords, req.seed, req.method == "constrained", req.num_candidates)
+    try:
+        jobs = next(plan)
+        while True:
+            prep = Prepared([j.prompt for j in jobs], [(j.prompt, j.params) for j in jobs])
+            final = await run_to_end(server.open(prep, 0, arrival, False), request)
+            jobs = plan.send([final[i] for i in range(len(jobs))])
+    except StopIteration as done:
+        result = done.value.as_dict()
+    result["timing"] = {"seconds": time.perf_counter() - arrival}
+    return {"model": server.model_id, **result}
 
 
 def _context(out: Any, num_sent: int) -> list[int]:
@@ -436,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from leapfrog.config import resolve_model
     try:
-        resolve_model(cfg.model)      # fail before binding the port, not in the background
+        for view in cfg.views():      # fail before binding the port, not in the background
+            resolve_model(view.model)
     except FileNotFoundError as exc:
         print(f"leapfrog serve: {exc}", file=sys.stderr)
         return 2
@@ -447,10 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     state: ServerState = app.state.leapfrog
     # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
     # restart or report it, where a live process answering 503 forever would hide it.
-    state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    log.info("serving %s on %s://%s:%d", cfg.model_id, "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
+    for m in state.servers:
+        m.engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    log.info("serving %s on %s://%s:%d", ", ".join(m.model_id for m in state.servers),
+             "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
     server.run()
-    return 1 if state.engine.load_error is not None else 0
+    return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
 
 
 class DrainingServer(uvicorn.Server):
@@ -465,11 +631,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
             return
         state.draining = True
-        log.info("draining: %d requests in flight", state.engine.num_in_flight)
+        log.info("draining: %d requests in flight", sum(m.engine.num_in_flight for m in state.servers))
         threading.Thread(target=self._exit_when_drained, args=(state,), daemon=True).start()
 
     def _exit_when_drained(self, state: ServerState) -> None:
         deadline = time.monotonic() + (state.cfg.shutdown_timeout or float("inf"))   # 0: no limit
-        while state.engine.num_in_flight > 0 and time.monotonic() < deadline:
+        while any(m.engine.num_in_flight > 0 for m in state.servers) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.should_exit = True

@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,16 @@ ALIASES = {
 }
 BARE_ENV = ("CACHE_SIZE", "MAX_TOKENS", "BATCH_SIZE", "TEMPERATURE")   # read without a prefix
 ENV_PREFIX = "LEAPFROG_"
+# What `leapfrog serve` serves when no model is named: the stories model (the default of every
+# request that names none) and the couplet model behind the couplet page.
+DEFAULT_SERVED = (DEFAULT_MODEL, "couplets")
 
 
 @dataclass(slots=True)
 class ServerConfig:
     # model
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL                 # the first served model: requests naming none get it
+    models: list = field(default_factory=list)  # every served model (--model repeated); [] = [model]
     method: str | None = None                  # default: the model's best lossless method
     draft_model: str | None = None
     served_model_name: str | None = None       # the `model` clients send; default: `model`
@@ -72,9 +76,21 @@ class ServerConfig:
     def model_id(self) -> str:
         return self.served_model_name or Path(self.model).name or str(self.model)
 
+    def views(self) -> list["ServerConfig"]:
+        """One single-model configuration per served model. The first model takes `method`,
+        `draft_model`, `method_options` and `served_model_name`; the others decode with their
+        own defaults (leapfrog.json) under their own names. Engine and server keys apply to all."""
+        served = self.models or [self.model]
+        return [replace(self, model=m, models=[m]) if i == 0 else
+                replace(self, model=m, models=[m], method=None, draft_model=None, method_options={},
+                        served_model_name=None)
+                for i, m in enumerate(served)]
+
 
 HELP = {
-    "model": f"checkpoint folder or built-in model name (default {DEFAULT_MODEL})",
+    "model": f"checkpoint folder or built-in model name; repeat to serve several, each with its own "
+             f"engine, routed by the requests' `model` (default: {' and '.join(DEFAULT_SERVED)})",
+    "models": "the served models (a list; the command line repeats --model instead)",
     "method": "decoding method: ar, dflash, dspark, diffusion (default: the model's best lossless one)",
     "draft_model": "drafter checkpoint folder for speculative methods",
     "served_model_name": "model id clients send and /v1/models lists (default: --model)",
@@ -267,7 +283,27 @@ def build_config(flags: dict, environ: dict[str, str] | None = None) -> ServerCo
     return _finish(merged)
 
 
+def _served(merged: dict) -> None:
+    """`models` and `model` made consistent: neither set serves DEFAULT_SERVED; `model` alone
+    serves it alone; `models` alone serves those, the first as `model`."""
+    models = merged.get("models")
+    if models:
+        if len(set(models)) != len(models):
+            raise ConfigError(f"models={models!r}: a model is named twice")
+        if "model" in merged and merged["model"] != models[0]:
+            raise ConfigError(f"model={merged['model']!r} and models={models!r} disagree: name the models once")
+        merged["model"] = models[0]
+    elif "model" in merged:
+        merged["models"] = [merged["model"]]
+    else:
+        merged["model"], merged["models"] = DEFAULT_SERVED[0], list(DEFAULT_SERVED)
+    if len(merged["models"]) > 1 and merged.get("served_model_name"):
+        raise ConfigError(f"served_model_name={merged['served_model_name']!r}: names one model, but "
+                          f"{len(merged['models'])} are served (each is served under its own name)")
+
+
 def _finish(merged: dict) -> ServerConfig:
+    _served(merged)
     engine = {k: merged.pop(k) for k in list(merged) if k in _ENGINE_TYPES}
     # Engine options that are also EngineConfig fields may be passed in method_options by
     # mistake; hand them to the engine where they belong.
@@ -307,7 +343,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
                    help="decoding-method option KEY=VALUE, value parsed as JSON when it can be (repeatable)")
     for key, kind in KEYS.items():
-        if key == "method_options":
+        if key in ("method_options", "models"):
+            continue                        # --option; --model repeated
+        if key == "model":
+            p.add_argument("--model", action="append", default=None, help=f"{HELP['model']} (env "
+                           f"{ENV_PREFIX}MODEL; several: {ENV_PREFIX}MODELS=a,b)")
             continue
         flag = "--" + key.replace("_", "-")
         base = kind.replace(" | None", "")
@@ -324,6 +364,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def flags_from_args(args: argparse.Namespace) -> dict:
     from leapfrog.options import parse_options
     flags = {k: v for k, v in vars(args).items() if k in KEYS or k == "config"}
+    models = flags.pop("model", None)
+    if models:
+        flags["model" if len(models) == 1 else "models"] = models[0] if len(models) == 1 else models
     if args.option:
         flags["method_options"] = parse_options(args.option)
     return flags

@@ -95,6 +95,27 @@ class Histogram:
         return out
 
 
+def render_all(metrics: list["ServerMetrics"]) -> str:
+    """The exposition of several models' metrics (one ServerMetrics per served model): each
+    family once, with every model's samples under it, told apart by `model_name`."""
+    if len(metrics) == 1:
+        return metrics[0].render()
+    merged: dict[str, Metric] = {}
+    for m in metrics:
+        for family in m.collect():
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+
+    class _Merged:
+        def collect(self) -> list[Metric]:
+            return list(merged.values())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry).decode()
+
+
 def _method_metric_name(key: str) -> str:
     """`method_` + the key with anything but ASCII letters and digits turned into `_`."""
     return "method_" + "".join(c if c.isascii() and c.isalnum() else "_" for c in key)

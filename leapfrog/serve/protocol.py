@@ -66,8 +66,18 @@ class StreamOptions(_Strict):
 
 
 class GenerateRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | None = None  # required unless `keywords` is given
     max_length: int | None = None          # alias of max_tokens: new tokens, not prompt + new
+    keywords: str | None = None            # the couplet guide's form: a couplet for these keywords
+
+
+class CoupletRequest(_Strict):
+    """POST /couplet: a couplet (上联, 下联, 横批) for a few keywords."""
+    keywords: str
+    seed: int | None = None                # the same keywords and seed write the same couplet
+    method: str = "constrained"            # "constrained" (rules enforced, candidates reranked) or "free"
+    num_candidates: int = 8                # constrained: candidates written and reranked
+    model: str | None = None               # default: the first served model that writes couplets
 
 
 class CompletionRequest(SamplingFields):

@@ -10,10 +10,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from leapfrog.serve.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from leapfrog.serve.protocol import ChatRequest, CompletionRequest, CoupletRequest, GenerateRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
+    "/couplet": CoupletRequest,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
 }

@@ -1,0 +1,82 @@
+"""Two models behind one server (a tiny Llama first, the built-in `couplets` second): routing
+by `model`, /v1/models, one /metrics with both, and the couplet endpoints and page."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from leapfrog.couplet import rules
+from test_server_common import ServerThread
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    s = ServerThread(llama_dir, models=[str(llama_dir), "couplets"], served_model_name=None,
+                     max_batch_size=16, max_queue_size=64).start()
+    yield s
+    s.stop()
+
+
+def test_both_models_listed_and_routed(server, llama_dir):
+    data = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [llama_dir.name, "couplets"]
+    assert [m["couplets"] for m in data] == [False, True]
+    plain = httpx.post(server.url + "/generate", json={"prompt": "春回大地", "max_tokens": 8, "temperature": 0})
+    routed = httpx.post(server.url + "/generate", json={"prompt": "春回大地", "model": "couplets", "temperature": 0,
+                                                        "max_tokens": 8})
+    assert plain.status_code == routed.status_code == 200
+    assert plain.json()["model"] == llama_dir.name and routed.json()["model"] == "couplets"
+    # the couplet model answers a raw 上联 with Chinese; the tiny Llama does not know those characters
+    assert rules.hanzi(routed.json()["text"]) and routed.json()["text"] != plain.json()["text"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": "nope", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "couplets" in r.json()["error"]["message"]
+
+
+def test_couplet_endpoint(server):
+    r = httpx.post(server.url + "/couplet", json={"keywords": "马年 吉祥", "seed": 3}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200 and body["model"] == "couplets", body
+    up, low, hor = body["upper"], body["lower"], body["horizontal"]
+    assert len(up) == len(low) >= 5 and len(hor) == 4 and body["keywords"] == ["马年", "吉祥"]
+    assert body["rules"] == rules.check(up, low, hor, ["马年", "吉祥"]) and body["timing"]["seconds"] > 0
+    again = httpx.post(server.url + "/couplet", json={"keywords": "马年，吉祥", "seed": 3}, timeout=60).json()
+    assert (again["upper"], again["lower"], again["horizontal"]) == (up, low, hor)      # same seed, same couplet
+    # the deployment guide's shape
+    g = httpx.post(server.url + "/generate", json={"keywords": "马年 吉祥", "seed": 3}, timeout=60).json()
+    assert g["couplet"] == f"上联：{up}\n下联：{low}\n横批：{hor}"
+    free = httpx.post(server.url + "/couplet", json={"keywords": "春", "method": "free", "seed": 1}, timeout=60)
+    assert free.status_code == 200 and free.json()["constrained"] is False
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"keywords": ""}, "keywords"), ({"keywords": "<script>"}, "keywords"), ({"keywords": "春 夏 秋 冬 东 南 西 北 中"}, "keywords"),
+    ({"keywords": "春", "method": "magic"}, "method"), ({"keywords": "春", "num_candidates": 0}, "num_candidates"),
+    ({"keywords": "春", "seed": -1}, "seed"), ({"keywords": 5}, "keywords"), ({"keyword": "春"}, "keywords"),
+])
+def test_bad_couplet_requests_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/couplet", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_couplet_on_a_model_that_cannot_write_them(server, llama_dir):
+    r = httpx.post(server.url + "/couplet", json={"keywords": "春", "model": llama_dir.name})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_a_couplet_model"
+    r = httpx.post(server.url + "/generate", json={"keywords": "春", "prompt": "x"})
+    assert r.status_code == 400
+
+
+def test_page_is_served_and_locked_down(server):
+    r = httpx.get(server.url + "/couplet")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "开门见喜" in r.text and "default-src 'self'" in r.headers["content-security-policy"]
+
+
+def test_metrics_carry_both_models_once_per_family(server, llama_dir):
+    text = httpx.get(server.url + "/metrics").text
+    helps = re.findall(r"^# HELP (\S+)", text, re.M)
+    assert len(helps) == len(set(helps))
+    running = re.findall(r'^leapfrog:num_requests_running\{model_name="([^"]+)"\}', text, re.M)
+    assert sorted(running) == sorted([llama_dir.name, "couplets"])

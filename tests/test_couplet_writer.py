@@ -1,0 +1,88 @@
+"""The couplet writer on the built-in `couplets` model: the rules it enforces hold on every
+couplet it writes (oracle: rules.check, and each rule's own definition), the same seed writes
+the same couplet, and per-request logits processors work through the engine."""
+from __future__ import annotations
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.couplet import rules
+from leapfrog.couplet.writer import CoupletWriter, LineRule, write
+
+KEYWORD_SETS = [["马年", "吉祥"], ["春", "福"], ["山", "水"], ["月"], ["龙年"]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("couplets", method="ar")
+
+
+@pytest.fixture(scope="module")
+def writer(llm):
+    return CoupletWriter(llm.tokenizer, num_candidates=4)
+
+
+def test_constrained_couplets_keep_the_enforced_rules(llm, writer):
+    for i, kws in enumerate(KEYWORD_SETS):
+        c = write(llm, kws, seed=i, writer=writer)
+        up, low = c.upper, c.lower
+        assert rules.hanzi(up) == up and rules.hanzi(low) == low and up   # characters only
+        assert len(up) == len(low) and len(c.horizontal) == 4
+        assert all(a != b for a, b in zip(up, low)) and not rules.repeat_violations(up, low)
+        assert rules.is_oblique(up[-1]) and rules.is_level(low[-1])       # 仄起平收, default readings
+        assert all(up[i] != up[i + 1] or up[i] != up[i + 2] for i in range(len(up) - 2))
+        for k in ("equal_length", "no_repeat", "repeat_pattern", "horizontal_4"):
+            assert c.rules[k], (kws, c)
+        assert c.rules == rules.check(up, low, c.horizontal, kws)
+        assert c.score < 0 and c.num_candidates == 4
+
+
+def test_same_seed_same_couplet_and_free_mode(llm, writer):
+    a = write(llm, ["春", "福"], seed=11, writer=writer)
+    b = write(llm, ["春", "福"], seed=11, writer=writer)
+    assert (a.upper, a.lower, a.horizontal) == (b.upper, b.lower, b.horizontal)
+    free = write(llm, ["春", "福"], seed=11, constrained=False, writer=writer)
+    assert not free.constrained and set(free.rules) == set(rules.RULES)
+
+
+def test_line_rule_masks(llm, writer):
+    """A 下联 after 天若有情天亦老: position 4 must repeat the 下联's first character; the 上联's
+    own character is banned at each position; the end only at the 上联's length, after a
+    level character."""
+    import torch
+    v = writer.vocab
+    rule = LineRule(v, "", 7, 7, v.newline, v.level, "天若有情天亦老")
+    row = torch.zeros(llm.tokenizer.vocab_size)
+    ids = v.encode("月如无恨")
+    allowed = rule(ids, row.clone()) > float("-inf")
+    assert allowed.sum() == 1 and allowed[v.id_of["月"]]
+    allowed = rule(v.encode("月"), row.clone()) > float("-inf")
+    assert not allowed[v.id_of["若"]] and not allowed[v.newline] and allowed[v.id_of["如"]]
+    allowed = rule(v.encode("月如无恨月常"), row.clone()) > float("-inf")     # the last position
+    assert all(rules.is_level(v.char_of[t]) for t in allowed.nonzero().flatten().tolist())
+    allowed = rule(v.encode("月如无恨月常圆"), row.clone()) > float("-inf")
+    assert allowed.sum() == 1 and allowed[v.newline]
+
+
+def test_logits_processors_through_the_engine(llm):
+    """A processor that bans a token: greedy decoding never emits it (and is otherwise the
+    plain greedy output up to where that token came); the engine hands it the output so far."""
+    base = llm.generate(["春回大地"], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
+    banned = base[1]
+    seen = []
+
+    def ban(output_ids, row):
+        seen.append(list(output_ids))
+        row[banned] = float("-inf")
+        return row
+    out = llm.generate(["春回大地"], SamplingParams(max_tokens=6, temperature=0, logits_processors=[ban]))[0]
+    assert banned not in out.token_ids and out.token_ids[0] == base[0]
+    assert seen[0] == [] and seen[1] == out.token_ids[:1]
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams(logits_processors=[42]).validate()
+
+
+def test_diffusion_refuses_logits_processors():
+    llm = LLM("stories-diffusion", method="diffusion")
+    with pytest.raises(ValueError, match="diffusion method does not support"):
+        llm.generate(["Once"], SamplingParams(max_tokens=4, logits_processors=[lambda ids, row: row]))
