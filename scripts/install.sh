@@ -18,3 +18,18 @@ fi
 $PIP install -q -e ".[dev]"
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
+# The couplet page's browser test (tests/test_couplet_browser.py) drives Debian's Chromium with
+# Playwright. Best effort: only as root (or sudo without a password) where apt-get exists,
+# `apt-get update` only if the first try fails; never fatal. (Screenshots want fonts-noto-cjk too;
+# the test reads text, not pixels, so set-up leaves that 100 MB package out.)
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+  if [ -z "$SUDO" ] || sudo -n true 2>/dev/null; then
+    APT="$SUDO env DEBIAN_FRONTEND=noninteractive apt-get -y -q"
+    $APT install --no-install-recommends chromium >/dev/null 2>&1 \
+      || { $APT update >/dev/null 2>&1 && $APT install --no-install-recommends chromium >/dev/null 2>&1; } \
+      || echo "note: could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "note: no chromium and no root; the browser test will be skipped (apt-get install chromium)" >&2
+  fi
+fi

@@ -7,7 +7,7 @@ import pytest
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.couplet import rules
-from leapfrog.couplet.writer import CoupletWriter, LineRule, write
+from leapfrog.couplet.writer import CoupletRule, CoupletWriter, write
 
 KEYWORD_SETS = [["马年", "吉祥"], ["春", "福"], ["山", "水"], ["月"], ["龙年"]]
 
@@ -45,23 +45,26 @@ def test_same_seed_same_couplet_and_free_mode(llm, writer):
     assert not free.constrained and set(free.rules) == set(rules.RULES)
 
 
-def test_line_rule_masks(llm, writer):
-    """A 下联 after 天若有情天亦老: position 4 must repeat the 下联's first character; the 上联's
-    own character is banned at each position; the end only at the 上联's length, after a
-    level character."""
+def test_couplet_rule_masks(llm, writer):
+    """The slots after 上联：: seven 上联 characters (the last oblique), 下联： forced, then a 下联
+    against 天若有情天亦老: position 4 must repeat its first character, the 上联's own
+    character is banned at each position, the last is level; then 横批： and four characters."""
     import torch
     v = writer.vocab
-    rule = LineRule(v, "", 7, 7, v.newline, v.level, "天若有情天亦老")
+    rule = CoupletRule(v, 7, ("", "", ""))
     row = torch.zeros(llm.tokenizer.vocab_size)
-    ids = v.encode("月如无恨")
-    allowed = rule(ids, row.clone()) > float("-inf")
-    assert allowed.sum() == 1 and allowed[v.id_of["月"]]
-    allowed = rule(v.encode("月"), row.clone()) > float("-inf")
-    assert not allowed[v.id_of["若"]] and not allowed[v.newline] and allowed[v.id_of["如"]]
-    allowed = rule(v.encode("月如无恨月常"), row.clone()) > float("-inf")     # the last position
-    assert all(rules.is_level(v.char_of[t]) for t in allowed.nonzero().flatten().tolist())
-    allowed = rule(v.encode("月如无恨月常圆"), row.clone()) > float("-inf")
-    assert allowed.sum() == 1 and allowed[v.newline]
+    ok = lambda ids: (rule(ids, row.clone()) > float("-inf")).nonzero().flatten().tolist()   # noqa: E731
+    up = v.encode("天若有情天亦")
+    assert all(rules.is_oblique(v.char_of[t]) for t in ok(up))             # the 上联's last character
+    head = v.encode("天若有情天亦老\n下联：")
+    assert ok(head[:7]) == [v.newline] and ok(head[:8]) == v.encode("下")
+    assert ok(head + v.encode("月如无恨")) == [v.id_of["月"]]
+    allowed = ok(head + v.encode("月"))
+    assert v.id_of["若"] not in allowed and v.newline not in allowed and v.id_of["如"] in allowed
+    assert all(rules.is_level(v.char_of[t]) for t in ok(head + v.encode("月如无恨月常")))
+    done = head + v.encode("月如无恨月常圆\n横批：天长地久")
+    assert ok(done) == v.eos[:1]
+    assert rule.lines(done) == ("天若有情天亦老", "月如无恨月常圆", "天长地久")
 
 
 def test_logits_processors_through_the_engine(llm):

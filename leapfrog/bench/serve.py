@@ -7,6 +7,10 @@ each, request and token throughput. Load levels are fixed concurrencies (all req
 once, at most C in flight) or Poisson arrival rates (gamma gaps with --burstiness; 1 = Poisson).
 One asyncio client drives everything: on a small machine, client threads would compete with
 the server for cores.
+With --couplet the requests are the couplet terminal's (POST /couplet with a few festive
+keywords, not streamed): per level, completed requests, requests shed with 429 (+ Retry-After:
+load shedding, reported apart from errors), errors, req/s, latency p50/p99, and the server's peak
+resident memory (its `process_resident_memory_bytes`, polled while the level runs).
 Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     num_chunks: int = 0
+    shed: bool = False                 # 429 with Retry-After: the server shed load, not an error
 
     @property
     def tpot(self) -> float | None:
@@ -98,6 +103,44 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     return res
 
 
+# Keywords a festive crowd types: the couplet load test draws from these.
+COUPLET_KEYWORDS = ("马年 吉祥", "春 福", "龙年 大吉", "平安 如意", "山 水", "月", "新春 快乐", "家和 万事兴",
+                    "五谷 丰登", "花开 富贵", "福 寿", "春风 得意", "国泰 民安", "金 玉", "瑞雪 丰年")
+
+
+async def one_couplet(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    res = RequestResult()
+    start = time.perf_counter()
+    try:
+        r = await client.post(url, json=body)
+        res.e2e = time.perf_counter() - start
+        if r.status_code == 429 and r.headers.get("retry-after"):
+            res.shed, res.error = True, "shed (429)"
+        elif r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {r.text[:200]!r}"
+        else:
+            data = r.json()
+            res.ok = bool(data.get("upper")) and len(data["upper"]) == len(data.get("lower", ""))
+            res.output_tokens = len(data.get("upper", "")) * 2 + len(data.get("horizontal", ""))
+            res.ttft = res.e2e
+            res.error = "" if res.ok else f"malformed couplet: {str(data)[:120]}"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def peak_memory(client: httpx.AsyncClient, base: str, stop: asyncio.Event) -> float:
+    """The server's largest resident memory (bytes) seen while `stop` is unset, polled twice a second."""
+    peak = 0.0
+    while True:
+        peak = max(peak, (await scrape(client, base)).get("process_resident_memory_bytes", 0.0))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+            return peak
+        except asyncio.TimeoutError:
+            pass
+
+
 def _chunk_text(chunk: dict) -> str:
     c = chunk["choices"][0]
     return c.get("text") or (c.get("delta") or {}).get("content") or ""
@@ -115,13 +158,19 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
     texts = prompts(num, args.prompt_words, args.seed)
     sem = asyncio.Semaphore(concurrency or num)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = base.rstrip("/") + "/v1/completions"
+    url = base.rstrip("/") + ("/couplet" if args.couplet else "/v1/completions")
     limits = httpx.Limits(max_connections=(concurrency or num) + 4)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         before = await scrape(client, base)
         load_before = os.getloadavg()[0]
+        stop = asyncio.Event()
+        memory = asyncio.create_task(peak_memory(client, base, stop))
 
         async def go(i: int) -> RequestResult:
+            if args.couplet:
+                body = {"keywords": COUPLET_KEYWORDS[i % len(COUPLET_KEYWORDS)], "seed": args.seed + i}
+                async with sem:
+                    return await one_couplet(client, url, body)
             body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,
                     "stream_options": {"include_usage": True}}
@@ -134,9 +183,12 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
             tasks.append(asyncio.create_task(go(i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        stop.set()
+        peak = await memory
         after = await scrape(client, base)
     summary = summarize(results, duration, concurrency, rate, before, after)
     summary["load_average_1m"] = load_before     # the machine's own load: context for the numbers
+    summary["server_peak_rss_bytes"] = peak or None
     return summary
 
 
@@ -148,7 +200,8 @@ async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(("leapfrog:request_forwards_total", "leapfrog:generation_tokens_total")):
+        if line.startswith(("leapfrog:request_forwards_total", "leapfrog:generation_tokens_total",
+                            "process_resident_memory_bytes")):
             name = line.split("{")[0].split(" ")[0].removeprefix("leapfrog:")
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -175,8 +228,8 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
     gen = after.get("generation_tokens_total", 0) - before.get("generation_tokens_total", 0)
     return {
         "concurrency": concurrency, "request_rate": None if math.isinf(rate) else rate,
-        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "num_requests": len(results), "completed": len(ok), "failed": sum(not r.ok and not r.shed for r in results),
+        "shed": sum(r.shed for r in results), "errors": sorted({r.error for r in results if not r.ok and not r.shed})[:5],
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
         "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
@@ -187,7 +240,22 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
 
 
 # --- reporting -------------------------------------------------------------------------------
+def couplet_markdown(result: dict) -> str:
+    rows = ["| concurrent clients | done/sent | shed (429) | errors | req/s | latency p50 / p99 (s) | "
+            "server peak RSS (MiB) |", "|" + "---|" * 7]
+    for lv in result["levels"]:
+        rss = lv.get("server_peak_rss_bytes")
+        rows.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['num_requests']} | {lv['shed']} | {lv['failed']} | "
+                    f"{lv['request_throughput']:.1f} | {lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f} | "
+                    f"{'-' if not rss else f'{rss / 2**20:.0f}'} |")
+    loads = ", ".join(f"{lv.get('load_average_1m', math.nan):.1f}" for lv in result["levels"])
+    return "\n".join(rows) + (f"\nPOST /couplet at {result['config']['url']}; 1-min load average before each "
+                              f"level: {loads}; {result['timestamp']}.")
+
+
 def markdown(result: dict) -> str:
+    if result["config"].get("couplet"):
+        return couplet_markdown(result)
     head = ("| load | done/sent | req/s | out tok/s | total tok/s | TTFT mean / p50 / p99 (ms) | "
             "TPOT mean / p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E mean / p50 / p99 (s) | tok/fwd |")
     rows = [head, "|" + "---|" * 10]
@@ -278,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: always generate --max-tokens)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--couplet", action="store_true",
+                   help="load the couplet terminal instead: POST /couplet with festive keywords (not streamed)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", default="bench_results", help="output folder")
     p.add_argument("--name", default="serve", help="file stem of the results")
@@ -324,7 +394,7 @@ async def first_model(url: str, api_key: str | None) -> str:
 async def _run(args: argparse.Namespace) -> dict:
     """Each load level against leapfrog and, with --peer-url, against the peer server with the
     same client, prompts and settings; the two alternate which goes first from level to level."""
-    model = args.model or await first_model(args.url, args.api_key)
+    model = args.model or ("couplet terminal" if args.couplet else await first_model(args.url, args.api_key))
     targets = [("leapfrog", args.url, model)]
     if args.peer_url:
         targets.append((args.peer_name, args.peer_url, await first_model(args.peer_url, args.api_key)))

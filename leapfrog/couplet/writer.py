@@ -4,9 +4,10 @@ enforced while the model decodes.
 The built-in `couplets` model writes a whole couplet from keywords in its keyword mode
 (leapfrog.data.couplets: prompt ``关键词：马年 吉祥\\n``, completion ``上联：…\\n下联：…\\n横批：…``);
 its vocabulary is one token per Chinese character, so a rule on characters is a rule on tokens.
-Constrained writing runs that mode in three rounds, each line a request of its own whose prompt
-holds everything written so far, and each line's request carries a logits processor
-(`LineRule`) that allows only what the rules allow:
+Constrained writing runs that mode once per candidate, the whole completion in one request:
+its logits processor (`CoupletRule`) lays the completion out token by token (the labels
+``下联：`` and ``横批：`` are forced where they go) and allows at each character only what the
+rules allow:
 
 * 上联: Chinese characters only, as many as the candidate's length (7 or 5: the lengths of
   most spring couplets; left free, the line could end only where an oblique character happened to
@@ -20,18 +21,19 @@ Keywords are placed two ways, and the candidates compete: every line's processor
 logits of keyword characters not yet written (`boost`), and half of the candidates start the
 上联 with the first keyword (and the 下联 with the second when it has the same length: 马年… /
 吉祥…), and take the keywords as the 横批 when they are four characters in all. The candidates
-(`num_candidates`, each sampled with its own seed) are reranked: most rules held first (the
-tone rule is checked again with each line read in context), then the model's own mean
-log-probability of the characters it chose (the raw distribution, before the processors).
+(`num_candidates`, each sampled with its own seed) are reranked after the two lines: most
+rules held first (the tone rule is checked again with each line read in context), then the
+model's own mean log-probability of the tokens it chose (the raw distribution, before the
+processors). One request per candidate, not one per line: the prompt is read once, and the
+candidates of every user share the engine's batches.
 
 Unconstrained writing (`constrained=False`) is the model alone: one sampled keyword-mode
 completion, parsed, its rules checked, nothing enforced or reranked; the quality benchmark
 compares the two.
 
-The writer does not run the model itself: `plan()` is a generator that yields a round of jobs
-(prompt token ids + SamplingParams), is sent their outputs, and returns the `Couplet`.
-`write()` drives it with an `LLM`; the server drives it with its async engine, so a thousand
-users' rounds share the engine's batches.
+The writer does not run the model itself: `plan()` is a generator that yields its jobs (prompt
+token ids + SamplingParams), is sent their outputs, and returns the `Couplet`. `write()` drives
+it with an `LLM`; the server drives it with its async engine.
 """
 from __future__ import annotations
 
@@ -97,9 +99,9 @@ class Vocab:
         self.level[level] = True
         self.oblique = torch.zeros(size, dtype=torch.bool)
         self.oblique[oblique] = True
-        newline = [i for i, s in enumerate(strings) if s == "\n"]
+        newline = tokenizer.encode("\n", add_special_tokens=False)     # as the training text has it
         missing = [c for c in rules.hanzi(FORMAT_CHARS) if c not in self.id_of]
-        if not newline or missing:
+        if len(newline) != 1 or missing:
             raise ValueError("the couplet writer needs a model trained on the keyword format (关键词：… → "
                              "上联：…, 下联：…, 横批：…) with one token per Chinese character and a newline token, "
                              "as the built-in `couplets` model has")
@@ -114,49 +116,84 @@ class Vocab:
         return "".join(self.char_of[t] or "" for t in ids if 0 <= t < len(self.char_of))
 
 
-class LineRule:
-    """Logits processor for one line of Chinese characters (see the module docstring). `prefix`
-    is the part of the line already in the prompt (a forced keyword); `upper` makes it a 下联
-    (position rules against that 上联); `end_tone` is the allowed class of the last character
-    (vocab.level or vocab.oblique, or None); `end` the token that ends the line; `boost` the
-    keyword characters to favour."""
+class CoupletRule:
+    """The logits processor of one candidate: the whole completion after ``上联：`` laid out as
+    slots, one per token: the 上联's characters, ``\n下联：``, the 下联's, ``\n横批：``, the 横批's
+    four, the end of text. A fixed slot (the labels, a forced keyword) allows its one token; a
+    character slot allows what the rules allow there (module docstring); keyword characters not
+    written yet get BOOST. `prefixes` are the forced starts of the three lines; the 上联's is in
+    the prompt already."""
 
-    def __init__(self, vocab: Vocab, prefix: str, min_len: int, max_len: int, end: int,
-                 end_tone: torch.Tensor | None = None, upper: str | None = None, boost: str = "",
-                 written: str = "") -> None:
-        self.vocab, self.prefix, self.min_len, self.max_len = vocab, prefix, min_len, max_len
-        self.end, self.end_tone, self.upper = end, end_tone, upper
-        # keyword characters not in the earlier lines (`written`) get BOOST until this line has them
-        self.boost = [vocab.id_of[c] for c in dict.fromkeys(boost) if c in vocab.id_of and c not in written]
+    def __init__(self, vocab: "Vocab", length: int, prefixes: tuple[str, str, str], boost: str = "") -> None:
+        up_pre, low_pre, hor_pre = prefixes
+        self.vocab, self.length, self.up_pre = vocab, length, up_pre
+        fixed = lambda text: [("fixed", t) for t in vocab.encode(text)]     # noqa: E731
+        self.slots: list[tuple[str, int]] = (
+            [("up", i) for i in range(len(up_pre), length)] + fixed("\n" + DOWN + low_pre)
+            + [("low", i) for i in range(len(low_pre), length)] + fixed("\n" + SCROLL + hor_pre)
+            + [("hor", i) for i in range(len(hor_pre), HORIZONTAL)] + [("fixed", vocab.eos[0])])
+        self.boost = [vocab.id_of[c] for c in dict.fromkeys(boost) if c in vocab.id_of]
+
+    def lines(self, output_ids: list[int]) -> tuple[str, str, str]:
+        """The three lines of a completion this rule guided (as far as it got)."""
+        parts = {"up": self.up_pre, "low": "", "hor": ""}
+        fixed_low = fixed_hor = ""
+        seen_low = False
+        for (kind, tok), out in zip(self.slots, output_ids):
+            c = self.vocab.char_of[out] or ""
+            if kind == "fixed":
+                if seen_low:
+                    fixed_hor += c
+                else:
+                    fixed_low += c
+            else:
+                seen_low = seen_low or kind == "low"
+                parts[kind] += c
+        # forced characters after a label belong to the line that follows it
+        low_pre = fixed_low.removeprefix("下联")
+        hor_pre = fixed_hor.removeprefix("横批")
+        return parts["up"], low_pre + parts["low"], hor_pre + parts["hor"]
 
     def __call__(self, output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
         v = self.vocab
-        line = self.prefix + v.chars(output_ids)
-        n = len(line)
-        allowed = torch.zeros_like(v.hanzi)
-        if n < self.max_len:
-            allowed |= v.hanzi
-            if self.upper is not None:
-                must, banned = rules.allowed_next(self.upper, line)
-                if must is not None and must in v.id_of:
-                    allowed.zero_()
-                    allowed[v.id_of[must]] = True
+        t = len(output_ids)
+        kind, pos = self.slots[t] if t < len(self.slots) else ("fixed", v.eos[0])
+        if kind == "fixed":
+            allowed = torch.zeros_like(v.hanzi)
+            allowed[pos] = True
+        else:
+            up, low, hor = self.lines(output_ids)
+            line = {"up": up, "low": low, "hor": hor}[kind]
+            allowed = v.hanzi.clone()
+            banned: set[str] = set()
+            must = None
+            if kind == "low":
+                # rules.allowed_next, for lines of characters only (the hot path of every step)
+                u = up[pos]
+                first = up.find(u)
+                if first < pos:
+                    must = low[first]              # the 上联 repeats here: so does the 下联
                 else:
+                    banned = {u} | {low[i] for i in range(pos) if up[i] != u}
+            if must is not None and must in v.id_of:
+                allowed.zero_()
+                allowed[v.id_of[must]] = True
+            else:
+                if pos >= 2 and line[-1] == line[-2]:
+                    banned.add(line[-1])           # no character three times in a row
+                if banned:
                     allowed[[v.id_of[c] for c in banned if c in v.id_of]] = False
-            if n >= 2 and line[-1] == line[-2] and line[-1] in v.id_of:
-                allowed[v.id_of[line[-1]]] = False    # no character three times in a row
-            if self.end_tone is not None and n == self.max_len - 1 and bool((allowed & self.end_tone).any()):
-                allowed &= self.end_tone           # the last position: a character the line may end on
-        if n >= self.min_len and (self.end_tone is None or bool(self.end_tone[v.id_of.get(line[-1], 0)])):
-            allowed[self.end] = True
-        if not bool(allowed.any()):                # nothing the rules allow: end the line (check() tells)
-            allowed[self.end] = True
+                tone = v.oblique if kind == "up" else v.level if kind == "low" else None
+                if tone is not None and pos == self.length - 1 and bool((allowed & tone).any()):
+                    allowed &= tone                # 仄起平收: the line's last character
         if allowed.shape[0] < row.shape[0]:         # logits padded past the vocabulary
             allowed = torch.cat([allowed, allowed.new_zeros(row.shape[0] - allowed.shape[0])])
         row = row.masked_fill(~allowed[:row.shape[0]], float("-inf"))
-        todo = [t for t in self.boost if v.char_of[t] not in line]
-        if todo:
-            row[todo] += BOOST
+        if kind != "fixed" and self.boost:
+            written = "".join(self.lines(output_ids))
+            todo = [i for i in self.boost if v.char_of[i] not in written]
+            if todo:
+                row[todo] += BOOST
         return row
 
 
@@ -170,8 +207,8 @@ class CoupletWriter:
     # --- the plan ---------------------------------------------------------------------------
     def plan(self, keywords: list[str], seed: int | None = None, constrained: bool = True,
              num_candidates: int | None = None) -> Generator[list[Job], list[Any], Couplet]:
-        """Yields rounds of jobs, is sent each round's outputs (RequestOutput-like: token_ids,
-        logprobs), returns the Couplet."""
+        """Yields the jobs (one request per candidate), is sent their outputs (RequestOutput-like:
+        token_ids, logprobs), returns the Couplet."""
         seed = random.randrange(1 << 31) if seed is None else seed
         base = self.vocab.tokenizer.encode(keyword_prompt(keywords))
         if not constrained:
@@ -182,39 +219,22 @@ class CoupletWriter:
                            constrained=False)
         v, k = self.vocab, num_candidates or self.num_candidates
         joined = "".join(keywords)
-        plans = [self._placement(keywords, i) for i in range(k)]
-        seeds = [(seed * 7919 + i) % (1 << 63) for i in range(k)]
-        # round 1: the 上联s
-        lengths = [max(UPPER_LENGTHS[i % len(UPPER_LENGTHS)], len(p[0]) + 2) for i, p in enumerate(plans)]
-        jobs = [Job(base + v.encode(UP + up_pre),
-                    self._params(s, n + 1, [LineRule(v, up_pre, n, n, v.newline, v.oblique, None, joined)]))
-                for (up_pre, _, _), s, n in zip(plans, seeds, lengths)]
-        outs = yield jobs
-        uppers = [up_pre + v.chars(o.token_ids) for (up_pre, _, _), o in zip(plans, outs)]
-        scored = [[o] for o in outs]          # every round's output of each candidate, for its score
-        # round 2: the 下联s, as long as their 上联
-        lows_pre = [lo if len(lo) < len(u) and not _clash(u, lo) else "" for (_, lo, _), u in zip(plans, uppers)]
-        jobs = [Job(base + v.encode(f"{UP}{u}\n{DOWN}{lo}"),
-                    self._params(s + 1, len(u) + 1, [LineRule(v, lo, len(u), len(u), v.newline, v.level, u,
-                                                              joined, u)]))
-                for u, lo, s in zip(uppers, lows_pre, seeds)]
-        outs = yield jobs
-        lowers = [lo + v.chars(o.token_ids) for lo, o in zip(lows_pre, outs)]
-        for sc, o in zip(scored, outs):
-            sc.append(o)
-        # round 3: the 横批s
-        end = v.eos[0] if v.eos else v.newline
-        jobs = [Job(base + v.encode(f"{UP}{u}\n{DOWN}{lo}\n{SCROLL}{h}"),
-                    self._params(s + 2, HORIZONTAL + 1, [LineRule(v, h, HORIZONTAL, HORIZONTAL, end, None, None,
-                                                                  joined, u + lo)]))
-                for u, lo, (_, _, h), s in zip(uppers, lowers, plans, seeds)]
+        rules_of = []
+        jobs = []
+        for i in range(k):
+            prefixes = self._placement(keywords, i)
+            length = max(UPPER_LENGTHS[i % len(UPPER_LENGTHS)], len(prefixes[0]) + 2)
+            rule = CoupletRule(v, length, prefixes, joined)
+            rules_of.append(rule)
+            jobs.append(Job(base + v.encode(UP + prefixes[0]),
+                            self._params((seed * 7919 + i) % (1 << 63), len(rule.slots), [rule])))
         outs = yield jobs
         cands = []
-        for i, (u, lo, (_, _, h), o) in enumerate(zip(uppers, lowers, plans, outs)):
-            hor = h + v.chars(o.token_ids)
-            score = _score(scored[i] + [o])
-            held = rules.check(u, lo, hor, keywords)
-            cands.append((sum(held.values()), score, -i, Couplet(u, lo, hor, keywords, held, score)))
+        for i, (rule, o) in enumerate(zip(rules_of, outs)):
+            up, low, hor = rule.lines(o.token_ids)
+            held = rules.check(up, low, hor, keywords)
+            score = _score([o])
+            cands.append((sum(held.values()), score, -i, Couplet(up, low, hor, keywords, held, score)))
         best = max(cands, key=lambda c: c[:3])[3]
         best.num_candidates = k
         return best
@@ -225,15 +245,15 @@ class CoupletWriter:
             return "", "", ""
         first = keywords[0]
         second = keywords[1] if len(keywords) > 1 and len(keywords[1]) == len(first) else ""
+        if second and _clash(first, second):
+            second = ""
         joined = "".join(keywords)
         return first, second, joined if len(joined) == HORIZONTAL else ""
 
     @staticmethod
     def _params(seed: int, max_tokens: int, processors: list[Callable]) -> SamplingParams:
-        """A line's request: it stops at its end token (the newline, or the end of text)."""
-        stop = sorted({p.end for p in processors if isinstance(p, LineRule)})
         return SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE, top_p=TOP_P, seed=seed,
-                              logprobs=0, logits_processors=processors, stop_token_ids=stop)
+                              logprobs=0, logits_processors=processors)
 
 
 def _clash(upper: str, lower_prefix: str) -> bool:
@@ -268,4 +288,4 @@ def write(llm: Any, keywords: list[str], seed: int | None = None, constrained: b
     return couplet
 
 
-__all__ = ["Couplet", "CoupletWriter", "Job", "LineRule", "Vocab", "write"]
+__all__ = ["Couplet", "CoupletRule", "CoupletWriter", "Job", "Vocab", "write"]

@@ -63,6 +63,7 @@ class ModelServer:
         self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
         self._writer: Any = None            # the couplet writer, made on first use
+        self.couplets_in_flight = 0
 
     def limits(self) -> Limits:
         info = self.engine.info
@@ -85,6 +86,12 @@ class ModelServer:
             raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
                            "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
         return Generation(self.engine, prep.requests, priority, arrival, stream)
+
+    def couplet_candidates(self) -> int:
+        """Candidates per couplet when the request names none: 8 while the engine has room,
+        fewer as its batch fills (a couplet stays on time under load, a little less polished)."""
+        free = int(self.cfg.engine.get("max_batch_size", 64)) - self.engine.num_in_flight
+        return 8 if free >= 48 else 4 if free >= 16 else 2
 
     def couplet_writer(self) -> Any:
         """The couplet writer over this model's tokenizer, or None when the model cannot write
@@ -501,13 +508,19 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
         raise bad_request(str(exc), "keywords", "invalid_keywords") from None
     if req.method not in COUPLET_METHODS:
         raise bad_request(f"method={req.method!r}: expected one of {', '.join(COUPLET_METHODS)}", "method")
-    if not 1 <= req.num_candidates <= MAX_CANDIDATES:
+    if req.num_candidates is not None and not 1 <= req.num_candidates <= MAX_CANDIDATES:
         raise bad_request(f"num_candidates={req.num_candidates}: must be in [1, {MAX_CANDIDATES}]", "num_candidates")
     if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:
         raise bad_request(f"seed={req.seed}: must be in [0, 2^64 - 1]", "seed")
     server = state.couplet_server(req.model)
+    if server.couplets_in_flight >= state.cfg.max_couplets_in_flight:
+        server.metrics.reject("queue_full")
+        raise APIError(429, f"{server.couplets_in_flight} couplets are being written (max_couplets_in_flight); "
+                       "retry in a second", "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
     writer = server.couplet_writer()
-    plan = writer.plan(keywords, req.seed, req.method == "constrained", req.num_candidates)
+    plan = writer.plan(keywords, req.seed, req.method == "constrained",
+                       req.num_candidates or server.couplet_candidates())
+    server.couplets_in_flight += 1
     try:
         jobs = next(plan)
         while True:
@@ -516,6 +529,8 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
             jobs = plan.send([final[i] for i in range(len(jobs))])
     except StopIteration as done:
         result = done.value.as_dict()
+    finally:
+        server.couplets_in_flight -= 1
     result["timing"] = {"seconds": time.perf_counter() - arrival}
     return {"model": server.model_id, **result}
 

@@ -56,6 +56,7 @@ class ServerConfig:
     max_n: int = 16                            # most choices one request may ask for
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
+    max_couplets_in_flight: int = 48           # couplets written at once per model before 429
     max_body_bytes: int = 4 << 20              # larger request bodies get 413 before being read
     request_timeout: float = 600.0             # seconds; 0 = none
     rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
@@ -104,6 +105,8 @@ HELP = {
     "max_n": "most choices (n) one request may ask for (default 16)",
     "max_body_bytes": "largest request body accepted, in bytes (default 4 MiB; larger gets 413)",
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
+    "max_couplets_in_flight": "couplets (POST /couplet) written at once per model before 429 (default 48: "
+                              "about what 2 CPU cores write within 3 s)",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
     "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
     "rate_limit_burst": "token-bucket size per client (default 2 x rate_limit)",
@@ -323,7 +326,7 @@ def _validate(cfg: ServerConfig) -> None:
     check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
     check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
           "expected critical, error, warning, info, debug or trace")
-    for key in ("default_max_tokens", "max_n", "max_body_bytes"):
+    for key in ("default_max_tokens", "max_n", "max_body_bytes", "max_couplets_in_flight"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
     for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")

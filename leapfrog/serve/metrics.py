@@ -97,9 +97,10 @@ class Histogram:
 
 def render_all(metrics: list["ServerMetrics"]) -> str:
     """The exposition of several models' metrics (one ServerMetrics per served model): each
-    family once, with every model's samples under it, told apart by `model_name`."""
-    if len(metrics) == 1:
-        return metrics[0].render()
+    family once, with every model's samples under it, told apart by `model_name`; then the
+    process's own (resident memory, CPU seconds, open files: prometheus_client's standard
+    `process_*` series), once."""
+    from prometheus_client import ProcessCollector
     merged: dict[str, Metric] = {}
     for m in metrics:
         for family in m.collect():
@@ -107,6 +108,9 @@ def render_all(metrics: list["ServerMetrics"]) -> str:
                 merged[family.name].samples.extend(family.samples)
             else:
                 merged[family.name] = family
+
+    for family in ProcessCollector(registry=None).collect():
+        merged.setdefault(family.name, family)
 
     class _Merged:
         def collect(self) -> list[Metric]:

@@ -76,7 +76,8 @@ class CoupletRequest(_Strict):
     keywords: str
     seed: int | None = None                # the same keywords and seed write the same couplet
     method: str = "constrained"            # "constrained" (rules enforced, candidates reranked) or "free"
-    num_candidates: int = 8                # constrained: candidates written and reranked
+    num_candidates: int | None = None      # constrained: candidates written and reranked (None: 8, fewer
+                                           # while the engine is busy)
     model: str | None = None               # default: the first served model that writes couplets
 
 
