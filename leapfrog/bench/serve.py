@@ -9,7 +9,8 @@ One asyncio client drives everything: on a small machine, client threads would c
 the server for cores.
 With --couplet the requests are the couplet terminal's (POST /couplet with a few festive
 keywords, not streamed): per level, completed requests, requests shed with 429 (+ Retry-After:
-load shedding, reported apart from errors), errors, req/s, latency p50/p99, and the server's peak
+load shedding, reported apart from errors; the client then waits Retry-After, as browsers and
+SDKs do, before its next request), errors, req/s, latency p50/p99, and the server's peak
 resident memory (its `process_resident_memory_bytes`, polled while the level runs).
 Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
 """
@@ -46,6 +47,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     num_chunks: int = 0
     shed: bool = False                 # 429 with Retry-After: the server shed load, not an error
+    retry_after: float = 0.0
 
     @property
     def tpot(self) -> float | None:
@@ -116,6 +118,7 @@ async def one_couplet(client: httpx.AsyncClient, url: str, body: dict) -> Reques
         res.e2e = time.perf_counter() - start
         if r.status_code == 429 and r.headers.get("retry-after"):
             res.shed, res.error = True, "shed (429)"
+            res.retry_after = float(r.headers["retry-after"]) if r.headers["retry-after"].isdigit() else 1.0
         elif r.status_code != 200:
             res.error = f"HTTP {r.status_code}: {r.text[:200]!r}"
         else:
@@ -170,7 +173,10 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
             if args.couplet:
                 body = {"keywords": COUPLET_KEYWORDS[i % len(COUPLET_KEYWORDS)], "seed": args.seed + i}
                 async with sem:
-                    return await one_couplet(client, url, body)
+                    res = await one_couplet(client, url, body)
+                    if res.shed:      # a client told to come back later waits before its next request
+                        await asyncio.sleep(min(res.retry_after, 5.0))
+                    return res
             body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,
                     "stream_options": {"include_usage": True}}

@@ -240,15 +240,22 @@ class CoupletWriter:
         return best
 
     def _placement(self, keywords: list[str], i: int) -> tuple[str, str, str]:
-        """Forced starts of 上联, 下联 and 横批 for candidate i: odd candidates place the keywords."""
+        """Forced starts of 上联, 下联 and 横批 for candidate i. Even candidates: none (the model
+        places the keywords, helped by BOOST). Odd ones: the 上联 starts with the first keyword,
+        the 下联 with the second when it is as long (and keeps the position rules); the keywords
+        left over start the 横批 when they fit in its four characters (all of them, 马年吉祥, when
+        they are four characters in all)."""
         if i % 2 == 0 or not keywords or len(keywords[0]) > 4:
             return "", "", ""
-        first = keywords[0]
-        second = keywords[1] if len(keywords) > 1 and len(keywords[1]) == len(first) else ""
-        if second and _clash(first, second):
-            second = ""
+        first, rest = keywords[0], keywords[1:]
+        second = rest[0] if rest and len(rest[0]) == len(first) and not _clash(first, rest[0]) else ""
+        if second:
+            rest = rest[1:]
         joined = "".join(keywords)
-        return first, second, joined if len(joined) == HORIZONTAL else ""
+        if len(joined) == HORIZONTAL:
+            return first, second, joined
+        left = "".join(rest)
+        return first, second, left if len(left) <= HORIZONTAL else ""
 
     @staticmethod
     def _params(seed: int, max_tokens: int, processors: list[Callable]) -> SamplingParams:

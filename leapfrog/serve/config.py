@@ -56,7 +56,7 @@ class ServerConfig:
     max_n: int = 16                            # most choices one request may ask for
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
-    max_couplets_in_flight: int = 48           # couplets written at once per model before 429
+    max_couplets_in_flight: int = 24           # couplets written at once per model before 429
     max_body_bytes: int = 4 << 20              # larger request bodies get 413 before being read
     request_timeout: float = 600.0             # seconds; 0 = none
     rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
@@ -105,7 +105,7 @@ HELP = {
     "max_n": "most choices (n) one request may ask for (default 16)",
     "max_body_bytes": "largest request body accepted, in bytes (default 4 MiB; larger gets 413)",
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
-    "max_couplets_in_flight": "couplets (POST /couplet) written at once per model before 429 (default 48: "
+    "max_couplets_in_flight": "couplets (POST /couplet) written at once per model before 429 (default 24: "
                               "about what 2 CPU cores write within 3 s)",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
     "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
