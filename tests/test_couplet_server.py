@@ -55,10 +55,14 @@ def test_couplet_endpoint(server):
     ({"keywords": ""}, "keywords"), ({"keywords": "<script>"}, "keywords"), ({"keywords": "春 夏 秋 冬 东 南 西 北 中"}, "keywords"),
     ({"keywords": "春", "method": "magic"}, "method"), ({"keywords": "春", "num_candidates": 0}, "num_candidates"),
     ({"keywords": "春", "seed": -1}, "seed"), ({"keywords": 5}, "keywords"), ({"keyword": "春"}, "keywords"),
+    ({"keywords": "春夏秋冬东南西北 中发白红黄蓝绿紫 金"}, "keywords"), ({"keywords": "新年" * 101}, "keywords"),
+    ({"keywords": "hello world"}, "keywords"), ({"keywords": "<b>春</b>"}, "keywords"),
 ])
 def test_bad_couplet_requests_are_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/couplet", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"]                   # a sentence the page shows as is
+    assert httpx.get(server.url + "/ready").status_code == 200          # and the server still answers
 
 
 def test_couplet_on_a_model_that_cannot_write_them(server, llama_dir):
