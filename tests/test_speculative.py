@@ -430,6 +430,28 @@ def test_plain_steps_are_priced_apart_from_verify_steps():
     assert (m.num_samples, m.num_plain_samples) == (verify, plain + 1)
 
 
+def test_reprobes_keep_to_the_probe_budget():
+    """Drafting never pays here; a probe that cost 100 ms may come only once 100 ms / 3% of wall
+    time has passed since the last one. Before that the policy skips on, and says how many steps
+    may run in the decode loop meanwhile."""
+    import time as _time
+    policy = _priced((1.0, 0.5), 50.0)            # drafting costs 50 ms: never worth it
+    big = _records(8)
+    m = policy.cost_model()
+    for _ in range(3):
+        m.observe_plain(8, 1e-3)
+    probes = [policy.should_draft(big) for _ in range(17)]
+    assert probes == [False] * 16 + [True]        # the first probe: nothing measured about probes yet
+    policy._probe_cost, policy._last_probe_end = 0.1, _time.perf_counter()
+    policy._probing = False
+    for _ in range(40):
+        assert not policy.should_draft(big)     # well past the 32-step wait: deferred
+    assert policy.steps_without_drafting(8) > 100       # (re-checked at most every 256 steps)
+    policy._last_probe_end -= 10.0               # 10 s ago: affordable now
+    policy._reprobe_every = policy._skipped_steps
+    assert policy.should_draft(big) and policy.probing
+
+
 def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, drafters):
     """At 8 requests drafting never pays (probes back off to long waits); at 1 it pays (the wait
     restarts short). Back at 8, the step takes the long wait it had there, instead of probing
