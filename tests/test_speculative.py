@@ -503,6 +503,7 @@ def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_
     monkeypatch.setattr(cs, "paged_step", lambda *a: paged.append(a[2]) or real(*a))
     table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=16, repeats=1)
     assert paged == table.num_tokens and table.num_tokens[0] == 1 and min(table.seconds) > 0
+    assert table.seconds == sorted(table.seconds)          # more tokens never cost less
     for a, (k, v, snapshot) in zip(model.attention_layers, before):
         assert a.k_cache is k and a.v_cache is v and torch.equal(a.k_cache, snapshot)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_greedy

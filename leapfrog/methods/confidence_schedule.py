@@ -108,6 +108,11 @@ class StepCostTable:
         finally:
             for a, (k, v) in zip(layers if paged else [], saved):
                 a.k_cache, a.v_cache = k, v
+        # A forward of more tokens never costs less: a width timed dearer than a wider one was
+        # disturbed (noise only ever adds time), and a spike there would steer the scheduler
+        # away from that width for good, since only the widths it runs get measured.
+        for i in range(len(secs) - 2, -1, -1):
+            secs[i] = min(secs[i], secs[i + 1])
         return cls(sizes, secs)
 
 
