@@ -20,9 +20,9 @@ rules allow:
 Keywords are placed two ways, and the candidates compete: every line's processor raises the
 logits of keyword characters not yet written (`boost`), and half of the candidates start the
 上联 with the first keyword (and the 下联 with the second when it has the same length: 马年… /
-吉祥…), and take the keywords as the 横批 when they are four characters in all. The candidates
-(`num_candidates`, each sampled with its own seed) are reranked after the two lines: most
-rules held first (the tone rule is checked again with each line read in context), then the
+吉祥…) and the 横批 with the keywords left over (all of them, 马年吉祥, when they are four
+characters in all). The candidates (`num_candidates`, each sampled with its own seed) are
+reranked: most rules held first (the tone rule is checked again with each line read in context), then the
 model's own mean log-probability of the tokens it chose (the raw distribution, before the
 processors). One request per candidate, not one per line: the prompt is read once, and the
 candidates of every user share the engine's batches.
