@@ -88,10 +88,12 @@ class ModelServer:
         return Generation(self.engine, prep.requests, priority, arrival, stream)
 
     def couplet_candidates(self) -> int:
-        """Candidates per couplet when the request names none: 8 while the engine has room,
-        fewer as its batch fills (a couplet stays on time under load, a little less polished)."""
-        free = int(self.cfg.engine.get("max_batch_size", 64)) - self.engine.num_in_flight
-        return 8 if free >= 48 else 4 if free >= 16 else 2
+        """Candidates per couplet when the request names none: the running batch shared among
+        the couplets being written (8 each for up to 8 couplets at the default 64, then 4, then
+        2), so that the candidates in flight fit one batch and none waits in the queue: a couplet
+        stays on time under load, a little less polished."""
+        share = int(self.cfg.engine.get("max_batch_size", 64)) // (self.couplets_in_flight + 1)
+        return 8 if share >= 8 else 4 if share >= 4 else 2
 
     def couplet_writer(self) -> Any:
         """The couplet writer over this model's tokenizer, or None when the model cannot write
