@@ -10,7 +10,8 @@ the server for cores.
 With --couplet the requests are the couplet terminal's (POST /couplet with a few festive
 keywords, not streamed): per level, completed requests, requests shed with 429 (+ Retry-After:
 load shedding, reported apart from errors; the client then waits Retry-After, as browsers and
-SDKs do, before its next request), errors, req/s, latency p50/p99, and the server's peak
+SDKs do, before its next request), errors, req/s, latency p50/p99 as the client sees it and as
+the server timed it (from the request's arrival in its handler), and the server's peak
 resident memory (its `process_resident_memory_bytes`, polled while the level runs).
 Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
 """
@@ -48,6 +49,7 @@ class RequestResult:
     num_chunks: int = 0
     shed: bool = False                 # 429 with Retry-After: the server shed load, not an error
     retry_after: float = 0.0
+    server_s: float | None = None      # the server's own time for the request (couplets: timing.seconds)
 
     @property
     def tpot(self) -> float | None:
@@ -126,6 +128,7 @@ async def one_couplet(client: httpx.AsyncClient, url: str, body: dict) -> Reques
             res.ok = bool(data.get("upper")) and len(data["upper"]) == len(data.get("lower", ""))
             res.output_tokens = len(data.get("upper", "")) * 2 + len(data.get("horizontal", ""))
             res.ttft = res.e2e
+            res.server_s = (data.get("timing") or {}).get("seconds")
             res.error = "" if res.ok else f"malformed couplet: {str(data)[:120]}"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
@@ -242,17 +245,19 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
         "server_tokens_per_forward": gen / fwd if fwd else None,
         "ttft_s": _stats([r.ttft for r in ok]), "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": _stats([x for r in ok for x in r.itl]), "e2e_s": _stats([r.e2e for r in ok]),
+        "server_s": _stats([r.server_s for r in ok if r.server_s is not None]),
     }
 
 
 # --- reporting -------------------------------------------------------------------------------
 def couplet_markdown(result: dict) -> str:
     rows = ["| concurrent clients | done/sent | shed (429) | errors | req/s | latency p50 / p99 (s) | "
-            "server peak RSS (MiB) |", "|" + "---|" * 7]
+            "server-side p50 / p99 (s) | server peak RSS (MiB) |", "|" + "---|" * 8]
     for lv in result["levels"]:
         rss = lv.get("server_peak_rss_bytes")
         rows.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['num_requests']} | {lv['shed']} | {lv['failed']} | "
                     f"{lv['request_throughput']:.1f} | {lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f} | "
+                    f"{lv['server_s']['p50']:.2f} / {lv['server_s']['p99']:.2f} | "
                     f"{'-' if not rss else f'{rss / 2**20:.0f}'} |")
     loads = ", ".join(f"{lv.get('load_average_1m', math.nan):.1f}" for lv in result["levels"])
     return "\n".join(rows) + (f"\nPOST /couplet at {result['config']['url']}; 1-min load average before each "
