@@ -84,3 +84,17 @@ def test_metrics_carry_both_models_once_per_family(server, llama_dir):
     assert len(helps) == len(set(helps))
     running = re.findall(r'^leapfrog:num_requests_running\{model_name="([^"]+)"\}', text, re.M)
     assert sorted(running) == sorted([llama_dir.name, "couplets"])
+
+
+def test_couplet_load_bench(server, tmp_path):
+    """`leapfrog bench --serve --couplet`: every couplet done or shed, none failed, the server's
+    own time and its memory reported."""
+    import json
+
+    from leapfrog.bench.cli import main as bench_main
+    rc = bench_main(["--serve", "--couplet", "--url", server.url, "--concurrency", "2", "--num-prompts", "4",
+                     "--out", str(tmp_path), "--name", "c"])
+    lv = json.loads((tmp_path / "c.json").read_text())["levels"][0]
+    assert rc == 0 and lv["failed"] == 0 and lv["completed"] + lv["shed"] == 4 and lv["completed"] >= 1
+    assert 0 < lv["server_s"]["p50"] <= lv["e2e_s"]["p99"] and lv["server_peak_rss_bytes"] > 0
+    assert "server-side p50 / p99" in (tmp_path / "c.md").read_text()
