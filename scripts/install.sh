@@ -18,18 +18,27 @@ fi
 $PIP install -q -e ".[dev]"
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
-# The couplet page's browser test (tests/test_couplet_browser.py) drives Debian's Chromium with
-# Playwright. Best effort: only as root (or sudo without a password) where apt-get exists,
-# `apt-get update` only if the first try fails; never fatal. (Screenshots want fonts-noto-cjk too;
-# the test reads text, not pixels, so set-up leaves that 100 MB package out.)
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+# Two system tools for the tests, from Debian: Chromium, which the couplet page's browser test
+# (tests/test_couplet_browser.py) drives with Playwright, and the `prometheus` package for its
+# promtool, which checks the alerting rules in deploy/prometheus (tests/test_deploy.py). Best
+# effort: only the missing ones, only as root (or sudo without a password) where apt-get exists,
+# `apt-get update` only if the first try fails; never fatal (the tests that need a missing tool
+# are skipped). Non-interactive, so it never waits on a prompt. The prometheus package also
+# installs a Prometheus service: in a container without systemd its post-install start is
+# declined (harmless); on a host with systemd it starts one on :9090 (`systemctl disable --now
+# prometheus` stops it). (Screenshots want fonts-noto-cjk too; the browser test reads text, not
+# pixels, so set-up leaves that 100 MB package out.)
+PKGS=""
+command -v chromium >/dev/null 2>&1 || PKGS="$PKGS chromium"
+command -v promtool >/dev/null 2>&1 || PKGS="$PKGS prometheus"
+if [ -n "$PKGS" ] && command -v apt-get >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
   if [ -z "$SUDO" ] || sudo -n true 2>/dev/null; then
     APT="$SUDO env DEBIAN_FRONTEND=noninteractive apt-get -y -q"
-    $APT install --no-install-recommends chromium >/dev/null 2>&1 \
-      || { $APT update >/dev/null 2>&1 && $APT install --no-install-recommends chromium >/dev/null 2>&1; } \
-      || echo "note: could not install chromium; the browser test will be skipped" >&2
+    $APT install --no-install-recommends $PKGS >/dev/null 2>&1 \
+      || { $APT update >/dev/null 2>&1 && $APT install --no-install-recommends $PKGS >/dev/null 2>&1; } \
+      || echo "note: could not install$PKGS; the tests that need them will be skipped" >&2
   else
-    echo "note: no chromium and no root; the browser test will be skipped (apt-get install chromium)" >&2
+    echo "note: no root to install$PKGS; the tests that need them will be skipped (apt-get install$PKGS)" >&2
   fi
 fi
