@@ -4,13 +4,19 @@ prefix caching by chained hashes of full blocks.
 A block whose reference count drops to zero keeps its hash and contents and joins the free
 list at the tail; allocation takes from the head, so cached blocks are evicted
 least-recently-freed first (LRU), and a later prompt with the same prefix can revive them.
+With a second tier (kv_tiers.HostKVTier), an evicted cached block's rows are saved there, and a
+prefix that misses here but is there comes back into a free block.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.kv_tiers import HostKVTier
 
 
 @dataclass(slots=True)
@@ -26,7 +32,8 @@ def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: "HostKVTier | None" = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
@@ -35,7 +42,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}       # chain hash -> block id
         self.num_prefix_queries = 0            # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0               # tokens found there
+        self.num_prefix_hits = 0               # tokens found there (in either tier)
+        self.tier = tier if enable_prefix_caching else None
+        self.num_tier_hits = 0                 # tokens of those found in the second tier
 
     # --- accounting -------------------------------------------------------------------
     @property
@@ -59,6 +68,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]         # evict: its contents are about to change
+            if self.tier is not None:
+                self.tier.save(block.hash, block.token_ids, block_id)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -76,7 +87,10 @@ class BlockManager:
             h = chain_hash(prev, tokens)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
+                if not self._from_tier(seq, h, tokens):
+                    break
+                prev = h
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
@@ -87,6 +101,21 @@ class BlockManager:
         seq.num_hashed_blocks = len(seq.block_table)
         self.num_prefix_hits += reused
         return reused
+
+    def _from_tier(self, seq: Sequence, h: int, tokens: tuple[int, ...]) -> bool:
+        """A block the second tier kept, copied back into a free block and attached to `seq`."""
+        if self.tier is None or not self.free or not self.tier.has(h, tokens):
+            return False
+        block_id = self._take()
+        if not self.tier.load(h, tokens, block_id):
+            self._release(block_id)
+            return False
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, tokens
+        self.cached[h] = block_id
+        seq.block_table.append(block_id)
+        self.num_tier_hits += self.block_size
+        return True
 
     def reserve(self, seq: Sequence, num_slots: int) -> bool:
         """Grow `seq`'s block table to hold `num_slots` tokens; all or nothing."""

@@ -36,6 +36,10 @@ class EngineConfig:
     # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's
     # num_scheduler_steps. 1 still runs single steps in the loop.
     num_scheduler_steps: int = 16
+    # The prefix cache's second tier (kv_tiers.py): evicted cached KV blocks kept in host memory,
+    # up to this many bytes (0: off), each for at most kv_spill_ttl seconds.
+    kv_spill_bytes: int = 0
+    kv_spill_ttl: float = 600.0
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -59,6 +63,10 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v > 0), "must be a positive integer")
+        check("kv_spill_bytes", isinstance(self.kv_spill_bytes, int) and self.kv_spill_bytes >= 0,
+              "must be an integer >= 0 (0: no second tier)")
+        check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and self.kv_spill_ttl > 0,
+              "must be a number of seconds > 0")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

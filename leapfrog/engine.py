@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from leapfrog.block_manager import BlockManager
+from leapfrog.kv_tiers import HostKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
@@ -81,8 +82,13 @@ class LLMEngine:
                              f"method {method!r} feeds {step} query tokens per sequence and step")
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
+        tier = None
+        if self.config.kv_spill_bytes and self.config.enable_prefix_caching:
+            layers = self.model.attention_layers
+            tier = HostKVTier(lambda: [(a.k_cache, a.v_cache) for a in layers], self.config.block_size,
+                              self.config.kv_spill_bytes, self.config.kv_spill_ttl)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, tier)
         sched_cfg = SchedulerConfig(self.config.max_batch_size, self.config.max_num_batched_tokens,
                                     self.max_model_len, self.config.chunked_prefill)
         # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).

@@ -101,7 +101,7 @@ def test_prometheus_series_names_are_stable():
         ("num_requests_running", "gauge"), ("num_requests_waiting", "gauge"), ("kv_cache_usage_perc", "gauge"),
         ("kv_cache_num_blocks", "gauge"), ("kv_cache_used_blocks", "gauge"), ("tokens_per_forward", "gauge"),
         ("prefix_cache_queries_total", "counter"), ("prefix_cache_hits_total", "counter"),
-        ("engine_steps_total", "counter"), ("prompt_tokens_total", "counter"),
+        ("prefix_cache_tier2_hits_total", "counter"), ("engine_steps_total", "counter"), ("prompt_tokens_total", "counter"),
         ("generation_tokens_total", "counter"), ("request_forwards_total", "counter"),
         ("num_preemptions_total", "counter"), ("request_success_total", "counter"),
         ("http_requests_rejected_total", "counter"),

@@ -57,7 +57,8 @@ GAUGES = {
 }
 ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (either tier).",
+    "prefix_cache_tier2_hits": "Prompt tokens of those found in its second tier (kv_spill_bytes).",
     "engine_steps": "Engine steps (batched forward passes).",
 }
 
