@@ -143,7 +143,12 @@ def allowed_next(upper: str, lower_prefix: str) -> tuple[str | None, set[str]]:
       the 下联 prefix at a position whose 上联 character differs from u (a repeat the 上联 lacks).
 
     Past the 上联's end the answer is (None, set()): the caller ends the line there."""
-    up, low = hanzi(upper), hanzi(lower_prefix)
+    return next_rule(hanzi(upper), hanzi(lower_prefix))
+
+
+def next_rule(up: str, low: str) -> tuple[str | None, set[str]]:
+    """`allowed_next` for lines that are characters only already (no ``hanzi`` pass): the hot
+    path of constrained decoding, called for every row at every step."""
     k = len(low)
     if k >= len(up):
         return None, set()

@@ -167,14 +167,10 @@ class CoupletRule:
             allowed = v.hanzi.clone()
             banned: set[str] = set()
             must = None
-            if kind == "low":
-                # rules.allowed_next, for lines of characters only (the hot path of every step)
-                u = up[pos]
-                first = up.find(u)
-                if first < pos:
-                    must = low[first]              # the 上联 repeats here: so does the 下联
-                else:
-                    banned = {u} | {low[i] for i in range(pos) if up[i] != u}
+            if kind == "low":                      # position rules against the 上联 (rules.next_rule)
+                must, banned = rules.next_rule(up, low)
+                if must is not None:
+                    banned = set()
             if must is not None and must in v.id_of:
                 allowed.zero_()
                 allowed[v.id_of[must]] = True

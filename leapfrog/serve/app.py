@@ -110,7 +110,7 @@ class ModelServer:
 class ServerState:
     """Everything the handlers share; one per app. `models` holds one ModelServer per served
     model (by id, and by the path or name it was loaded from); `primary` serves requests that
-    name no model. `engine`, `metrics`, `capacity` and `limits()` are the primary's."""
+    name no model. `engine`, `metrics` and `capacity` are the primary's."""
 
     def __init__(self, cfg: ServerConfig, factory: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
@@ -138,13 +138,6 @@ class ServerState:
     @property
     def capacity(self) -> int:
         return self.primary.capacity
-
-    @property
-    def sampling_defaults(self) -> dict:
-        return self.primary.sampling_defaults
-
-    def limits(self) -> Limits:
-        return self.primary.limits()
 
     def route(self, name: str | None) -> ModelServer:
         """The server of the model a request names (None: the primary), ready to take it."""
@@ -194,9 +187,6 @@ class ServerState:
             raise APIError(429, f"rate limit of {self.limiter.rate:g} requests/s exceeded; retry in "
                            f"{wait:.1f}s", "rate_limit_error", None, "rate_limit_exceeded",
                            {"Retry-After": retry_after_header(wait)})
-
-    def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
-        return self.primary.open(prep, priority, arrival, stream)
 
 
 def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
