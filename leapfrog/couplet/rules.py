@@ -38,6 +38,11 @@ _SPLIT = re.compile(r"[\s,，、;；:：/|｜.。!！?？·・]+")
 _CJK_RANGES = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x3134F))
 
 
+def cjk_class() -> str:
+    """A regular-expression character class of the characters is_cjk accepts."""
+    return "[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _CJK_RANGES) + "]"
+
+
 def is_cjk(char: str) -> bool:
     """One CJK unified ideograph (basic block, extensions A-G, compatibility ideographs)."""
     return len(char) == 1 and any(lo <= ord(char) <= hi for lo, hi in _CJK_RANGES)

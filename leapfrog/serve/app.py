@@ -30,8 +30,8 @@ from leapfrog.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerM
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
-from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, CoupletRequest, GenerateRequest,
-                                    bad_request, parse_body)
+from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, APIError, ChatRequest, CompletionRequest,
+                                    CoupletRequest, GenerateRequest, bad_request, parse_body)
 
 log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
@@ -323,8 +323,12 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods get the same error shape as everything else.
+        headers = exc.headers
+        if exc.status_code == 405:      # starlette names the first route's methods; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request.url.path))}
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None,
-                        "not_found" if exc.status_code == 404 else None, exc.headers).response()
+                        "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405
+                        else None, headers).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -337,8 +341,12 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
     _add_couplet_routes(app, state)
-    server_schema.install(app, state.auth.enabled)
+    server_schema.install(app, state.auth.enabled, cfg.max_n)
     return app
+
+
+def _allowed_methods(app: FastAPI, path: str) -> list[str]:
+    return sorted({m for r in app.routes if getattr(r, "path", None) == path for m in (getattr(r, "methods", None) or ())})
 
 
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
@@ -394,6 +402,11 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         if req.keywords is not None:            # the couplet guide's contract
             if req.prompt is not None:
                 raise bad_request("give either prompt or keywords, not both", "keywords")
+            unused = [f for f in sorted(req.model_fields_set - COUPLET_FIELDS)
+                      if getattr(req, f) != GenerateRequest.model_fields[f].default]
+            if unused:      # silently ignoring e.g. a temperature would mislead
+                raise bad_request(f"{unused[0]} does not apply to a couplet (keywords); it takes keywords, seed "
+                                  "and model (POST /couplet has the couplet's own options)", unused[0], "unsupported")
             couplet = await _write_couplet(state, request, CoupletRequest(keywords=req.keywords, seed=req.seed,
                                                                           model=req.model), arrival)
             return {"couplet": f"上联：{couplet['upper']}\n下联：{couplet['lower']}\n横批：{couplet['horizontal']}",
@@ -419,6 +432,9 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
                 "tokens_per_forward": m.tokens_per_forward,
                 "timing": {"total_s": total, "time_to_first_token_s": m.time_to_first_token,
                            "tokens_per_s": len(out.token_ids) / total if total > 0 else 0.0}}
+
+
+COUPLET_FIELDS = frozenset({"keywords", "seed", "model"})
 
 
 def _prepare_generate(req: GenerateRequest, limits: Limits, tok: Any) -> Prepared:
@@ -467,12 +483,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 COUPLET_PAGE = Path(__file__).parent / "static" / "couplet.html"
-COUPLET_METHODS = ("constrained", "free")
-MAX_CANDIDATES = 16
 
 
 def _add_couplet_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/couplet", include_in_schema=False)
+    @app.get("/couplet", response_class=HTMLResponse)
     async def couplet_page() -> HTMLResponse:
         """The couplet terminal (春联生成终端): a palace gate that opens on a fresh couplet."""
         return HTMLResponse(COUPLET_PAGE.read_text(encoding="utf-8"),

@@ -71,6 +71,10 @@ class GenerateRequest(SamplingFields):
     keywords: str | None = None            # the couplet guide's form: a couplet for these keywords
 
 
+COUPLET_METHODS = ("constrained", "free")
+MAX_CANDIDATES = 16
+
+
 class CoupletRequest(_Strict):
     """POST /couplet: a couplet (上联, 下联, 横批) for a few keywords."""
     keywords: str

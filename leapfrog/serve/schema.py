@@ -1,7 +1,12 @@
 """The OpenAPI document: FastAPI's, plus what it cannot see because the handlers read raw bodies
-(request schemas from the pydantic models the server validates with), every error response in
-the OpenAI error shape, and the right content types (/metrics is Prometheus text, streams are
-server-sent events)."""
+(request schemas from the pydantic models the server validates with, with the ranges
+SamplingParams and the server check), the response bodies, every error response in the OpenAI
+error shape, and the right content types (/metrics is Prometheus text, streams are server-sent
+events, /couplet's GET is the page).
+
+The request schemas over-approximate what is accepted: every body the schema rejects, the server
+rejects; a body the schema allows may still get a 400 for what only its content shows (a prompt
+longer than the context, keywords with no Chinese word)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,7 +15,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from leapfrog.serve.protocol import ChatRequest, CompletionRequest, CoupletRequest, GenerateRequest
+from leapfrog.sampling_params import (INT64_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT,
+                                      SEED_RANGE)
+from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, ChatRequest, CompletionRequest,
+                                    CoupletRequest, GenerateRequest)
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
@@ -32,6 +40,27 @@ GENERATION_ERRORS = {
     "504": "request ran past request_timeout",
 }
 REF_TEMPLATE = "#/components/schemas/{model}"
+MAX_LOGPROBS = 20                # SamplingParams' logprobs range, and chat's top_logprobs
+
+# Numeric ranges of request fields, by field name (SamplingParams.validate checks the same;
+# tests/test_server_fuzz.py checks each boundary against the server).
+_TOKENS = {"minimum": 1, "maximum": MAX_TOKENS_LIMIT}
+_PENALTY = {"minimum": -2, "maximum": 2}
+BOUNDS: dict[str, dict] = {
+    "max_tokens": _TOKENS, "max_length": _TOKENS, "max_completion_tokens": _TOKENS,
+    "min_tokens": {"minimum": 0, "maximum": MAX_TOKENS_LIMIT},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": INT64_MAX},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"minimum": 1e-3, "maximum": 1e6},
+    "presence_penalty": _PENALTY, "frequency_penalty": _PENALTY,
+    "seed": {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+    "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "num_candidates": {"minimum": 1, "maximum": MAX_CANDIDATES},
+}
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 
 def error_schema() -> dict:
@@ -41,54 +70,172 @@ def error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": detail}}
 
 
+def _obj(required: dict, optional: dict | None = None) -> dict:
+    return {"type": "object", "required": list(required), "properties": {**required, **(optional or {})}}
+
+
+_STR, _INT, _NUM, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_NULLABLE_STR = {"type": ["string", "null"]}
+_USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
+
+
+def response_schemas() -> dict[str, dict]:
+    """The JSON bodies of the 200 answers, by component name."""
+    ref = REF_TEMPLATE.format
+    couplet = _obj({"model": _STR, "upper": _STR, "lower": _STR, "horizontal": _STR,
+                    "keywords": {"type": "array", "items": _STR},
+                    "rules": {"type": "object", "additionalProperties": _BOOL}, "all_rules_hold": _BOOL,
+                    "score": _NUM, "constrained": _BOOL, "num_candidates": _INT,
+                    "timing": _obj({"seconds": _NUM})})
+    completion_logprobs = {"type": ["object", "null"], "required": ["tokens", "token_logprobs", "text_offset"]}
+    choice = _obj({"index": _INT, "text": _STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR})
+    message = _obj({"role": {"const": "assistant"}, "content": _STR})
+    chat_choice = _obj({"index": _INT, "message": message, "logprobs": {"type": ["object", "null"]},
+                        "finish_reason": _NULLABLE_STR})
+    head = {"id": _STR, "created": _INT, "model": _STR, "usage": {"$ref": ref(model="Usage")}}
+    return {
+        "Usage": _USAGE,
+        "GenerateResponse": _obj({"text": _STR, "model": _STR, "num_tokens": _INT, "prompt_tokens": _INT,
+                                  "finish_reason": _NULLABLE_STR, "tokens_per_forward": _NUM,
+                                  "timing": _obj({"total_s": _NUM, "time_to_first_token_s": {"type": ["number", "null"]},
+                                                  "tokens_per_s": _NUM})}),
+        "CoupletResponse": couplet,
+        "GenerateCoupletResponse": {**couplet, "required": couplet["required"] + ["couplet"],
+                                    "properties": {**couplet["properties"], "couplet": _STR}},
+        "CompletionResponse": _obj({**head, "object": {"const": "text_completion"},
+                                    "choices": {"type": "array", "items": choice}}),
+        "ChatCompletionResponse": _obj({**head, "object": {"const": "chat.completion"},
+                                        "choices": {"type": "array", "items": chat_choice}}),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
+            {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+            {"max_model_len": _INT, "method": _STR, "couplets": _BOOL})}}),
+        "Status": _obj({"status": _STR}),
+    }
+
+
+# One server-sent event (OpenAPI 3.1: the event-stream schema describes each event): `data` is a
+# JSON chunk of the response's streaming shape, an error object, or the final [DONE].
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": _STR, "id": _STR, "retry": _INT}}
+
+RESPONSE_BODIES = {     # path -> the 200 answer's JSON schema(s) (the stream's is text/event-stream)
+    "/generate": ["GenerateResponse", "GenerateCoupletResponse"],
+    "/couplet": ["CoupletResponse"],
+    "/v1/completions": ["CompletionResponse"],
+    "/v1/chat/completions": ["ChatCompletionResponse"],
+    "/v1/models": ["ModelList"],
+    "/health": ["Status"], "/healthz": ["Status"], "/ready": ["Status"],
+}
+
+
+def _bound(prop: dict, bound: dict) -> None:
+    """Put a numeric range on a property, or on the numeric branches of its anyOf."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("integer", "number"):
+            branch.update(bound)
+
+
+def refine_request(name: str, schema: dict, max_n: int) -> None:
+    """The ranges and lengths the server checks, added to a pydantic model's JSON schema."""
+    props = schema.get("properties", {})
+    for field, prop in props.items():
+        bound = BOUNDS.get(field)
+        if field == "n":
+            bound = {"minimum": 1, "maximum": max_n}
+        elif field == "seed" and name == "CoupletRequest":     # a couplet's seed picks candidates' seeds
+            bound = {"minimum": 0, "maximum": SEED_RANGE[1]}
+        if bound:
+            _bound(prop, bound)
+    if "stop" in props:
+        props["stop"]["anyOf"] = [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+                                  {"type": "null"}]
+    for branch in props.get("prompt", {}).get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
+            items = branch["items"]
+            if items.get("type") == "integer":
+                items["minimum"] = 0
+            elif items.get("type") == "string":
+                items["minLength"] = 1
+            elif items.get("type") == "array":
+                items.update({"minItems": 1, "items": {"type": "integer", "minimum": 0}})
+    if "messages" in props:
+        props["messages"]["minItems"] = 1
+    if "keywords" in props:
+        from leapfrog.couplet.rules import MAX_INPUT, cjk_class
+        # at least one Chinese character (a keyword holds nothing else; the rest is separators)
+        for branch in props["keywords"].get("anyOf", [props["keywords"]]):
+            if branch.get("type") == "string":
+                branch.update({"minLength": 1, "maxLength": MAX_INPUT, "pattern": cjk_class()})
+    if name == "CoupletRequest":
+        props["method"]["enum"] = list(COUPLET_METHODS)
+    if name == "GenerateRequest":       # a prompt, or the couplet guide's keywords
+        schema["anyOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}}
+                           for f in ("prompt", "keywords")]
+
+
 def _error_responses(codes: dict[str, str]) -> dict:
     ref = {"$ref": "#/components/schemas/Error"}
     return {code: {"description": why, "content": {"application/json": {"schema": ref}}}
             for code, why in codes.items()}
 
 
-def build_openapi(app: FastAPI, auth_enabled: bool) -> dict:
+def _json_200(names: list[str]) -> dict:
+    refs = [{"$ref": REF_TEMPLATE.format(model=n)} for n in names]
+    return {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
+
+
+def build_openapi(app: FastAPI, auth_enabled: bool, max_n: int = 16) -> dict:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = error_schema()
+    schemas.update(response_schemas())
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
-            _complete(path, method, op, schemas, auth_enabled)
+            _complete(path, method, op, schemas, auth_enabled, max_n)
     return doc
 
 
-def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: bool) -> None:
+def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: bool, max_n: int) -> None:
     responses = op.setdefault("responses", {})
     responses.pop("422", None)            # FastAPI's validation shape is never used here
     if method == "post" and path in REQUEST_BODIES:
         model = REQUEST_BODIES[path]
         schema = model.model_json_schema(ref_template=REF_TEMPLATE)
         schemas.update(schema.pop("$defs", {}))
+        refine_request(model.__name__, schema, max_n)
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}
-        ok = responses.setdefault("200", {"description": "OK"})
-        ok["content"] = {"application/json": {"schema": {"type": "object"}},
-                         "text/event-stream": {"schema": {"type": "string"}}}
+        content = {"application/json": _json_200(RESPONSE_BODIES[path])}
+        if "stream" in schema.get("properties", {}):
+            content["text/event-stream"] = {"schema": SSE_EVENT}
+        responses["200"] = {"description": "OK", "content": content}
         responses.update(_error_responses(GENERATION_ERRORS))
     elif path == "/metrics":
         responses["200"] = {"description": "Prometheus text exposition format",
                             "content": {"text/plain": {"schema": {"type": "string"}}}}
-    elif path in ("/health", "/healthz", "/ready"):
-        responses["503"] = {"description": "not healthy / not ready",
-                            "content": {"application/json": {"schema": {"type": "object"}}}}
+    elif path == "/couplet" and method == "get":
+        responses["200"] = {"description": "the couplet page (HTML)", "content": {"text/html": {"schema": _STR}}}
+    elif path in RESPONSE_BODIES:
+        responses["200"] = {"description": "OK", "content": {"application/json": _json_200(RESPONSE_BODIES[path])}}
+        if path in ("/health", "/healthz", "/ready"):
+            responses["503"] = {"description": "not healthy / not ready",
+                                "content": {"application/json": _json_200(["Status"])}}
     if auth_enabled and path not in ("/health", "/healthz", "/ready"):
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
     if path == "/v1/models":
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
 
 
-def install(app: FastAPI, auth_enabled: bool) -> None:
+def install(app: FastAPI, auth_enabled: bool, max_n: int = 16) -> None:
     """Replace app.openapi with the completed document (built once, on first request)."""
     cache: dict[str, Any] = {}
 
     def openapi() -> dict:
         if "doc" not in cache:
-            cache["doc"] = build_openapi(app, auth_enabled)
+            cache["doc"] = build_openapi(app, auth_enabled, max_n)
         return cache["doc"]
     app.openapi = openapi
