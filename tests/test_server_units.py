@@ -103,7 +103,7 @@ def test_prometheus_series_names_are_stable():
         ("prefix_cache_queries_total", "counter"), ("prefix_cache_hits_total", "counter"),
         ("prefix_cache_tier2_hits_total", "counter"), ("engine_steps_total", "counter"), ("prompt_tokens_total", "counter"),
         ("generation_tokens_total", "counter"), ("request_forwards_total", "counter"),
-        ("num_preemptions_total", "counter"), ("request_success_total", "counter"),
+        ("num_preemptions_total", "counter"), ("engine_restarts_total", "counter"), ("request_success_total", "counter"),
         ("http_requests_rejected_total", "counter"),
         ("time_to_first_token_seconds", "histogram"), ("inter_token_latency_seconds", "histogram"),
         ("time_per_output_token_seconds", "histogram"), ("e2e_request_latency_seconds", "histogram"),

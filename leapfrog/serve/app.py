@@ -31,7 +31,7 @@ from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprob
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
 from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, APIError, ChatRequest, CompletionRequest,
-                                    CoupletRequest, GenerateRequest, bad_request, parse_body)
+                                    CoupletRequest, FaultRequest, GenerateRequest, bad_request, parse_body)
 
 log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
@@ -73,7 +73,8 @@ class ModelServer:
 
     def check_ready(self) -> None:
         if not self.engine.ready.is_set():
-            raise APIError(503, f"model {self.model_id!r} is still loading", "server_error", None, "not_ready",
+            doing = "is restarting after an engine failure" if self.engine.restarting else "is still loading"
+            raise APIError(503, f"model {self.model_id!r} {doing}", "server_error", None, "not_ready",
                            {"Retry-After": "5"})
 
     def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
@@ -309,8 +310,11 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     async def lifespan(app: FastAPI):
         for m in state.servers:
             m.engine.start(asyncio.get_running_loop())
+        supervisors = [asyncio.create_task(m.engine.supervise()) for m in state.servers]
         yield
         state.draining = True     # uvicorn has already waited for in-flight requests
+        for task in supervisors:
+            task.cancel()
         await asyncio.gather(*(asyncio.to_thread(m.engine.stop) for m in state.servers))
 
     app = FastAPI(title="leapfrog", lifespan=lifespan)
@@ -337,10 +341,16 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
 
     if state.auth.enabled:
         app.add_middleware(RequireAuth, state=state)
+    if cfg.cors_allow_origins:      # off by default: a page elsewhere cannot read the answers
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600)
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
     _add_couplet_routes(app, state)
+    if cfg.fault_injection:
+        _add_fault_route(app, state)
     server_schema.install(app, state.auth.enabled, cfg.max_n)
     return app
 
@@ -356,25 +366,29 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> JSONResponse:
         for m in state.servers:
             e = m.engine
-            if e.load_error is not None or (e.ready.is_set() and not e.alive):
-                return JSONResponse({"status": "unhealthy", "model": m.model_id,
-                                     "error": str(e.load_error or "engine thread stopped"),
-                                     "uptime": time.time() - state.started}, status_code=503)
+            if e.load_error is not None or e.restarting or (e.ready.is_set() and not e.alive):
+                status = "unhealthy" if e.load_error is not None else "restarting"
+                return JSONResponse({"status": status, "model": m.model_id,
+                                     "error": str(e.load_error or "the engine loop died; it is being rebuilt"),
+                                     "restarts": e.restarts, "uptime": time.time() - state.started},
+                                    status_code=503)
         ready = all(e.ready.is_set() for e in engines) and not state.draining
         return JSONResponse({"status": "healthy", "uptime": time.time() - state.started, "ready": ready,
                              "model": state.primary.model_id, "models": [m.model_id for m in state.servers]})
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        """Liveness: the process answers and no engine thread has died."""
-        ok = all(e.load_error is None and (e.alive or not e.ready.is_set()) for e in engines)
+        """Liveness: the process answers and every engine runs, loads, or is being restarted by
+        its supervisor (a restart is recovery in progress, not a reason to kill the process)."""
+        ok = all(e.load_error is None for e in engines)
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         """Readiness: every model loaded and warmed up, and not draining for shutdown."""
         status = ("failed" if any(e.load_error is not None for e in engines) else "draining" if state.draining
-                  else "ready" if all(e.ready.is_set() for e in engines) else "loading")
+                  else "ready" if all(e.ready.is_set() for e in engines)
+                  else "restarting" if any(e.restarting for e in engines) else "loading")
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
@@ -435,6 +449,22 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
 
 
 COUPLET_FIELDS = frozenset({"keywords", "seed", "model"})
+
+
+def _add_fault_route(app: FastAPI, state: ServerState) -> None:
+    @app.post("/admin/fault", status_code=202)
+    async def fault(request: Request) -> JSONResponse:
+        """Fault injection (--fault-injection only): `{"fault": "engine_crash", "model"?: id}` makes
+        that model's engine loop die at its next turn; its supervisor fails the requests in flight
+        and rebuilds it. For recovery drills and the reliability benchmark."""
+        state.authenticate(request)
+        body = parse_body(await read_body(request, state.cfg.max_body_bytes), FaultRequest)
+        if body.fault != "engine_crash":
+            raise bad_request(f"fault={body.fault!r}: the only fault is 'engine_crash'", "fault")
+        server = state.route(body.model)
+        log.warning("fault injection: crashing the engine of %s", server.model_id)
+        server.engine.inject_crash()
+        return JSONResponse({"fault": body.fault, "model": server.model_id}, status_code=202)
 
 
 def _prepare_generate(req: GenerateRequest, limits: Limits, tok: Any) -> Prepared:
@@ -636,8 +666,28 @@ def main(argv: list[str] | None = None) -> int:
         m.engine.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info("serving %s on %s://%s:%d", ", ".join(m.model_id for m in state.servers),
              "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
+    for line in startup_warnings(cfg, state.auth.enabled):
+        log.warning("%s", line)
     server.run()
     return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
+
+
+def startup_warnings(cfg: ServerConfig, auth_enabled: bool) -> list[str]:
+    """What an operator must hear about at start: an open server on a network address, fault
+    injection left on."""
+    import ipaddress
+    out = []
+    try:
+        loopback = ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:
+        loopback = cfg.host == "localhost"
+    if not loopback and not auth_enabled:
+        out.append(f"no API key is configured and the server listens on {cfg.host}, which is not a loopback "
+                   "address: anyone who can reach this port can generate. Set --api-key (or --api-key-file / "
+                   "--jwt-secret), or bind --host 127.0.0.1")
+    if cfg.fault_injection:
+        out.append("fault injection is on: POST /admin/fault crashes an engine on demand. Never in production")
+    return out
 
 
 class DrainingServer(uvicorn.Server):

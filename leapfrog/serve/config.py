@@ -64,6 +64,8 @@ class ServerConfig:
     api_key: list = field(default_factory=list)
     api_key_file: str | None = None
     jwt_secret: str | None = None              # HS256 bearer tokens
+    cors_allow_origins: list = field(default_factory=list)   # [] = no CORS headers (browsers: same origin only)
+    fault_injection: bool = False              # POST /admin/fault: crash an engine on purpose (chaos tests)
     # lifecycle
     warmup_requests: int = 3
     shutdown_timeout: float = 30.0             # seconds to finish in-flight requests
@@ -113,6 +115,10 @@ HELP = {
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file of accepted API keys, one per line",
     "jwt_secret": "accept HS256 JWT bearer tokens signed with this secret",
+    "cors_allow_origins": "origins a browser page may call the API from (repeatable; '*' for any); "
+                          "default none: no CORS headers",
+    "fault_injection": "add POST /admin/fault, which crashes an engine on purpose so that recovery can be "
+                       "measured (leapfrog bench --suite reliability); never in production (default off)",
     "warmup_requests": "warm-up requests (different lengths) before /ready turns true (default 3)",
     "shutdown_timeout": "seconds to finish in-flight requests on SIGTERM (default 30)",
     "max_batch_size": "most sequences in one step (guide names BATCH_SIZE, batch_size)",

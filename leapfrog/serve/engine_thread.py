@@ -3,6 +3,10 @@
 The event loop talks to it through a thread-safe inbox (add / abort); the thread hands each
 step's outputs back to per-request asyncio queues with one `call_soon_threadsafe` per step,
 so a busy batch wakes the loop once per step rather than once per request.
+
+A supervisor task on the event loop watches the thread. If the engine loop dies (an error
+escapes it, or it keeps failing), every request in flight gets an explicit error at once,
+readiness answers 503, and a fresh engine is built from the same factory in a new thread.
 """
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ class RequestTimeout(Exception):
 
 class EngineError(Exception):
     """The engine failed while this request was in flight."""
+
+
+class InjectedFault(BaseException):
+    """Raised in the engine loop by inject_crash (POST /admin/fault): escapes the loop's
+    `except Exception`, so the loop dies as it would from a real fault."""
 
 
 @dataclass(slots=True)
@@ -86,10 +95,52 @@ class AsyncEngine:
         self.num_in_flight = 0            # event-loop side count, for the queue limit
         self._finished_tokens = 0         # output tokens of finished requests (tokens/forward)
         self._last_publish = 0.0
+        self.crash: BaseException | None = None   # what killed the engine loop, until the restart
+        self.restarting = False
+        self.restarts = 0
+        self.last_recovery_s: float | None = None  # death noticed -> ready again, for the last restart
+        self._restart_began = 0.0
 
     # --- lifecycle (event loop side) -------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
+        self._thread.start()
+
+    async def supervise(self, interval: float = 0.1) -> None:
+        """Runs on the event loop for the server's life: restarts the engine when its thread dies."""
+        while not self._stop.is_set():
+            await asyncio.sleep(interval)
+            t = self._thread
+            if (t is not None and not t.is_alive() and not self._stop.is_set() and self.load_error is None
+                    and self.ready.is_set()):
+                self._restart()
+
+    def _restart(self) -> None:
+        """(Event loop, the dead thread's state is ours now.) Fail what was in flight or queued,
+        and build the engine again."""
+        self.ready.clear()
+        self.restarting = True
+        self._restart_began = time.perf_counter()
+        self.restarts += 1
+        self.metrics.add("engine_restarts", 1)
+        why = self.crash
+        error = EngineError(f"the engine stopped while this request was in flight ({why!r}); it is restarting, "
+                            "retry in a few seconds")
+        log.error("engine of %s died (%r): failing %d requests in flight and restarting it",
+                  self.info.model_name, why, len(self._tracked))
+        for request_id, tracked in self._tracked.items():
+            tracked.sink.put_nowait((request_id, error))
+            self.metrics.finished("error")
+        self._tracked.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Add):
+                item.tracked.sink.put_nowait((item.request_id, error))
+        self.crash, self.engine = None, None
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         self._thread.start()
 
@@ -117,8 +168,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def inject_crash(self) -> None:
+        """The engine loop dies at its next turn (fault injection, for recovery drills)."""
+        self._inbox.put(("crash", None))
+
     # --- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        if not self._load():
+            return
+        try:
+            self._serve()
+        except BaseException as exc:     # the loop died: the supervisor fails its requests, restarts it
+            self.crash = exc
+            log.error("engine loop of %s died: %r", self.info.model_name, exc)
+            traceback.print_exc()
+            return
+        for request_id in list(self._tracked):   # stop() after graceful drain: nothing left normally
+            self._abort(request_id, EngineError("server is shutting down"))
+
+    def _load(self) -> bool:
         try:
             self.engine = self._factory()
             self.tokenizer = self.engine.tokenizer
@@ -133,11 +201,20 @@ class AsyncEngine:
             traceback.print_exc()
             if self.on_fatal is not None:
                 self.on_fatal()
-            return
+            return False
         self._publish(force=True)
         self.ready.set()
-        log.info("engine ready: %s (%s), context %d", self.info.model_name, self.info.method,
-                 self.info.max_model_len)
+        if self.restarting:
+            self.restarting = False
+            self.last_recovery_s = time.perf_counter() - self._restart_began
+            log.warning("engine of %s restarted in %.2fs", self.info.model_name, self.last_recovery_s)
+        else:
+            log.info("engine ready: %s (%s), context %d", self.info.model_name, self.info.method,
+                     self.info.max_model_len)
+        return True
+
+    def _serve(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 self._drain_inbox(block=not self.engine.has_unfinished())
@@ -145,10 +222,12 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 self._publish()
-            except Exception:           # a bug in bookkeeping must not stop serving
+                failures = 0
+            except Exception:           # a bug in bookkeeping must not stop serving...
                 log.exception("engine loop error")
-        for request_id in list(self._tracked):   # stop() after graceful drain: nothing left normally
-            self._abort(request_id, EngineError("server is shutting down"))
+                failures += 1
+                if failures >= MAX_LOOP_FAILURES:    # ...unless it repeats: rebuild the engine
+                    raise
 
     def _warmup(self) -> None:
         """A few requests of different lengths, so first real requests do not pay for lazy
@@ -188,6 +267,8 @@ class AsyncEngine:
             self.metrics.add("prompt_tokens", item.tracked.num_prompt_tokens)
         elif item[0] == "abort":
             self._abort(item[1], None)
+        elif item[0] == "crash":
+            raise InjectedFault("fault injected through POST /admin/fault")
 
     def _abort(self, request_id: str, reason: BaseException | None) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -279,6 +360,9 @@ class AsyncEngine:
             "engine_steps": e.stats.num_steps, "tokens_per_forward": gen / fwd if fwd else 0.0,
         }
         self.metrics.publish(snapshot, e.method_name, dict(e.method.stats()))
+
+
+MAX_LOOP_FAILURES = 3      # loop errors in a row that count as the loop dying
 
 
 def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:

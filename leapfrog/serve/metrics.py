@@ -45,6 +45,7 @@ COUNTERS = {
     "request_forwards": "Main-model forward passes that produced output, summed over requests.",
     "num_preemptions": "Requests preempted (recomputed) for lack of KV blocks.",
     "http_requests_rejected": "Requests rejected before reaching the engine, by reason.",
+    "engine_restarts": "Times the engine loop died and was rebuilt (its requests in flight got an error).",
 }
 # Read from the engine thread's last snapshot (ServerMetrics.publish).
 GAUGES = {

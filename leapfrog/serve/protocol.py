@@ -85,6 +85,12 @@ class CoupletRequest(_Strict):
     model: str | None = None               # default: the first served model that writes couplets
 
 
+class FaultRequest(_Strict):
+    """POST /admin/fault (only with --fault-injection)."""
+    fault: str
+    model: str | None = None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     n: int = 1

@@ -18,13 +18,14 @@ from pydantic import BaseModel
 from leapfrog.sampling_params import (INT64_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT,
                                       SEED_RANGE)
 from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, ChatRequest, CompletionRequest,
-                                    CoupletRequest, GenerateRequest)
+                                    CoupletRequest, FaultRequest, GenerateRequest)
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
     "/couplet": CoupletRequest,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
+    "/admin/fault": FaultRequest,           # only with --fault-injection
 }
 # status -> when it is answered
 GENERATION_ERRORS = {
@@ -209,6 +210,14 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}
+        if path == "/admin/fault":
+            schema["properties"]["fault"]["enum"] = ["engine_crash"]
+            responses.pop("200", None)
+            responses["202"] = {"description": "the engine will die at its next turn and be rebuilt", "content": {
+                "application/json": {"schema": _obj({"fault": _STR, "model": _STR})}}}
+            responses.update(_error_responses({c: GENERATION_ERRORS[c] for c in ("400", "401", "404", "413",
+                                                                                    "415", "503")}))
+            return
         content = {"application/json": _json_200(RESPONSE_BODIES[path])}
         if "stream" in schema.get("properties", {}):
             content["text/event-stream"] = {"schema": SSE_EVENT}
