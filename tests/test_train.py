@@ -447,3 +447,46 @@ def test_train_help_lists_every_recipe_with_its_one_description():
     for name, make in RECIPES.items():
         assert describe(name) and make.__doc__.strip().startswith(describe(name))
         assert f"  {name}: {describe(name)}\n" in text
+
+
+def test_kill_9_mid_run_resumes_on_the_uninterrupted_curve(data_dir, tmp_path):
+    """A training process killed with SIGKILL (no chance to save) resumes from its last
+    checkpoint; with the same flags the resumed run's losses are, step for step, those of a run
+    that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import leapfrog.data.corpus as d
+
+    def config(root: Path):
+        cfg = tiny("stories", root / "out", root / "run")
+        cfg.data_dir, cfg.max_steps, cfg.ckpt_interval, cfg.eval_interval, cfg.threads = str(data_dir), 150, 5, 50, 1
+        return cfg
+    reference = train(config(tmp_path / "a"))
+    want = torch.load(tmp_path / "a" / "run" / "state.pt", weights_only=False)["history"]["train"]
+
+    root = tmp_path / "b"
+    launcher = ("import sys; from pathlib import Path; import leapfrog.data.corpus as d; "
+                f"d.CACHE_DIR = Path({str(d.CACHE_DIR)!r}); from leapfrog.train.cli import main; main(sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, "tiny", "--data-dir", str(data_dir), "--run-dir",
+                             str(root / "run"), "--out", str(root / "out"), "--steps", "150", "--ckpt-interval", "5",
+                             "--eval-interval", "50", "--threads", "1", "--no-readme"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = root / "run" / "state.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if state.is_file() and torch.load(state, weights_only=False)["step"] >= 10:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(state, weights_only=False)["step"]
+    assert 10 <= saved < 150 and saved % 5 == 0
+    summary = train(config(root), resume=True)
+    got = torch.load(state, weights_only=False)["history"]["train"]
+    assert [s for s, _ in got] == list(range(1, 151))
+    assert got == want and summary["val_loss"] == reference["val_loss"]
