@@ -65,3 +65,19 @@ def test_default_limits_protect_the_server():
     assert cfg.max_n == 16 and cfg.max_body_bytes == 4 << 20 and cfg.max_queue_size == 256
     assert cfg.request_timeout > 0 and cfg.default_max_tokens == 256
     assert MAX_STOP_STRINGS == 64 and MAX_TOKENS_LIMIT == 1 << 20 and BOUNDS["logprobs"]["maximum"] == 20
+
+
+def test_every_response_is_counted_by_status(server):
+    def count(status: int) -> float:
+        import re
+        m = re.search(rf'^leapfrog:http_responses_total{{status="{status}"}} (\S+)$',
+                      httpx.get(server.url + "/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+    before = {s: count(s) for s in (200, 400, 404, 405)}
+    httpx.post(server.url + "/generate", json={"prompt": "Once", "max_tokens": 2})
+    httpx.post(server.url + "/generate", json={"prompt": "Once", "max_tokens": 0})
+    httpx.get(server.url + "/nowhere")
+    httpx.delete(server.url + "/generate")
+    after = {s: count(s) for s in (200, 400, 404, 405)}
+    assert after[400] == before[400] + 1 and after[404] == before[404] + 1 and after[405] == before[405] + 1
+    assert after[200] >= before[200] + 1        # + the /metrics reads themselves

@@ -26,7 +26,8 @@ from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
-from leapfrog.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics, render_all
+from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
+                                   render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
                                     completion_body, completion_logprobs, encode_prompt, finish_reason,
                                     new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
@@ -127,6 +128,7 @@ class ServerState:
         self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_limit_burst)
         self.started = time.time()
         self.draining = False
+        self.responses = HTTPResponses()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -345,6 +347,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600)
+    app.add_middleware(CountResponses, counter=state.responses)     # outermost: sees every response
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
@@ -393,7 +396,8 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_all([m.metrics for m in state.servers]), media_type=METRICS_CONTENT_TYPE)
+        return PlainTextResponse(render_all([m.metrics for m in state.servers], (state.responses,)),
+                                 media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -97,7 +97,57 @@ class Histogram:
         return out
 
 
-def render_all(metrics: list["ServerMetrics"]) -> str:
+class HTTPResponses:
+    """HTTP responses by status code, counted at the ASGI layer for every route (errors from
+    validation, authentication and unknown routes included): the server's own count of 4xx and
+    5xx, which the reliability benchmark and the error-rate alert read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[int, int] = {}
+
+    def add(self, status: int) -> None:
+        with self._lock:
+            self.counts[status] = self.counts.get(status, 0) + 1
+
+    def collect(self) -> list[Metric]:
+        family = CounterMetricFamily(PREFIX + "http_responses", "HTTP responses sent, by status code.",
+                                     labels=["status"])
+        with self._lock:
+            for status, n in sorted(self.counts.items()):
+                family.add_metric([str(status)], n)
+        return [family]
+
+
+class CountResponses:
+    """ASGI middleware: counts each response's status into an HTTPResponses (plain ASGI, so a
+    streamed body is not copied through a queue)."""
+
+    def __init__(self, app, counter: HTTPResponses) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        started = False
+
+        async def counted(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counter.add(int(message["status"]))
+            await send(message)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:       # the app's catch-all handler, outside this middleware, answers 500
+            if not started:
+                self.counter.add(500)
+            raise
+
+
+def render_all(metrics: list["ServerMetrics"], extra: tuple = ()) -> str:
     """The exposition of several models' metrics (one ServerMetrics per served model): each
     family once, with every model's samples under it, told apart by `model_name`; then the
     process's own (resident memory, CPU seconds, open files: prometheus_client's standard
@@ -111,6 +161,9 @@ def render_all(metrics: list["ServerMetrics"]) -> str:
             else:
                 merged[family.name] = family
 
+    for collector in extra:
+        for family in collector.collect():
+            merged.setdefault(family.name, family)
     for family in ProcessCollector(registry=None).collect():
         merged.setdefault(family.name, family)
 
