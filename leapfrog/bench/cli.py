@@ -11,6 +11,10 @@ Suites:
           decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
   couplets  the couplet writer (couplets.py) with and without the couplet rules enforced: how
           often each rule holds, part-of-speech parallelism, distinct-n, seconds per couplet.
+  reliability  a `leapfrog serve` process under schema fuzzing, an overload burst and injected
+          engine crashes (reliability.py).
+  soak    a long mixed run against `leapfrog serve`: memory growth, KV blocks when idle, every
+          outcome classified (soak.py).
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.
@@ -23,11 +27,12 @@ import os
 import sys
 from pathlib import Path
 
-from leapfrog.bench import couplets, diffusion, peers, speculative
+from leapfrog.bench import couplets, diffusion, peers, reliability, soak, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
 
-SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets}
+SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,
+          "reliability": reliability, "soak": soak}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     speculative.add_arguments(p)
     diffusion.add_arguments(p)
     couplets.add_arguments(p)
+    reliability.add_arguments(p)
+    soak.add_arguments(p)
     return p
 
 

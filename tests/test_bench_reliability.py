@@ -1,0 +1,46 @@
+"""The reliability and soak suites, run small against real `leapfrog serve` processes: their
+reports add up and say what happened (the full runs are benchmarks, in the README)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leapfrog.bench.cli import main
+
+
+def test_overload_and_recovery_parts(tmp_path):
+    assert main(["--suite", "reliability", "--parts", "overload", "recovery", "--burst-factor", "3",
+                 "--capacity", "2", "2", "--new-tokens", "8", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "reliability.json").read_text())
+    o = r["overload"]
+    assert o["burst"] == 12 and o["admitted"] + o["rejected_429"] + o["other"] == 12
+    assert o["admitted"] >= 4 and o["admitted_finished"] == o["admitted"] and o["rejected_429"] >= 1
+    assert o["retry_after_on_all_429"] and o["other"] == 0 and o["server_5xx"] == 0
+    assert o["kv_used_after"] == 0 and o["served_after"] and o["server_exit"] == 0
+    rec = r["recovery"]
+    assert len(rec["rows"]) == 6 and rec["restarts_counted"] == 6 and rec["hung"] == 0
+    assert rec["max_recovery_s"] < 10
+    for row in rec["rows"]:        # every request in flight ended: finished, or told why not
+        assert sum(row["in_flight_outcomes"].values()) == row["in_flight"]
+    table = (tmp_path / "reliability.md").read_text()
+    assert "overload burst" in table and "engine crash" in table and (tmp_path / "reliability.png").is_file()
+
+
+def test_soak_classifies_every_outcome(tmp_path):
+    assert main(["--suite", "soak", "--duration", "12", "--warmup", "4", "--clients", "3", "--sample-interval", "2",
+                 "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "soak.json").read_text())
+    assert r["requests"] == sum(r["outcomes"].values()) > 10
+    assert r["unexpected"] == 0, r["unexpected_examples"]
+    assert r["server_5xx"] == 0 and r["kv_used_idle"] == 0 and r["server_exit"] == 0
+    assert len(r["samples"]) >= 3 and all(s["rss_mb"] > 0 for s in r["samples"])
+    assert any(k.startswith("bad: 4") for k in r["outcomes"])
+    assert "resident memory" in (tmp_path / "soak.md").read_text()
+
+
+@pytest.mark.parametrize("suite", ["reliability", "soak"])
+def test_suites_are_listed(suite, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert suite in capsys.readouterr().out
