@@ -21,7 +21,7 @@ from leapfrog.serve.schema import BOUNDS  # noqa: E402
 from test_server_common import ServerThread  # noqa: E402
 
 KEY = "fuzz-key"
-PROBES = ("/health", "/healthz", "/ready")
+PROBES = ("/healthz", "/ready")
 
 
 def fuzz(url: str, examples: int, headers: dict | None = None) -> tuple[int, list[str]]:

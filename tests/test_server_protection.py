@@ -151,10 +151,11 @@ def test_auth_and_rate_limit(llama_dir, tmp_path):
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
-        # probes stay open for orchestrators; everything else needs the key
-        for path in ("/health", "/healthz", "/ready"):
+        # the orchestrator's probes stay open (a status word only); everything else needs the key
+        for path in ("/healthz", "/ready"):
             assert httpx.get(s.url + path).status_code == 200
-        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert set(httpx.get(s.url + path).json()) == {"status"}
+        for path in ("/health", "/metrics", "/docs", "/openapi.json", "/v1/models"):
             assert_error(httpx.get(s.url + path), 401, "invalid_api_key")
             assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-one"}).status_code == 200
         # rate limit: key-two gets a burst of 2, then 429; key-one has its own bucket

@@ -199,7 +199,9 @@ def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
     return factory
 
 
-PROBE_PATHS = frozenset({"/health", "/healthz", "/ready"})   # open even with authentication on
+# Open even with authentication on: the orchestrator's liveness and readiness probes, which
+# answer a status word and nothing else. /health (model ids, errors, restarts) needs the key.
+PROBE_PATHS = frozenset({"/healthz", "/ready"})
 OFF_LOOP_BYTES = 64 << 10     # bodies this large are parsed and tokenized in a worker thread
 
 

@@ -233,7 +233,7 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
         if path in ("/health", "/healthz", "/ready"):
             responses["503"] = {"description": "not healthy / not ready",
                                 "content": {"application/json": _json_200(["Status"])}}
-    if auth_enabled and path not in ("/health", "/healthz", "/ready"):
+    if auth_enabled and path not in ("/healthz", "/ready"):
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
     if path == "/v1/models":
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
