@@ -5,7 +5,9 @@ A block whose reference count drops to zero keeps its hash and contents and join
 list at the tail; allocation takes from the head, so cached blocks are evicted
 least-recently-freed first (LRU), and a later prompt with the same prefix can revive them.
 With a second tier (kv_tiers.HostKVTier), an evicted cached block's rows are saved there, and a
-prefix that misses here but is there comes back into a free block.
+prefix that misses here but is there comes back into a free block. A third tier shared between
+replicas (kv_tiers.RedisKVTier) is given every block as it becomes full, and is asked after the
+second.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.kv_tiers import HostKVTier
+    from leapfrog.kv_tiers import HostKVTier, RedisKVTier
 
 
 @dataclass(slots=True)
@@ -27,13 +29,19 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+ROOT = -1      # the chain's parent of a first block: CPython's hash() never returns -1
+
+
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, token_ids))
+    """A block's identity: its tokens and everything before them. Hashes of int tuples are the
+    same in every process (unlike hash(None), which 3.11 derives from an address), so replicas
+    sharing the third tier name a prefix alike."""
+    return hash((ROOT if prev is None else prev, token_ids))
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tier: "HostKVTier | None" = None) -> None:
+                 tier: "HostKVTier | None" = None, remote: "RedisKVTier | None" = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
@@ -45,6 +53,8 @@ class BlockManager:
         self.num_prefix_hits = 0               # tokens found there (in either tier)
         self.tier = tier if enable_prefix_caching else None
         self.num_tier_hits = 0                 # tokens of those found in the second tier
+        self.remote = remote if enable_prefix_caching else None
+        self.num_remote_hits = 0               # tokens of those found in the third tier
 
     # --- accounting -------------------------------------------------------------------
     @property
@@ -103,19 +113,27 @@ class BlockManager:
         return reused
 
     def _from_tier(self, seq: Sequence, h: int, tokens: tuple[int, ...]) -> bool:
-        """A block the second tier kept, copied back into a free block and attached to `seq`."""
-        if self.tier is None or not self.free or not self.tier.has(h, tokens):
+        """A block the second tier kept, or else the third, copied back into a free block and
+        attached to `seq`."""
+        if not self.free:
             return False
-        block_id = self._take()
-        if not self.tier.load(h, tokens, block_id):
-            self._release(block_id)
-            return False
-        block = self.blocks[block_id]
-        block.hash, block.token_ids = h, tokens
-        self.cached[h] = block_id
-        seq.block_table.append(block_id)
-        self.num_tier_hits += self.block_size
-        return True
+        for tier in (self.tier, self.remote):
+            if tier is None or not tier.has(h, tokens):
+                continue
+            block_id = self._take()
+            if not tier.load(h, tokens, block_id):
+                self._release(block_id)
+                continue
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, tokens
+            self.cached[h] = block_id
+            seq.block_table.append(block_id)
+            if tier is self.tier:
+                self.num_tier_hits += self.block_size
+            else:
+                self.num_remote_hits += self.block_size
+            return True
+        return False
 
     def reserve(self, seq: Sequence, num_slots: int) -> bool:
         """Grow `seq`'s block table to hold `num_slots` tokens; all or nothing."""
@@ -172,5 +190,7 @@ class BlockManager:
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 block.hash, block.token_ids = chain_hash(prev, tokens), tokens
                 self.cached.setdefault(block.hash, block.block_id)
+                if self.remote is not None:
+                    self.remote.publish(block.hash, tokens, block.block_id)
             prev = block.hash
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

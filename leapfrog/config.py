@@ -40,6 +40,10 @@ class EngineConfig:
     # up to this many bytes (0: off), each for at most kv_spill_ttl seconds.
     kv_spill_bytes: int = 0
     kv_spill_ttl: float = 600.0
+    # Its third tier, shared between replicas (kv_tiers.RedisKVTier): redis://host:port/db, each
+    # block kept kv_remote_ttl seconds. None: off.
+    kv_remote_url: str | None = None
+    kv_remote_ttl: float = 3600.0
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -67,6 +71,11 @@ class EngineConfig:
               "must be an integer >= 0 (0: no second tier)")
         check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and self.kv_spill_ttl > 0,
               "must be a number of seconds > 0")
+        check("kv_remote_url", self.kv_remote_url is None or (isinstance(self.kv_remote_url, str) and
+              self.kv_remote_url.split("://", 1)[0] in ("redis", "rediss", "unix")),
+              "expected redis://host:port/db, rediss://... or unix:///path.sock")
+        check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and self.kv_remote_ttl >= 1,
+              "must be a number of seconds >= 1")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,7 +1,9 @@
 """LLMEngine: add_request / step / abort over the scheduler, runner and decoding method."""
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -10,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from leapfrog.block_manager import BlockManager
-from leapfrog.kv_tiers import HostKVTier
+from leapfrog.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, read_config
@@ -87,8 +89,13 @@ class LLMEngine:
             layers = self.model.attention_layers
             tier = HostKVTier(lambda: [(a.k_cache, a.v_cache) for a in layers], self.config.block_size,
                               self.config.kv_spill_bytes, self.config.kv_spill_ttl)
+        remote = None
+        if self.config.kv_remote_url and self.config.enable_prefix_caching:
+            layers = self.model.attention_layers
+            remote = RedisKVTier(lambda: [(a.k_cache, a.v_cache) for a in layers], self.config.block_size,
+                                 self.config.kv_remote_url, self.kv_namespace(), self.config.kv_remote_ttl)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, tier)
+                                          self.config.enable_prefix_caching, tier, remote)
         sched_cfg = SchedulerConfig(self.config.max_batch_size, self.config.max_num_batched_tokens,
                                     self.max_model_len, self.config.chunked_prefill)
         # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).
@@ -99,6 +106,21 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def kv_namespace(self) -> str:
+        """What a KV block's contents depend on besides its tokens, as a short digest: the weights
+        (the checkpoint's SHA256SUMS, else its config and weight files' names and sizes), the KV
+        dtype and the block size. Replicas of one checkpoint agree; anything else never shares."""
+        h = hashlib.sha256()
+        sums = self.model_path / "SHA256SUMS"
+        if sums.is_file():
+            h.update(sums.read_bytes())
+        else:
+            h.update(json.dumps(self.hf_config, sort_keys=True, default=str).encode())
+            for f in sorted(self.model_path.glob("*.safetensors")) + sorted(self.model_path.glob("*.bin")):
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        h.update(f"{self.config.kv_torch_dtype(self.device)}|{self.config.block_size}".encode())
+        return h.hexdigest()[:20]
 
     def _max_model_len(self) -> int:
         limit = int(self.hf_config.get("max_position_embeddings", 2048))

@@ -18,9 +18,11 @@ fi
 $PIP install -q -e ".[dev]"
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
-# Two system tools for the tests, from Debian: Chromium, which the couplet page's browser test
-# (tests/test_couplet_browser.py) drives with Playwright, and the `prometheus` package for its
-# promtool, which checks the alerting rules in deploy/prometheus (tests/test_deploy.py). Best
+# Three system tools for the tests, from Debian: Chromium, which the couplet page's browser test
+# (tests/test_couplet_browser.py) drives with Playwright, the `prometheus` package for its
+# promtool, which checks the alerting rules in deploy/prometheus (tests/test_deploy.py), and
+# redis-server, which the tests of the shared KV tier start on a port of their own
+# (tests/test_kv_remote.py; the package's own service, where systemd runs, is not used). Best
 # effort: only the missing ones, only as root (or sudo without a password) where apt-get exists,
 # `apt-get update` only if the first try fails; never fatal (the tests that need a missing tool
 # are skipped). Non-interactive, so it never waits on a prompt. The prometheus package also
@@ -31,6 +33,7 @@ $PIP install -q -e ".[dev]"
 PKGS=""
 command -v chromium >/dev/null 2>&1 || PKGS="$PKGS chromium"
 command -v promtool >/dev/null 2>&1 || PKGS="$PKGS prometheus"
+command -v redis-server >/dev/null 2>&1 || PKGS="$PKGS redis-server"
 if [ -n "$PKGS" ] && command -v apt-get >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
   if [ -z "$SUDO" ] || sudo -n true 2>/dev/null; then

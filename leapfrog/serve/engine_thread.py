@@ -356,7 +356,7 @@ class AsyncEngine:
             "kv_cache_usage_perc": bm.num_used_blocks / bm.num_blocks, "kv_cache_num_blocks": bm.num_blocks,
             "kv_cache_used_blocks": bm.num_used_blocks,
             "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
-            "prefix_cache_tier2_hits": bm.num_tier_hits,
+            "prefix_cache_tier2_hits": bm.num_tier_hits, "prefix_cache_tier3_hits": bm.num_remote_hits,
             "engine_steps": e.stats.num_steps, "tokens_per_forward": gen / fwd if fwd else 0.0,
         }
         self.metrics.publish(snapshot, e.method_name, dict(e.method.stats()))

@@ -60,6 +60,7 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (either tier).",
     "prefix_cache_tier2_hits": "Prompt tokens of those found in its second tier (kv_spill_bytes).",
+    "prefix_cache_tier3_hits": "Prompt tokens of those found in its third tier, shared between replicas (kv_remote_url).",
     "engine_steps": "Engine steps (batched forward passes).",
 }
 
