@@ -2,4 +2,5 @@ import sys
 
 from leapfrog.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":      # not again in a spawned process (tensor-parallel ranks)
+    sys.exit(main())

@@ -44,6 +44,9 @@ class EngineConfig:
     # block kept kv_remote_ttl seconds. None: off.
     kv_remote_url: str | None = None
     kv_remote_ttl: float = 3600.0
+    # Ranks the model is split over (layers/parallel.py, distributed.py): heads, MLP columns and
+    # vocabulary rows each, one all-reduce per attention and per MLP.
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -62,7 +65,8 @@ class EngineConfig:
         check("dtype", self.dtype == "auto" or self.dtype in _DTYPES, f"expected auto or one of {sorted(_DTYPES)}")
         check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
               f"expected auto or one of {sorted(_DTYPES)}")
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps",
+                     "tensor_parallel_size"):
             check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)

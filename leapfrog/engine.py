@@ -55,6 +55,11 @@ class LLMEngine:
     def __init__(self, model: str, method: str = "ar", draft_model: str | None = None,
                  **options: object) -> None:
         self.config, method_options = EngineConfig.from_options(options)
+        from leapfrog.layers.parallel import tp_size
+        if self.config.tensor_parallel_size != tp_size():
+            raise ValueError(f"engine option tensor_parallel_size={self.config.tensor_parallel_size}: this process is "
+                             f"in a group of {tp_size()}; start it through LLM, `leapfrog generate` or "
+                             "`leapfrog serve`, which start the ranks")
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = resolve_model(model)

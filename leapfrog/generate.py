@@ -28,8 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     from leapfrog.engine import LLMEngine
+    kwargs = engine_kwargs(args)
     try:
-        engine = LLMEngine(args.model, **engine_kwargs(args))
+        if kwargs.get("tensor_parallel_size", 1) > 1:
+            from leapfrog.distributed import start
+            engine = start(args.model, kwargs["tensor_parallel_size"], kwargs)
+        else:
+            engine = LLMEngine(args.model, **kwargs)
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request(prompt, params, request_id="cli")
@@ -43,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             last = out
     sys.stdout.write("\n")
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
     if args.stats and last is not None:
         m, dt = last.metrics, time.perf_counter() - t0
         print(f"[{m.num_output_tokens} tokens in {dt:.2f}s, {m.num_output_tokens / dt:.1f} tok/s, "

@@ -12,10 +12,24 @@ from leapfrog.sampling_params import SamplingParams
 
 
 class LLM:
+    """`tensor_parallel_size=N` splits the model over N ranks (distributed.py): N-1 follower
+    processes started here, or torchrun's processes, of which rank 0 returns from this call."""
+
     def __init__(self, model: str = "stories", method: str = "ar", draft_model: str | None = None,
                  **engine_options: object) -> None:
-        self.engine = LLMEngine(model, method=method, draft_model=draft_model, **engine_options)
+        size = int(engine_options.get("tensor_parallel_size", 1) or 1)
+        if size > 1:
+            from leapfrog.distributed import start
+            self.engine = start(model, size, dict(method=method, draft_model=draft_model, **engine_options))
+        else:
+            self.engine = LLMEngine(model, method=method, draft_model=draft_model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks (tensor parallelism); also done at exit."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

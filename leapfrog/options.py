@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks, started here (default 1; torchrun for several nodes)")
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine or method option, e.g. --option block_size=32 (repeatable)")
 
@@ -74,4 +76,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               device=args.device, dtype=args.dtype, **parse_options(args.option))
     if args.num_threads:
         kw["num_threads"] = args.num_threads
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     return kw

@@ -114,10 +114,15 @@ _EMPTY = torch.empty(0)
 
 
 class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    """`parallel`: None (whole), "column" (this tensor-parallel rank's output rows) or "row" (its
+    input columns; the caller all-reduces the output). The sizes given are the rank's own."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        from leapfrog.layers import parallel as tp
+        loader = {None: default_weight_loader, "column": tp.rows_loader, "row": tp.columns_loader}[parallel]
         for p in self.parameters():
-            p.weight_loader = default_weight_loader
+            p.weight_loader = loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_forward(self, x)
@@ -126,8 +131,10 @@ class Linear(nn.Linear):
 class PackedLinear(nn.Linear):
     """Several linears with the same input, stored row-stacked: shards named by shard_id."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
+                 column_parallel: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.column_parallel = column_parallel     # sizes are a tensor-parallel rank's: it loads its rows
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shard_sizes.items():
@@ -138,9 +145,17 @@ class PackedLinear(nn.Linear):
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is None:      # stored already packed in our order (LLaDA2's query_key_value)
+            if self.column_parallel:
+                raise ValueError("a matrix stored packed cannot be split across tensor-parallel ranks")
             return default_weight_loader(param, tensor)
         start, size = self.offsets[str(shard_id)]
         target = param.data.narrow(0, start, size)
+        if self.column_parallel:
+            from leapfrog.layers.parallel import tp_rank, tp_size
+            if tensor.shape[0] != size * tp_size():
+                raise ValueError(f"shape mismatch for shard {shard_id}: parameter {tuple(target.shape)} x "
+                                 f"{tp_size()} ranks vs checkpoint {tuple(tensor.shape)}")
+            tensor = tensor.narrow(0, tp_rank() * size, size)
         if target.shape != tensor.shape:
             raise ValueError(f"shape mismatch for shard {shard_id}: parameter "
                              f"{tuple(target.shape)} vs checkpoint {tuple(tensor.shape)}")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapfrog.layers import parallel as tp
 from leapfrog.layers.attention import Attention, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight,
@@ -23,17 +24,24 @@ from leapfrog.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
+    """Under tensor parallelism this rank's heads (and KV heads) only: q/k/v column-parallel,
+    o_proj row-parallel, one all-reduce after it."""
+
     def __init__(self, cfg: dict, flavour: str) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        self.head_dim = cfg.get("head_dim") or hidden // heads
+        self.num_heads = tp.shard(heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")[1]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = cfg.get("attention_bias", cfg.get("qkv_bias", flavour == "qwen2"))
-        self.qkv_proj = PackedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
+        split = tp.tp_size() > 1
+        self.qkv_proj = PackedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias,
+                                     column_parallel=split)
         o_bias = cfg.get("attention_bias", False) and flavour != "qwen2"
-        self.o_proj = Linear(q_size, hidden, bias=o_bias)
+        self.o_proj = Linear(q_size, hidden, bias=o_bias, parallel="row" if split else None)
         self.qk_norm = cfg.get("use_qk_norm", flavour == "qwen3")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
@@ -52,7 +60,7 @@ class DecoderAttention(nn.Module):
         qk = rope.apply(qk)              # q and k heads rotated together: half the ops
         q, k = qk[..., :self.num_heads, :], qk[..., self.num_heads:, :]
         o = self.attn.forward(q, k, v, meta)
-        return self.o_proj.forward(o.reshape(*lead, -1))
+        return tp.all_reduce(self.o_proj.forward(o.reshape(*lead, -1)))
 
 
 class MLP(nn.Module):
@@ -60,12 +68,14 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden, {"0": intermediate, "1": intermediate}, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        split = tp.tp_size() > 1         # this rank's columns of gate/up and rows of down
+        local = tp.shard(intermediate, "intermediate_size")[1]
+        self.gate_up_proj = PackedLinear(hidden, {"0": local, "1": local}, bias=bias, column_parallel=split)
+        self.down_proj = Linear(local, hidden, bias=bias, parallel="row" if split else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate).mul_(up))
+        return tp.all_reduce(self.down_proj.forward(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
@@ -74,6 +84,9 @@ class DecoderLayer(nn.Module):
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = DecoderAttention(cfg, flavour)
         if is_moe_layer(cfg, layer_idx):
+            if tp.tp_size() > 1:
+                raise ValueError("tensor_parallel_size > 1: mixture-of-experts layers are not split across "
+                                 "ranks yet (dense models only)")
             self.mlp = SparseMoE(cfg["hidden_size"], moe_spec(cfg))
         else:
             self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
@@ -132,7 +145,7 @@ def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
     attention is a single group read straight from the paged cache, rows in order (decode
     and verification batches, diffusion steps; up to 32 rows the projections use the few-row
     kernel, beyond it BLAS)."""
-    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or len(meta.groups) != 1:
+    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or len(meta.groups) != 1 or tp.tp_size() > 1:
         return False
     g = meta.groups[0]
     return (g.ctx_lens is not None and g.out_rows is None and g.row_start == 0
@@ -142,7 +155,12 @@ def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
 class DecoderModel(nn.Module):
     def __init__(self, cfg: dict, flavour: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        # under tensor parallelism, this rank's rows of the vocabulary (Megatron's vocab-parallel
+        # embedding: other ranks' tokens embed as zeros here, and the all-reduce sums them in)
+        self.vocab_start, local_vocab = tp.shard(cfg["vocab_size"], "vocab_size")
+        self.embed_tokens = nn.Embedding(local_vocab, cfg["hidden_size"])
+        if tp.tp_size() > 1:
+            self.embed_tokens.weight.weight_loader = tp.rows_loader
         self.layers = nn.ModuleList(DecoderLayer(cfg, flavour, i) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -171,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.flavour)
-        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+        self.lm_head = Linear(cfg["hidden_size"], self.model.embed_tokens.num_embeddings,
+                              parallel="column" if tp.tp_size() > 1 else None)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -185,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states and the outputs of `capture_layers`
         (layer indices; drafters condition on them)."""
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        x = self.embed(input_ids)
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
         captured = []
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping
@@ -210,8 +229,17 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(x)
         return self.model.norm.forward(x), captured
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight
+        if tp.tp_size() == 1:
+            return F.embedding(input_ids, w)
+        local = input_ids - self.model.vocab_start
+        outside = (local < 0) | (local >= w.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), w).masked_fill_(outside.unsqueeze(-1), 0)
+        return tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.forward(hidden).float()
+        return tp.all_gather_last(self.lm_head.forward(hidden).float())
 
     def decode_loop(self, block_size: int):
         """The C++ multi-step decode loop (csrc/decode_loop.cpp) over this model's weights and
@@ -222,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
-        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu"
+        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu" or tp.tp_size() > 1
                 or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):

@@ -140,7 +140,12 @@ class AsyncEngine:
                 break
             if isinstance(item, _Add):
                 item.tracked.sink.put_nowait((item.request_id, error))
-        self.crash, self.engine = None, None
+        old, self.crash, self.engine = self.engine, None, None
+        if hasattr(old, "shutdown"):        # tensor parallel: stop the follower ranks first
+            try:
+                old.shutdown()
+            except Exception:
+                log.exception("stopping the old engine's ranks")
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         self._thread.start()
 
@@ -149,6 +154,8 @@ class AsyncEngine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if hasattr(self.engine, "shutdown"):       # tensor parallel: the follower ranks
+            self.engine.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -263,6 +270,9 @@ class AsyncEngine:
             except ValueError as exc:
                 self._deliver([(item.tracked.sink, (item.request_id, exc))])
                 return
+            except BaseException:           # the loop dies here: the supervisor fails this one too
+                self._tracked[item.request_id] = item.tracked
+                raise
             self._tracked[item.request_id] = item.tracked
             self.metrics.add("prompt_tokens", item.tracked.num_prompt_tokens)
         elif item[0] == "abort":

@@ -1,0 +1,156 @@
+"""One engine over several tensor-parallel ranks: rank 0 drives, the others follow its schedule.
+
+Every rank builds the same LLMEngine over its shard of the model (layers/parallel.py) and runs
+the same scheduler. Rank 0 broadcasts each call that changes the engine's state (add a request,
+abort one, take a step) before making it; the followers make the same call. The schedule is a
+function of those calls alone (no clocks: methods that schedule by measured time are refused),
+and every rank samples from the same gathered logits with the same seeds, so the ranks' batches,
+KV blocks and tokens stay identical and their collectives meet.
+
+Launch: `tensor_parallel_size=N` in one process starts N-1 follower processes on this machine
+(gloo on loopback, NCCL on GPUs); under `torchrun` (several nodes), rank 0 drives and the other
+ranks follow inside the LLMEngine call and exit when the driver stops. A follower that dies is
+noticed before the driver's next call, which raises instead of waiting on a collective.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import socket
+from typing import Any
+
+from leapfrog.layers import parallel as tp
+
+log = logging.getLogger("leapfrog.distributed")
+
+# Methods whose schedule depends only on the engine's calls (confidence-scheduled verification
+# prices steps by measured time, so ranks could decide differently).
+TP_METHODS = ("ar",)
+
+
+class RankDied(BaseException):
+    """A follower rank is gone: fatal for this engine (under `leapfrog serve`, the engine
+    supervisor fails the requests in flight and rebuilds the engine, ranks included). A
+    BaseException, so that no per-request error handling mistakes it for one request's fault."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_method(method: str) -> None:
+    if method not in TP_METHODS:
+        raise ValueError(f"tensor_parallel_size > 1 supports the {', '.join(TP_METHODS)} method for now, not "
+                         f"{method!r}")
+
+
+def _follower_main(rank: int, size: int, init_method: str, model: str, kwargs: dict) -> None:
+    """A spawned follower: join the group, build the shard's engine, follow rank 0."""
+    import torch
+    torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
+    tp.init(rank, size, init_method)
+    from leapfrog.engine import LLMEngine
+    engine = LLMEngine(model, **kwargs)
+    follow(engine)
+    tp.shutdown()
+
+
+def follow(engine: Any) -> None:
+    """Make rank 0's calls until it says stop."""
+    while True:
+        call, args, kwargs = tp.broadcast_object()
+        if call == "stop":
+            return
+        try:
+            getattr(engine, call)(*args, **kwargs)
+        except ValueError:            # rank 0 raised the same (a refused request) and carries on
+            pass
+
+
+class TensorParallelEngine:
+    """Rank 0's engine: each state-changing call is broadcast to the followers, then made here."""
+
+    def __init__(self, engine: Any, followers: list | None = None) -> None:
+        self.engine = engine
+        self.followers = followers or []
+        self._stopped = False
+        atexit.register(self.shutdown)
+
+    def _send(self, call: str, *args: Any, **kwargs: Any) -> None:
+        dead = [p for p in self.followers if not p.is_alive()]
+        if dead:
+            raise RankDied(f"tensor-parallel rank(s) {', '.join(str(self.followers.index(p) + 1) for p in dead)} "
+                           f"died (exit code {dead[0].exitcode}); the engine cannot go on")
+        tp.broadcast_object((call, args, kwargs))
+
+    def add_request(self, *args: Any, **kwargs: Any) -> str:
+        self._send("add_request", *args, **kwargs)
+        return self.engine.add_request(*args, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+        self.engine.abort(request_id)
+
+    def step(self) -> list:
+        self._send("step")
+        return self.engine.step()
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.shutdown)
+        try:
+            if all(p.is_alive() for p in self.followers):
+                tp.broadcast_object(("stop", (), {}))
+        finally:
+            for p in self.followers:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+            tp.shutdown()
+
+    def __getattr__(self, name: str) -> Any:       # reads (tokenizer, config, stats, ...) go to the engine
+        return getattr(self.engine, name)
+
+
+def start(model: str, size: int, kwargs: dict) -> Any:
+    """The engine for `tensor_parallel_size=size`: followers spawned here (or, under torchrun, this
+    process's rank); on rank 0 a TensorParallelEngine, on a follower rank never returns."""
+    from leapfrog.engine import LLMEngine
+    check_method(str(kwargs.get("method", "ar")))
+    if tp.launched_by_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes")
+        tp.init(rank, world)
+        engine = LLMEngine(model, **kwargs)
+        if rank != 0:
+            follow(engine)
+            tp.shutdown()
+            raise SystemExit(0)
+        return TensorParallelEngine(engine)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    threads = max(1, (os.cpu_count() or size) // size)
+    ctx = mp.get_context("spawn")
+    followers = [ctx.Process(target=_follower_main, args=(r, size, init_method, model,
+                                                          {**kwargs, "_threads_per_rank": threads}),
+                             name=f"leapfrog-tp-rank{r}", daemon=True) for r in range(1, size)]
+    for p in followers:
+        p.start()
+    import torch
+    torch.set_num_threads(threads)
+    tp.init(0, size, init_method)
+    try:
+        engine = LLMEngine(model, **kwargs)
+    except BaseException:
+        for p in followers:
+            p.terminate()
+        tp.shutdown()
+        raise
+    log.info("tensor parallel: %d ranks on this machine, %d threads each", size, threads)
+    return TensorParallelEngine(engine, followers)

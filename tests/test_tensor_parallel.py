@@ -1,0 +1,175 @@
+"""Tensor parallelism on CPU with gloo: a model split over 2 ranks gives the logits of the
+whole model (float32, 1e-5) and the same greedy and seeded tokens, for Llama (untied head),
+Qwen2 (q/k/v bias, tied embeddings) and Qwen3 (per-head q/k norm); what is not split yet is
+refused by name; a follower rank that dies stops the engine with an error, never a hang."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.layers import parallel as tp
+from test_server_common import free_port
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 30, 44], [1, 100, 200, 7, 7, 7, 8, 9, 10, 11, 12], [1, 5, 9, 30, 44, 61]]
+
+
+def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor, out: str) -> None:
+    torch.set_num_threads(1)
+    tp.init(rank, size, f"tcp://127.0.0.1:{port}")
+    from leapfrog.loader import load_model
+    model = load_model(folder)
+    local_params = sum(p.numel() for p in model.parameters())
+    logits = model.forward_dense(ids)
+    if rank == 0:
+        torch.save({"logits": logits, "params": local_params}, out)
+    tp.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_split_model_gives_the_whole_models_logits(family, family_dirs, tmp_path):
+    from leapfrog.loader import load_model
+    folder = family_dirs[family]
+    ids = torch.tensor([PROMPTS[1]])
+    whole = load_model(folder)
+    want = whole.forward_dense(ids)
+    out = tmp_path / "logits.pt"
+    mp.start_processes(_rank_logits, args=(2, free_port(), str(folder), ids, str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    got = torch.load(out)
+    assert got["logits"].shape == want.shape
+    torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+    # each rank holds its share: about half, plus the norms every rank keeps
+    assert got["params"] < 0.6 * sum(p.numel() for p in whole.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_over_two_ranks_gives_the_same_tokens(family, family_dirs):
+    folder = str(family_dirs[family])
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    params = [GREEDY, seeded, GREEDY]
+    want = [o.token_ids for o in LLM(folder, block_size=4).generate(PROMPTS, params)]
+    llm = LLM(folder, block_size=4, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        again = llm.generate(PROMPTS[:1], GREEDY)[0]               # the prefix cache, split too
+        assert again.token_ids == want[0] and again.metrics.num_cached_prompt_tokens == 4
+    finally:
+        llm.shutdown()
+
+
+def test_what_is_not_split_yet_is_refused_by_name(llama_dir):
+    with pytest.raises(ValueError, match="supports the ar method"):
+        LLM(str(llama_dir), method="dspark", tensor_parallel_size=2)
+    from leapfrog.engine import LLMEngine
+    with pytest.raises(ValueError, match="start the ranks"):
+        LLMEngine(str(llama_dir), tensor_parallel_size=2)       # not through LLM: no group to join
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(llama_dir), tensor_parallel_size=0)
+
+
+def test_a_dead_follower_stops_the_engine_with_an_error(llama_dir):
+    from leapfrog.distributed import RankDied
+    llm = LLM(str(llama_dir), tensor_parallel_size=2)
+    try:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        follower = llm.engine.followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(10)
+        t0 = time.time()
+        with pytest.raises(RankDied, match="rank\\(s\\) 1 died"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.time() - t0 < 5
+    finally:
+        llm.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from leapfrog import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2)      # rank 1 follows inside this call, then exits
+out = llm.generate([[1, 5, 9, 30, 44]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+print("TOKENS", json.dumps(out[0].token_ids))
+llm.shutdown()
+"""
+
+
+def test_two_node_torchrun_on_loopback(llama_dir, tmp_path):
+    """Two torchrun launchers, node ranks 0 and 1, one rendezvous on 127.0.0.1: rank 0 drives
+    and prints, rank 1 follows and exits 0."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(llama_dir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("TOKENS"))
+    want = LLM(str(llama_dir)).generate([[1, 5, 9, 30, 44]], GREEDY)[0].token_ids
+    assert json.loads(line.split(" ", 1)[1]) == want
+    assert "TOKENS" not in outs[1]
+
+
+def _spawned_children(parent: int) -> list[int]:
+    """multiprocessing's spawned children of `parent` (the follower ranks, not its resource tracker)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if ppid == parent and "spawn_main" in cmd:
+            out.append(int(entry))
+    return out
+
+
+def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):
+    import subprocess
+    import sys
+    import httpx
+    from test_server_common import wait_ready
+    body = {"prompt": [1, 5, 9, 30, 44], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = LLM(str(llama_dir)).generate([body["prompt"]], GREEDY)[0].token_ids
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
+                             "--port", str(port), "--tensor-parallel-size", "2", "--warmup-requests", "1",
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        followers = _spawned_children(proc.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)      # a rank dies: the engine is rebuilt, ranks included
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code in (500, 503), r.text
+        deadline = time.time() + 60
+        while httpx.get(url + "/ready").status_code != 200 and time.time() < deadline:
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        m = httpx.get(url + "/metrics").text
+        assert 'leapfrog:engine_restarts_total{model_name="llama"} 1.0' in m
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+    text = (tmp_path / "serve.log").read_text()
+    assert "died" in text
