@@ -145,7 +145,7 @@ def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):
     import httpx
     from test_server_common import wait_ready
     body = {"prompt": [1, 5, 9, 30, 44], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = LLM(str(llama_dir)).generate([body["prompt"]], GREEDY)[0].token_ids
+    want = LLM(str(llama_dir)).generate([body["prompt"]], GREEDY)[0].text
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", "--model", str(llama_dir), "--host", "127.0.0.1",
@@ -155,7 +155,7 @@ def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):
     try:
         wait_ready(proc, url)
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         followers = _spawned_children(proc.pid)
         assert len(followers) == 1
         os.kill(followers[0], signal.SIGKILL)      # a rank dies: the engine is rebuilt, ranks included
@@ -165,7 +165,7 @@ def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):
         while httpx.get(url + "/ready").status_code != 200 and time.time() < deadline:
             time.sleep(0.1)
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         m = httpx.get(url + "/metrics").text
         assert 'leapfrog:engine_restarts_total{model_name="llama"} 1.0' in m
     finally:

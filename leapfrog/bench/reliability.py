@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import shutil
 import signal
