@@ -173,3 +173,15 @@ def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):
         assert proc.wait(60) == 0
     text = (tmp_path / "serve.log").read_text()
     assert "died" in text
+
+
+def test_parallel_benchmark_reports_equal_tokens_and_collective_cost(llama_dir, tmp_path):
+    import json
+    from leapfrog.bench.cli import main
+    assert main(["--suite", "parallel", "--model", str(llama_dir), "--new-tokens", "8", "--concurrency", "1", "2",
+                 "--repeats", "1", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "parallel.json").read_text())
+    assert [(row["tp"], row["concurrency"]) for row in r["rows"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(row["same_tokens"] and row["tok_s"] > 0 for row in r["rows"])
+    assert all(row["comm_per_step_ms"] > 0 for row in r["rows"] if row["tp"] == 2)
+    assert "collectives per step" in (tmp_path / "parallel.md").read_text()

@@ -15,6 +15,8 @@ Suites:
           engine crashes (reliability.py).
   soak    a long mixed run against `leapfrog serve`: memory growth, KV blocks when idle, every
           outcome classified (soak.py).
+  parallel  a model whole and split over tensor-parallel ranks on this machine: tokens/s, equal
+          tokens, and the collectives' measured cost per step (parallel.py).
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.
@@ -27,12 +29,12 @@ import os
 import sys
 from pathlib import Path
 
-from leapfrog.bench import couplets, diffusion, peers, reliability, soak, speculative
+from leapfrog.bench import couplets, diffusion, parallel, peers, reliability, soak, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
 
 SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,
-          "reliability": reliability, "soak": soak}
+          "reliability": reliability, "soak": soak, "parallel": parallel}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     couplets.add_arguments(p)
     reliability.add_arguments(p)
     soak.add_arguments(p)
+    parallel.add_arguments(p)
     return p
 
 
