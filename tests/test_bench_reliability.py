@@ -44,3 +44,12 @@ def test_suites_are_listed(suite, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert suite in capsys.readouterr().out
+
+
+def test_warm_up_ends_when_memory_settles():
+    from leapfrog.bench.soak import settled
+    rss = [500, 560, 600, 640, 700, 705, 706, 707, 720, 721]        # one sample a minute
+    samples = [{"t": 60.0 * i, "rss_mb": v} for i, v in enumerate(rss)]
+    assert settled(samples, 60.0) == 300.0         # 705 is within 1% of 700, a minute before
+    assert settled(samples, 420.0) == 420.0
+    assert settled(samples[:3], 60.0) == 60.0      # never settles: the floor

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, default=1800.0, help="soak seconds (default 1800)")
     g.add_argument("--clients", type=int, default=8, help="soak: concurrent clients")
     g.add_argument("--warmup", type=float, default=None, help="soak: seconds before memory is baselined "
-                   "(default: a tenth of the duration, at least 60 s)")
+                   "(default: from a tenth of the duration, at least 60 s, until resident memory grows under "
+                   "1%% in a minute)")
 
 
 # --- a `leapfrog serve` process -----------------------------------------------------------------

@@ -192,9 +192,13 @@ def run(args: argparse.Namespace) -> dict:
         rss_end = server.rss() / 2**20
     finally:
         code = server.stop()
+    if args.warmup is None:
+        warmup = settled(samples, warmup)
     after = [s["rss_mb"] for s in samples if s["t"] >= warmup]
     base = after[0] if after else 0.0
+    fixed = [s["rss_mb"] for s in samples if s["t"] >= max(60.0, args.duration / 10)]
     return {"duration_s": args.duration, "clients": args.clients, "warmup_s": warmup, "models": list(MODELS),
+            "rss_growth_from_tenth_pct": 100 * (rss_end - fixed[0]) / fixed[0] if fixed else 0.0,
             "requests": sum(tally.outcomes.values()), "unexpected": tally.num_unexpected,
             "unexpected_examples": tally.unexpected[:20], "outcomes": dict(sorted(tally.outcomes.items())),
             "responses": {str(k): int(v) for k, v in sorted(responses.items())},
@@ -203,6 +207,19 @@ def run(args: argparse.Namespace) -> dict:
             "rss_growth_pct": 100 * (rss_end - base) / base if base else 0.0,
             "kv_used_idle": kv_idle, "samples": samples, "load_average_start": la0,
             "load_average_end": load_average(), "server_exit": code, "command": server.command}
+
+
+def settled(samples: list[dict], at_least: float, window: float = 60.0, tolerance: float = 0.01) -> float:
+    """The end of warm-up: the first time, no earlier than `at_least`, at which resident memory
+    is within `tolerance` of what it was `window` seconds before (allocator pools and lazily
+    built state have reached their size; what grows after that is what a leak would be)."""
+    for s in samples:
+        if s["t"] < at_least:
+            continue
+        before = [x for x in samples if x["t"] <= s["t"] - window]
+        if before and s["rss_mb"] <= before[-1]["rss_mb"] * (1 + tolerance):
+            return s["t"]
+    return at_least
 
 
 def markdown(result: dict) -> str:
@@ -214,8 +231,10 @@ def markdown(result: dict) -> str:
         f"| served | {', '.join(r['models'])} (dspark, ar + couplet writer, diffusion) |",
         f"| requests | {r['requests']} ({r['unexpected']} unexpected outcomes; server 5xx: {r['server_5xx']}; "
         f"engine restarts: {r['engine_restarts']:.0f}) |",
-        f"| resident memory | {r['rss_after_warmup_mb']:.0f} MB after {r['warmup_s'] / 60:.0f} min warm-up -> "
-        f"{r['rss_end_mb']:.0f} MB at the end ({r['rss_growth_pct']:+.1f}%), max {r['rss_max_mb']:.0f} MB |",
+        f"| resident memory | {r['rss_after_warmup_mb']:.0f} MB after warm-up (minute {r['warmup_s'] / 60:.1f}, "
+        f"when it grew under 1% in a minute) -> {r['rss_end_mb']:.0f} MB at the end ({r['rss_growth_pct']:+.1f}%); "
+        f"counted from minute {max(60.0, r['duration_s'] / 10) / 60:.0f}: {r.get('rss_growth_from_tenth_pct', 0):+.1f}%; "
+        f"max {r['rss_max_mb']:.0f} MB |",
         f"| KV blocks in use when idle | {r['kv_used_idle']:.0f} |",
         f"| server exit on SIGTERM | {r['server_exit']} |"])
 
