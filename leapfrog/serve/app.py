@@ -183,6 +183,13 @@ class ServerState:
         if self.draining:
             raise APIError(503, "server is shutting down", "server_error", None, "shutting_down",
                            {"Retry-After": "5", "Connection": "close"})
+        if all(m.engine.num_in_flight >= m.capacity for m in self.servers):
+            # Every model is full: no body this request could send would be admitted. Answer
+            # before reading and tokenizing it, so that a burst is turned away at once and
+            # the admitted requests keep the CPU.
+            self.primary.metrics.reject("queue_full")
+            raise APIError(429, "server is at capacity; retry later", "rate_limit_error", None, "queue_full",
+                           {"Retry-After": "1"})
         client = identity or (request.client.host if request.client else "unknown")
         wait = self.limiter.acquire(client)
         if wait > 0:
