@@ -80,12 +80,34 @@ class TensorParallelEngine:
         self._stopped = False
         atexit.register(self.shutdown)
 
-    def _send(self, call: str, *args: Any, **kwargs: Any) -> None:
+    def _check(self, wait: float = 0.0) -> None:
+        """Raise RankDied if a follower is gone (`wait`: give a process just killed time to be
+        reaped, after a collective failed)."""
+        for p in self.followers:
+            if wait and p.is_alive():
+                p.join(wait)
         dead = [p for p in self.followers if not p.is_alive()]
         if dead:
             raise RankDied(f"tensor-parallel rank(s) {', '.join(str(self.followers.index(p) + 1) for p in dead)} "
                            f"died (exit code {dead[0].exitcode}); the engine cannot go on")
-        tp.broadcast_object((call, args, kwargs))
+
+    def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A call that runs collectives: a peer that died mid-call shows up as the transport's
+        error (gloo: connection reset); that is RankDied, not a fault of the request."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            try:
+                self._check(wait=1.0)
+            except RankDied as dead:
+                raise dead from exc
+            if tp.tp_size() > 1 and ("gloo" in str(exc).lower() or "nccl" in str(exc).lower()):
+                raise RankDied(f"a collective failed: {exc}") from exc
+            raise
+
+    def _send(self, call: str, *args: Any, **kwargs: Any) -> None:
+        self._check()
+        self._guarded(tp.broadcast_object, (call, args, kwargs))
 
     def add_request(self, *args: Any, **kwargs: Any) -> str:
         self._send("add_request", *args, **kwargs)
@@ -97,7 +119,7 @@ class TensorParallelEngine:
 
     def step(self) -> list:
         self._send("step")
-        return self.engine.step()
+        return self._guarded(self.engine.step)
 
     def shutdown(self) -> None:
         if self._stopped:
