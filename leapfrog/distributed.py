@@ -18,7 +18,6 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
-import socket
 from typing import Any
 
 from leapfrog.layers import parallel as tp
@@ -34,12 +33,6 @@ class RankDied(BaseException):
     """A follower rank is gone: fatal for this engine (under `leapfrog serve`, the engine
     supervisor fails the requests in flight and rebuilds the engine, ranks included). A
     BaseException, so that no per-request error handling mistakes it for one request's fault."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_method(method: str) -> None:
@@ -156,7 +149,7 @@ def start(model: str, size: int, kwargs: dict) -> Any:
             tp.shutdown()
             raise SystemExit(0)
         return TensorParallelEngine(engine)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{tp.free_port()}"
     threads = max(1, (os.cpu_count() or size) // size)
     ctx = mp.get_context("spawn")
     followers = [ctx.Process(target=_follower_main, args=(r, size, init_method, model,

@@ -48,12 +48,9 @@ def _collective_worker(rank: int, size: int, port: int, hidden: int, vocab: int,
 
 
 def collectives(hidden: int, vocab: int, size: int, rows: list[int], out: Path, repeats: int = 200) -> dict:
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_collective_worker, args=(size, port, hidden, vocab, rows, repeats, str(out)),
+    from leapfrog.layers.parallel import free_port
+    mp.start_processes(_collective_worker, args=(size, free_port(), hidden, vocab, rows, repeats, str(out)),
                        nprocs=size, join=True, start_method="spawn")
     return torch.load(out)
 

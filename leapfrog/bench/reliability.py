@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from leapfrog.bench.common import load_average, log
+from leapfrog.layers.parallel import free_port
 
 PARTS = ("fuzz", "overload", "recovery")
 
@@ -56,12 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --- a `leapfrog serve` process -----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """`leapfrog serve` in a process of its own, on loopback."""
 
@@ -287,9 +281,9 @@ def recovery(args: argparse.Namespace, out: Path, repeats: int = 3) -> dict:
         before = server.responses()
         cards = httpx.get(server.url + "/v1/models").json()["data"]
         for card in cards:
+            model, max_tokens = card["id"], min(480, card["max_model_len"] - 32)
             for k in range(repeats):
-                rows.append(asyncio.run(_crash_once(server.url, card["id"], min(480, card["max_model_len"] - 32))))
-                model = card["id"]
+                rows.append(asyncio.run(_crash_once(server.url, model, max_tokens)))
                 log(f"recovery: {model} #{k + 1}: ready again after {rows[-1]['recovery_s']:.2f}s, "
                     f"{rows[-1]['in_flight']} in flight -> {rows[-1]['in_flight_outcomes']}")
         restarts = server.series("leapfrog:engine_restarts_total")

@@ -10,6 +10,7 @@ Outside `init` the size is 1 and every collective is the identity.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,13 @@ def init(rank: int, size: int, init_method: str | None = None, backend: str | No
                             timeout=timedelta(seconds=timeout_s))
     _STATE.size, _STATE.rank = size, rank
     _STATE.objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the group's rendezvous, a server a benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launched_by_torchrun() -> bool:
