@@ -108,7 +108,7 @@ class MultiStep:
         min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
         out, counts, _, captured = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
                                             _padded(stops, dev), _padded(bans, dev), min_left, False,
-                                            list(self.method.capture_layers))
+                                            list(self.method.loop_capture_layers(batch)))
         self.num_loop_steps += plan.steps
         commits = []
         for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):

@@ -431,15 +431,18 @@ def test_plain_steps_are_priced_apart_from_verify_steps():
 
 
 def test_reprobes_keep_to_the_probe_budget():
-    """Drafting never pays here; a probe that cost 100 ms may come only once 100 ms / 3% of wall
-    time has passed since the last one. Before that the policy skips on, and says how many steps
-    may run in the decode loop meanwhile."""
+    """Drafting does not pay on the predictions here (drafts survive with 0.05 per position),
+    though drafts that all survived would; a probe that cost 100 ms may come only once 100 ms /
+    3% of wall time has passed since the last one. Before that the policy skips on, and says
+    how many steps may run in the decode loop meanwhile."""
     import time as _time
-    policy = _priced((1.0, 0.5), 50.0)            # drafting costs 50 ms: never worth it
+    policy = _priced((1.0, 0.5), 2.0)
+    policy.prior = [0.05 ** j for j in range(1, 9)]
     big = _records(8)
     m = policy.cost_model()
     for _ in range(3):
-        m.observe_plain(8, 1e-3)
+        m.observe_plain(8, 5e-3)                  # as dear as the verify step: perfect drafts would pay
+    assert policy._could_pay(8) and not policy._drafting_pays(big)
     probes = [policy.should_draft(big) for _ in range(17)]
     assert probes == [False] * 16 + [True]        # the first probe: nothing measured about probes yet
     policy._probe_cost, policy._last_probe_end = 0.1, _time.perf_counter()
@@ -450,6 +453,28 @@ def test_reprobes_keep_to_the_probe_budget():
     policy._last_probe_end -= 10.0               # 10 s ago: affordable now
     policy._reprobe_every = policy._skipped_steps
     assert policy.should_draft(big) and policy.probing
+
+
+def test_no_probes_where_not_even_perfect_drafts_would_pay():
+    """A plain step of 1 ms at 8 requests (a model in the CPU's caches, in the decode loop)
+    against drafting at 2 ms plus a verify step of 1 + 0.5 B ms: 8 tokens a millisecond
+    without drafting, at most 64 / 35 with every draft accepted. The policy stops probing
+    (a probe could only confirm it), waits the longest, and the decode loop captures nothing
+    for the drafter meanwhile; when a plain step costs more, it looks again."""
+    policy = _priced((1.0, 0.5), 2.0)
+    big = _records(8)
+    m = policy.cost_model()
+    for _ in range(3):
+        m.observe_plain(8, 1e-3)
+    assert not policy._could_pay(8)
+    assert not any(policy.should_draft(big) for _ in range(600))
+    assert policy.dormant(8) and not policy.dormant(1)
+    assert policy.reprobe_wait == policy.max_reprobe_steps
+    assert policy.steps_without_drafting(8) > 0
+    for _ in range(40):
+        m.observe_plain(8, 9e-3)                  # the machine got busy: over 1 ms a token
+    policy._reprobe_every = policy._skipped_steps  # the wait is over
+    assert policy.should_draft(big) and not policy.dormant(8)
 
 
 def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, drafters):

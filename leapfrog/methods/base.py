@@ -132,9 +132,14 @@ class Method:
         samples with the CPU sampler and returns the rows of `capture_layers`."""
         return 1 << 30 if self.decode_loop else 0
 
+    def loop_capture_layers(self, batch: Batch) -> tuple[int, ...]:
+        """The target layers whose rows the decode loop returns for this batch (after_loop's
+        `captured`): capture_layers, or none while nothing would use them."""
+        return self.capture_layers
+
     def after_loop(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
         """The loop ran: `commits` are its tokens (not applied yet), `captured` [B, steps,
-        len(capture_layers), d] the rows of the captured layers at each fed position."""
+        len(loop_capture_layers), d] the rows of the captured layers at each fed position."""
 
     def modules(self) -> list[torch.nn.Module]:
         """Models the method runs besides the target (a drafter), for the engine to prepare

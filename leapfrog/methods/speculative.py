@@ -225,8 +225,15 @@ class SpeculativeMethod(Method):
             return 0
         return self.policy.steps_without_drafting(len(batch.seqs))
 
+    def loop_capture_layers(self, batch: Batch) -> tuple[int, ...]:
+        """None while the policy finds that drafting could not pay at all: the drafter's
+        context then misses those positions, and the next draft of such a request starts a
+        fresh context after them (lower acceptance at worst, never other output)."""
+        return () if self.policy.dormant(len(batch.seqs)) else self.capture_layers
+
     def after_loop(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
-        self.extend_contexts(batch, commits, captured)
+        if captured.numel():
+            self.extend_contexts(batch, commits, captured)
         # the first step was skipped (and counted) by the last decision; the loop skipped the rest
         self.counters.num_skipped_drafts += sum(len(c.token_ids) for c in commits) - len(commits)
         self.policy.skipped_in_loop(max(len(c.token_ids) for c in commits), len(batch.seqs))

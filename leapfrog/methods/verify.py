@@ -75,6 +75,12 @@ class VerifyPolicy:
         decode loop."""
         return 0
 
+    def dormant(self, batch: int) -> bool:
+        """Whether the last decision found that drafting for `batch` requests could not pay
+        even if every draft were accepted (until the next decision the drafter then needs no
+        context: the decode loop captures no target features for it)."""
+        return False
+
     def skipped_in_loop(self, steps: int, batch: int) -> None:
         """`steps` steps of `batch` requests ran in the decode loop without drafting (the first
         of them decided by the last should_draft), not decided one by one."""
@@ -159,6 +165,7 @@ class ConfidencePolicy(VerifyPolicy):
         self._probe_start = 0.0
         self._probe_cost: float | None = None  # seconds of a probe's drafting (context projection included)
         self._last_probe_end = 0.0
+        self._dormant = False                 # the last decision: drafting could not pay at all
 
     @property
     def reprobe_wait(self) -> int:
@@ -203,6 +210,13 @@ class ConfidencePolicy(VerifyPolicy):
             self._reprobe_every = self._waits.get(batch, self._reprobe_every)
         elif 0 < self._skipped_steps < self._reprobe_every:
             return self._skip()           # same load, decided already: no need to re-plan
+        self._dormant = not self._could_pay(batch)
+        if self._dormant:
+            # Not even drafts that were all accepted would pay at these costs: a probe could
+            # only confirm it. Wait the longest, then look at the costs again.
+            self._skipped_steps = 0
+            self._reprobe_every = self._waits[batch] = self.max_reprobe_steps
+            return self._skip()
         if self._drafting_pays(records):
             self._skipped_steps, self._reprobe_every = 0, self.first_wait(batch)
             self._waits[batch] = self._reprobe_every
@@ -222,8 +236,18 @@ class ConfidencePolicy(VerifyPolicy):
     def _drafting_pays(self, records: list[VerifyRecord]) -> bool:
         """Whether the predicted tokens per second of drafting and verifying the best schedule
         beat a plain decode step's by min_gain."""
-        batch = len(records)
-        preds = [r.prediction or self.prior for r in records]
+        return self._pays([r.prediction or self.prior for r in records])
+
+    def _could_pay(self, batch: int) -> bool:
+        """Whether drafting would pay for `batch` requests if every draft were accepted (the
+        bound on what a probe can find; on a model whose step costs little next to a verify
+        step and drafting, such as one that sits in the CPU's caches, it never does)."""
+        if self.prior is None or self.measured is None or not self.measured.draft.num_samples:
+            return True
+        return self._pays([[1.0] * len(self.prior)] * batch)
+
+    def _pays(self, preds: list[list[float]]) -> bool:
+        batch = len(preds)
         table = self.cost_model()
         overhead = table.draft(batch)
         lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
@@ -255,7 +279,12 @@ class ConfidencePolicy(VerifyPolicy):
         return False
 
     def begin_drafting(self) -> None:
-        self.cost_model()                 # profiled once, before the drafting clock starts
+        if self.measured is None:
+            # Profiled once, before the drafting clock starts; nor is it part of what a probe
+            # costs (seconds of it would otherwise pace the probes minutes apart).
+            self.cost_model()
+            if self._probing:
+                self._probe_start = time.perf_counter()
         self._draft_start = time.perf_counter()
 
     def num_to_verify(self, records: list[VerifyRecord], confidences: list[list[float] | None],
@@ -287,11 +316,18 @@ class ConfidencePolicy(VerifyPolicy):
     def next_step(self) -> None:
         now = time.perf_counter()
         if self._probing:
-            cost = now - self._probe_start
-            self._probe_cost = cost if self._probe_cost is None else 0.5 * (self._probe_cost + cost)
+            # The first drafting call pays one-off allocations: not what a probe costs.
+            if self.num_drafts > 1:
+                cost = now - self._probe_start
+                self._probe_cost = cost if self._probe_cost is None else 0.5 * (self._probe_cost + cost)
             self._last_probe_end = now
         self._probing = False
         self._step_end = now                      # the next step's clock starts after drafting
+
+    def dormant(self, batch: int) -> bool:
+        """The last decision, for this batch size, found that drafting could not pay even if
+        every draft were accepted: until the next decision, the drafter needs no context."""
+        return self._dormant and batch == self._decided_batch
 
     def steps_without_drafting(self, batch: int) -> int:
         """After a decision to skip, at the same batch size, the steps until the re-probe."""
