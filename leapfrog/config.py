@@ -47,6 +47,10 @@ class EngineConfig:
     # Ranks the model is split over (layers/parallel.py, distributed.py): heads, MLP columns and
     # vocabulary rows each, one all-reduce per attention and per MLP.
     tensor_parallel_size: int = 1
+    # Pipeline stages the decoder layers are cut into (contiguous ranges, each stage with the KV
+    # cache of its layers); a step's batch runs through them in micro-batches. The ranks are
+    # tensor_parallel_size x pipeline_parallel_size processes.
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -66,7 +70,7 @@ class EngineConfig:
         check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
               f"expected auto or one of {sorted(_DTYPES)}")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)

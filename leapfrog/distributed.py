@@ -1,14 +1,15 @@
-"""One engine over several tensor-parallel ranks: rank 0 drives, the others follow its schedule.
+"""One engine over several ranks (tensor-parallel shards, pipeline stages, or both): rank 0
+drives, the others follow its schedule.
 
-Every rank builds the same LLMEngine over its shard of the model (layers/parallel.py) and runs
+Every rank builds the same LLMEngine over its part of the model (layers/parallel.py) and runs
 the same scheduler. Rank 0 broadcasts each call that changes the engine's state (add a request,
 abort one, take a step) before making it; the followers make the same call. The schedule is a
 function of those calls alone (no clocks: methods that schedule by measured time are refused),
 and every rank samples from the same gathered logits with the same seeds, so the ranks' batches,
 KV blocks and tokens stay identical and their collectives meet.
 
-Launch: `tensor_parallel_size=N` in one process starts N-1 follower processes on this machine
-(gloo on loopback, NCCL on GPUs); under `torchrun` (several nodes), rank 0 drives and the other
+Launch: `tensor_parallel_size=N` and `pipeline_parallel_size=M` in one process start N x M - 1
+follower processes on this machine (gloo on loopback, NCCL on GPUs); under `torchrun` (several nodes), rank 0 drives and the other
 ranks follow inside the LLMEngine call and exit when the driver stops. A follower that dies is
 noticed before the driver's next call, which raises instead of waiting on a collective.
 """
@@ -35,17 +36,28 @@ class RankDied(BaseException):
     BaseException, so that no per-request error handling mistakes it for one request's fault."""
 
 
+def sizes(options: dict) -> tuple[int, int]:
+    """(tensor_parallel_size, pipeline_parallel_size) of engine options."""
+    return (int(options.get("tensor_parallel_size", 1) or 1), int(options.get("pipeline_parallel_size", 1) or 1))
+
+
+def num_ranks(options: dict) -> int:
+    """Processes an engine with these options runs on."""
+    t, p = sizes(options)
+    return t * p
+
+
 def check_method(method: str) -> None:
     if method not in TP_METHODS:
-        raise ValueError(f"tensor_parallel_size > 1 supports the {', '.join(TP_METHODS)} method for now, not "
-                         f"{method!r}")
+        raise ValueError(f"tensor_parallel_size / pipeline_parallel_size > 1 support the {', '.join(TP_METHODS)} "
+                         f"method for now, not {method!r}")
 
 
 def _follower_main(rank: int, size: int, init_method: str, model: str, kwargs: dict) -> None:
-    """A spawned follower: join the group, build the shard's engine, follow rank 0."""
+    """A spawned follower: join the group, build its part's engine, follow rank 0."""
     import torch
     torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
-    tp.init(rank, size, init_method)
+    tp.init(rank, size, init_method, pipeline_size=sizes(kwargs)[1])
     from leapfrog.engine import LLMEngine
     engine = LLMEngine(model, **kwargs)
     follow(engine)
@@ -81,7 +93,7 @@ class TensorParallelEngine:
                 p.join(wait)
         dead = [p for p in self.followers if not p.is_alive()]
         if dead:
-            raise RankDied(f"tensor-parallel rank(s) {', '.join(str(self.followers.index(p) + 1) for p in dead)} "
+            raise RankDied(f"rank(s) {', '.join(str(self.followers.index(p) + 1) for p in dead)} "
                            f"died (exit code {dead[0].exitcode}); the engine cannot go on")
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,7 +106,7 @@ class TensorParallelEngine:
                 self._check(wait=1.0)
             except RankDied as dead:
                 raise dead from exc
-            if tp.tp_size() > 1 and ("gloo" in str(exc).lower() or "nccl" in str(exc).lower()):
+            if tp.world_size() > 1 and ("gloo" in str(exc).lower() or "nccl" in str(exc).lower()):
                 raise RankDied(f"a collective failed: {exc}") from exc
             raise
 
@@ -113,6 +125,11 @@ class TensorParallelEngine:
     def step(self) -> list:
         self._send("step")
         return self._guarded(self.engine.step)
+
+    def parallel_stats(self) -> list[dict]:
+        """Every rank's pipelined-step counters (runner.PipelineStats), in rank order."""
+        self._send("parallel_stats")
+        return self._guarded(self.engine.parallel_stats)
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -133,16 +150,20 @@ class TensorParallelEngine:
         return getattr(self.engine, name)
 
 
-def start(model: str, size: int, kwargs: dict) -> Any:
-    """The engine for `tensor_parallel_size=size`: followers spawned here (or, under torchrun, this
-    process's rank); on rank 0 a TensorParallelEngine, on a follower rank never returns."""
+def start(model: str, kwargs: dict) -> Any:
+    """The engine for `tensor_parallel_size` x `pipeline_parallel_size` ranks: followers spawned
+    here (or, under torchrun, this process's rank); on rank 0 a TensorParallelEngine, on a
+    follower rank never returns."""
     from leapfrog.engine import LLMEngine
     check_method(str(kwargs.get("method", "ar")))
+    t, pipeline = sizes(kwargs)
+    size = t * pipeline
     if tp.launched_by_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes")
-        tp.init(rank, world)
+            raise ValueError(f"tensor_parallel_size={t} x pipeline_parallel_size={pipeline} = {size} ranks, "
+                             f"but torchrun started {world} processes")
+        tp.init(rank, world, pipeline_size=pipeline)
         engine = LLMEngine(model, **kwargs)
         if rank != 0:
             follow(engine)
@@ -159,7 +180,7 @@ def start(model: str, size: int, kwargs: dict) -> Any:
         p.start()
     import torch
     torch.set_num_threads(threads)
-    tp.init(0, size, init_method)
+    tp.init(0, size, init_method, pipeline_size=pipeline)
     try:
         engine = LLMEngine(model, **kwargs)
     except BaseException:
@@ -167,5 +188,6 @@ def start(model: str, size: int, kwargs: dict) -> Any:
             p.terminate()
         tp.shutdown()
         raise
-    log.info("tensor parallel: %d ranks on this machine, %d threads each", size, threads)
+    log.info("%d ranks on this machine (tensor parallel %d x pipeline parallel %d), %d threads each",
+             size, t, pipeline, threads)
     return TensorParallelEngine(engine, followers)

@@ -55,11 +55,12 @@ class LLMEngine:
     def __init__(self, model: str, method: str = "ar", draft_model: str | None = None,
                  **options: object) -> None:
         self.config, method_options = EngineConfig.from_options(options)
-        from leapfrog.layers.parallel import tp_size
-        if self.config.tensor_parallel_size != tp_size():
-            raise ValueError(f"engine option tensor_parallel_size={self.config.tensor_parallel_size}: this process is "
-                             f"in a group of {tp_size()}; start it through LLM, `leapfrog generate` or "
-                             "`leapfrog serve`, which start the ranks")
+        from leapfrog.layers.parallel import pp_size, tp_size
+        for name, size in (("tensor_parallel_size", tp_size()), ("pipeline_parallel_size", pp_size())):
+            if getattr(self.config, name) != size:
+                raise ValueError(f"engine option {name}={getattr(self.config, name)}: this process is in a group "
+                                 f"of {size}; start it through LLM, `leapfrog generate` or `leapfrog serve`, "
+                                 "which start the ranks")
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = resolve_model(model)
@@ -89,6 +90,11 @@ class LLMEngine:
                              f"method {method!r} feeds {step} query tokens per sequence and step")
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
+        if (self.config.kv_spill_bytes or self.config.kv_remote_url) and max(tp_size(), pp_size()) > 1:
+            # The second and third tiers decide by clock (TTL) and by what other processes
+            # published: ranks could decide differently, and their schedules must not.
+            raise ValueError("kv_spill_bytes / kv_remote_url: the prefix cache's second and third tiers are not "
+                             "available with tensor or pipeline parallelism (the ranks' cache decisions must agree)")
         tier = None
         if self.config.kv_spill_bytes and self.config.enable_prefix_caching:
             layers = self.model.attention_layers
@@ -139,7 +145,16 @@ class LLMEngine:
             tokens = self.config.kv_cache_bytes // per_token
         else:  # enough for a full batch of full-length sequences, capped at 1 GiB
             tokens = min(self.config.max_batch_size * self.max_model_len, (1 << 30) // per_token)
-        return max(1, tokens // self.config.block_size)
+        # Every rank schedules the same batches into the same blocks: the count all can hold
+        # (pipeline stages may hold different numbers of layers).
+        from leapfrog.layers.parallel import agree_min
+        return agree_min(max(1, tokens // self.config.block_size))
+
+    def parallel_stats(self) -> list[dict]:
+        """Every rank's pipelined-step counters (runner.PipelineStats), in rank order: a
+        collective, made by every rank at once (TensorParallelEngine.parallel_stats)."""
+        from leapfrog.layers.parallel import gather_objects
+        return gather_objects(self.runner.pipeline_stats.as_dict())
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     from leapfrog.engine import LLMEngine
     kwargs = engine_kwargs(args)
     try:
-        if kwargs.get("tensor_parallel_size", 1) > 1:
-            from leapfrog.distributed import start
-            engine = start(args.model, kwargs["tensor_parallel_size"], kwargs)
+        from leapfrog.distributed import num_ranks, start
+        if num_ranks(kwargs) > 1:
+            engine = start(args.model, kwargs)
         else:
             engine = LLMEngine(args.model, **kwargs)
         if args.chat:

@@ -12,15 +12,15 @@ from leapfrog.sampling_params import SamplingParams
 
 
 class LLM:
-    """`tensor_parallel_size=N` splits the model over N ranks (distributed.py): N-1 follower
-    processes started here, or torchrun's processes, of which rank 0 returns from this call."""
+    """`tensor_parallel_size=N` splits each layer over N ranks, `pipeline_parallel_size=M` cuts
+    the layers into M stages (distributed.py): N x M - 1 follower processes started here, or
+    torchrun's processes, of which rank 0 returns from this call."""
 
     def __init__(self, model: str = "stories", method: str = "ar", draft_model: str | None = None,
                  **engine_options: object) -> None:
-        size = int(engine_options.get("tensor_parallel_size", 1) or 1)
-        if size > 1:
-            from leapfrog.distributed import start
-            self.engine = start(model, size, dict(method=method, draft_model=draft_model, **engine_options))
+        from leapfrog.distributed import num_ranks, start
+        if num_ranks(engine_options) > 1:
+            self.engine = start(model, dict(method=method, draft_model=draft_model, **engine_options))
         else:
             self.engine = LLMEngine(model, method=method, draft_model=draft_model, **engine_options)
         self.tokenizer = self.engine.tokenizer

@@ -100,6 +100,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
         if "rotary_emb" in name:
             continue
         target, shard = checkpoint_target(model, name)
+        if target not in params and getattr(model, "elsewhere", None) and model.elsewhere(target):
+            continue                     # another pipeline stage's layer
         if target not in params:
             if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                 continue

@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks, started here (default 1; torchrun for several nodes)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="cut the layers into this many pipeline stages, each its own rank(s) (default 1)")
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine or method option, e.g. --option block_size=32 (repeatable)")
 
@@ -76,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               device=args.device, dtype=args.dtype, **parse_options(args.option))
     if args.num_threads:
         kw["num_threads"] = args.num_threads
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        kw["tensor_parallel_size"] = args.tensor_parallel_size
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name, 1) != 1:
+            kw[name] = getattr(args, name)
     return kw

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from leapfrog.layers.attention import AttnGroup, AttnMetadata
+from leapfrog.layers.parallel import pp_size, recv_wait_seconds
 from leapfrog.methods.base import Batch, ScheduledSeq, StepOutput
 
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self._allocate_cache(num_blocks * block_size, kv_dtype)
         self.cpu_decode_kernel = False
+        self.pipeline_stats = PipelineStats()
         if device.type == "cpu":
             from leapfrog.layers.cpu_kernels import cpu_kernels
             self.cpu_decode_kernel = cpu_kernels() is not None
@@ -128,7 +130,78 @@ class ModelRunner:
     # --- the forward ----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
+        if pp_size() > 1 and len(batch.seqs) > 1 and hasattr(self.model, "stage_forward"):
+            return self._run_pipelined(batch)
         ids, pos, meta, logit_rows = self.prepare(batch)
         hidden, captured = self.model(ids, pos, meta, batch.capture_layers)
         logits = self.model.compute_logits(hidden[logit_rows])
         return StepOutput(logits, captured)
+
+    def _run_pipelined(self, batch: Batch) -> StepOutput:
+        """A step over pipeline stages in micro-batches (GPipe's schedule, forward only): the
+        batch's sequences are cut into up to pp_size() runs of about equal query tokens, and each
+        stage sends a micro-batch on without waiting, so stage s works on micro-batch m while
+        stage s+1 works on m-1. Then the last stage's logits (and the captured rows) reach every
+        rank. The time this rank spent on its own layers is counted apart from the step's wall
+        time (the rest is the bubble: waiting for rows from the previous stage, for the sends
+        to drain and for the last stage's logits)."""
+        import time
+        t0, waited = time.perf_counter(), recv_wait_seconds()
+        parts = micro_batches(batch, pp_size())
+        hidden, captured, shapes, rows, sends = [], [], [], [], []
+        for part in parts:
+            ids, pos, meta, logit_rows = self.prepare(part)
+            h, cap, send = self.model.stage_forward(ids, pos, meta, batch.capture_layers)
+            hidden.append(h[logit_rows] if h is not None else None)
+            captured.append(cap)
+            shapes.append(ids.shape)
+            rows.append(logit_rows.numel())
+            if send is not None:
+                sends.append(send)
+        busy = time.perf_counter() - t0 - (recv_wait_seconds() - waited)
+        for s in sends:
+            s.wait()
+        _, cap = self.model.finish_stage(None, captured, shapes, batch.capture_layers)
+        h = torch.cat(hidden) if hidden[0] is not None else \
+            torch.zeros(sum(rows), self.model.config["hidden_size"], device=self.device)
+        logits = self.model.compute_logits(h)
+        self.pipeline_stats.add(time.perf_counter() - t0, busy)
+        return StepOutput(logits, cap)
+
+
+class PipelineStats:
+    """Pipelined steps on this rank: their wall time, and the part spent in its own stage's work
+    (the rest is the pipeline's bubble as this rank sees it: waiting for a neighbour's rows, and
+    for the last stage's logits)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.seconds = 0.0
+        self.busy_seconds = 0.0
+
+    def add(self, seconds: float, busy: float) -> None:
+        self.num_steps += 1
+        self.seconds += seconds
+        self.busy_seconds += busy
+
+    def as_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "seconds": self.seconds, "busy_seconds": self.busy_seconds}
+
+
+def micro_batches(batch: Batch, n: int) -> list[Batch]:
+    """The batch's sequences in up to `n` contiguous runs of about equal query tokens."""
+    seqs = batch.seqs
+    n = max(1, min(n, len(seqs)))
+    total = sum(s.num_query for s in seqs)
+    parts, cur, acc = [], [], 0
+    for i, s in enumerate(seqs):
+        cur.append(s)
+        acc += s.num_query
+        left = len(seqs) - i - 1                       # sequences not placed yet
+        need = n - len(parts) - 1                      # runs still to open after this one
+        if need and (acc * n >= total * (len(parts) + 1) or left == need):
+            parts.append(cur)
+            cur = []
+    if cur:
+        parts.append(cur)
+    return [Batch(p, batch.attn_block_size, batch.capture_layers) for p in parts]

@@ -48,6 +48,22 @@ def test_guide_vocabulary_in_file():
     assert (cfg.default_max_tokens, cfg.default_temperature) == (128, 0.7)
 
 
+def test_deepspeed_style_parallel_keys(tmp_path):
+    """The couplet guide's hybrid-parallel keys, nested as DeepSpeed writes them, map onto ours;
+    an unknown key inside a section is still an error naming it; flags set the same fields."""
+    cfg = build_config({"config": str(EXAMPLES / "serve-hybrid-parallel.json")}, environ={})
+    assert cfg.engine == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_batch_size": 8}
+    bad = write(tmp_path, "bad.json", json.dumps({"pipeline": {"pipeline_parallel_size": 2, "stages": 4}}))
+    with pytest.raises(ConfigError, match="unknown key 'pipeline.stages'"):
+        build_config({"config": bad}, environ={})
+    both = write(tmp_path, "both.json", json.dumps({"tensor_parallel": {"tp_size": 2}, "tensor_parallel_size": 4}))
+    with pytest.raises(ConfigError, match="both set tensor_parallel_size"):
+        build_config({"config": both}, environ={})
+    assert build_config(flags("--pipeline-parallel-size", "2"), environ={}).engine == {"pipeline_parallel_size": 2}
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=0"):
+        build_config(flags("--pipeline-parallel-size", "0"), environ={})
+
+
 def test_guide_vocabulary_in_env():
     env = {"CACHE_SIZE": "512MiB", "MAX_TOKENS": "99", "BATCH_SIZE": "4", "TEMPERATURE": "0.5",
            "LEAPFROG_ENABLE_PREFIX_CACHING": "false", "LEAPFROG_API_KEY": "a, b",

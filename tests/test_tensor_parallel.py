@@ -1,7 +1,8 @@
-"""Tensor parallelism on CPU with gloo: a model split over 2 ranks gives the logits of the
-whole model (float32, 1e-5) and the same greedy and seeded tokens, for Llama (untied head),
-Qwen2 (q/k/v bias, tied embeddings) and Qwen3 (per-head q/k norm); what is not split yet is
-refused by name; a follower rank that dies stops the engine with an error, never a hang."""
+"""Tensor and pipeline parallelism on CPU with gloo: a model split over 2 tensor-parallel ranks,
+2 pipeline stages, or 2 x 2, gives the logits of the whole model (float32, 1e-5) and the same
+greedy and seeded tokens, for Llama (untied head), Qwen2 (q/k/v bias, tied embeddings), Qwen3
+(per-head q/k norm) and a Qwen3-MoE model (pipeline stages); what is not split yet is refused by
+name; a follower rank that dies stops the engine with an error, never a hang."""
 from __future__ import annotations
 
 import os
@@ -20,9 +21,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 30, 44], [1, 100, 200, 7, 7, 7, 8, 9, 10, 11, 12], [1, 5, 9, 30, 44, 61]]
 
 
-def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor, out: str) -> None:
+def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor, out: str,
+                 stages: int = 1) -> None:
     torch.set_num_threads(1)
-    tp.init(rank, size, f"tcp://127.0.0.1:{port}")
+    tp.init(rank, size, f"tcp://127.0.0.1:{port}", pipeline_size=stages)
     from leapfrog.loader import load_model
     model = load_model(folder)
     local_params = sum(p.numel() for p in model.parameters())
@@ -32,30 +34,37 @@ def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor
     tp.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_split_model_gives_the_whole_models_logits(family, family_dirs, tmp_path):
+@pytest.mark.parametrize("family,tp_size,stages", [("llama", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1),
+                                                    ("llama", 1, 2), ("qwen2", 1, 2), ("llama", 2, 2)])
+def test_split_model_gives_the_whole_models_logits(family, tp_size, stages, family_dirs, tmp_path):
     from leapfrog.loader import load_model
     folder = family_dirs[family]
     ids = torch.tensor([PROMPTS[1]])
     whole = load_model(folder)
     want = whole.forward_dense(ids)
     out = tmp_path / "logits.pt"
-    mp.start_processes(_rank_logits, args=(2, free_port(), str(folder), ids, str(out)), nprocs=2, join=True,
-                       start_method="spawn")
+    size = tp_size * stages
+    mp.start_processes(_rank_logits, args=(size, free_port(), str(folder), ids, str(out), stages), nprocs=size,
+                       join=True, start_method="spawn")
     got = torch.load(out)
     assert got["logits"].shape == want.shape
     torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
-    # each rank holds its share: about half, plus the norms every rank keeps
-    assert got["params"] < 0.6 * sum(p.numel() for p in whole.parameters())
+    total = sum(p.numel() for p in whole.parameters())
+    layers = total - sum(p.numel() for n, p in whole.named_parameters() if not n.startswith("model.layers."))
+    if stages == 1:        # each rank holds its share: about half, plus the norms every rank keeps
+        assert got["params"] < 0.6 * total
+    else:                  # rank 0 holds its stage's layers (its shard of them) and the vocabulary tables
+        assert got["params"] <= total - layers + layers / (tp_size * stages) * 1.01
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_generate_over_two_ranks_gives_the_same_tokens(family, family_dirs):
+@pytest.mark.parametrize("family,tp_size,stages", [("llama", 2, 1), ("qwen2", 2, 1), ("llama", 1, 2),
+                                                    ("qwen2", 2, 2)])
+def test_generate_over_ranks_gives_the_same_tokens(family, tp_size, stages, family_dirs):
     folder = str(family_dirs[family])
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     params = [GREEDY, seeded, GREEDY]
     want = [o.token_ids for o in LLM(folder, block_size=4).generate(PROMPTS, params)]
-    llm = LLM(folder, block_size=4, tensor_parallel_size=2)
+    llm = LLM(folder, block_size=4, tensor_parallel_size=tp_size, pipeline_parallel_size=stages)
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         again = llm.generate(PROMPTS[:1], GREEDY)[0]               # the prefix cache, split too
@@ -64,8 +73,49 @@ def test_generate_over_two_ranks_gives_the_same_tokens(family, family_dirs):
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from test_moe import build_moe
+    return build_moe(tmp_path_factory.mktemp("moe"), "qwen3_moe")    # 3 layers: stages of 2 and 1
+
+
+def test_mixture_of_experts_over_two_pipeline_stages(moe_dir, tmp_path):
+    """Experts stay whole inside their stage: the logits and the greedy tokens are the whole
+    model's, and the batch of three runs through the stages in micro-batches."""
+    from leapfrog.loader import load_model
+    ids = torch.tensor([PROMPTS[1]])
+    want = load_model(moe_dir).forward_dense(ids)
+    out = tmp_path / "logits.pt"
+    mp.start_processes(_rank_logits, args=(2, free_port(), str(moe_dir), ids, str(out), 2), nprocs=2, join=True,
+                       start_method="spawn")
+    torch.testing.assert_close(torch.load(out)["logits"], want, rtol=1e-5, atol=1e-5)
+    tokens = [o.token_ids for o in LLM(str(moe_dir), block_size=4).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(moe_dir), block_size=4, pipeline_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
+        stats = llm.engine.parallel_stats()
+        assert len(stats) == 2 and all(s["num_steps"] > 0 and 0 < s["busy_seconds"] <= s["seconds"] for s in stats)
+    finally:
+        llm.shutdown()
+
+
+def test_micro_batches_split_the_batch_by_query_tokens():
+    from leapfrog.methods.base import Batch
+    from leapfrog.runner import micro_batches
+
+    class S:
+        def __init__(self, n):
+            self.num_query = n
+    sizes = lambda parts: [[s.num_query for s in p.seqs] for p in parts]  # noqa: E731
+    assert sizes(micro_batches(Batch([S(1)] * 4), 2)) == [[1, 1], [1, 1]]
+    assert sizes(micro_batches(Batch([S(30), S(1), S(1), S(1)]), 2)) == [[30], [1, 1, 1]]
+    assert sizes(micro_batches(Batch([S(1), S(1), S(30)]), 2)) == [[1, 1], [30]]
+    assert sizes(micro_batches(Batch([S(1)] * 3), 4)) == [[1], [1], [1]]
+    assert sizes(micro_batches(Batch([S(5)]), 2)) == [[5]]
+
+
 def test_what_is_not_split_yet_is_refused_by_name(llama_dir):
-    with pytest.raises(ValueError, match="supports the ar method"):
+    with pytest.raises(ValueError, match="support the ar method"):
         LLM(str(llama_dir), method="dspark", tensor_parallel_size=2)
     from leapfrog.engine import LLMEngine
     with pytest.raises(ValueError, match="start the ranks"):

@@ -152,7 +152,15 @@ def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
             and g.ctx_lens.shape[0] == x.shape[0] and cpu_inference(x, x) and cpu_kernels() is not None)
 
 
+class PipelineGap(nn.Module):
+    """Where a decoder layer of another pipeline stage would be: no weights, never called."""
+
+
 class DecoderModel(nn.Module):
+    """Under pipeline parallelism the layers of this stage only (the others are PipelineGap,
+    so that weight names keep their layer numbers); every stage keeps the embedding, the final
+    norm and the LM head, which a drafter running on every rank uses."""
+
     def __init__(self, cfg: dict, flavour: str) -> None:
         super().__init__()
         # under tensor parallelism, this rank's rows of the vocabulary (Megatron's vocab-parallel
@@ -161,7 +169,10 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(local_vocab, cfg["hidden_size"])
         if tp.tp_size() > 1:
             self.embed_tokens.weight.weight_loader = tp.rows_loader
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour, i) for i in range(cfg["num_hidden_layers"]))
+        n = cfg["num_hidden_layers"]
+        self.stage = tp.stage_layers(n)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour, i) if i in self.stage else PipelineGap()
+                                    for i in range(n))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.get("max_position_embeddings", 2048))
@@ -197,13 +208,28 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's (under pipeline parallelism; else every layer's)."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.stage]
+
+    def elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a layer of another pipeline stage."""
+        if not name.startswith("model.layers."):
+            return False
+        return int(name.split(".")[2]) not in self.model.stage
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttnMetadata | None = None, capture_layers: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states and the outputs of `capture_layers`
-        (layer indices; drafters condition on them)."""
+        (layer indices; drafters condition on them). Under pipeline parallelism every stage
+        makes the call: each runs its layers on the rows the previous one sent, the captured
+        rows reach every rank, and the hidden states are the last stage's (elsewhere zeros of
+        their shape: compute_logits brings every rank the last stage's logits)."""
+        if tp.pp_size() > 1:
+            hidden, local, send = self.stage_forward(input_ids, positions, meta, capture_layers)
+            if send is not None:
+                send.wait()
+            return self.finish_stage(hidden, [local], [input_ids.shape], capture_layers)
         x = self.embed(input_ids)
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
         captured = []
@@ -229,6 +255,57 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(x)
         return self.model.norm.forward(x), captured
 
+    def stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None,
+                      capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, dict, object]:
+        """This pipeline stage's part of a forward: the rows the previous stage sent (the first
+        stage: the embedding), this stage's layers, the result sent on to the next stage without
+        waiting. Returns (the final normed hidden states on the last stage, else None; this
+        stage's captured rows by layer; the send's handle or None)."""
+        shape = (*input_ids.shape, self.config["hidden_size"])
+        dtype = self.model.embed_tokens.weight.dtype
+        x = self.embed(input_ids) if tp.is_first_stage() else tp.recv_prev(shape, dtype, input_ids.device)
+        rope = Rope(self.model.rotary_emb, positions, x.dtype)
+        fused = fused_rows(x, meta)
+        if fused:
+            t = x.shape[0]
+            cos_sin = (rope.cos_sin[0].reshape(t, -1), rope.cos_sin[1].reshape(t, -1))
+        captured = {}
+        for i in self.model.stage:
+            layer = self.model.layers[i]
+            x = layer.forward_fused(x, cos_sin, meta) if fused and layer.fusable else layer.forward(x, rope, meta)
+            if i in capture_layers:
+                captured[i] = x
+        if tp.is_last_stage():
+            return self.model.norm.forward(x), captured, None
+        return None, captured, tp.send_next(x)
+
+    def finish_stage(self, hidden: torch.Tensor | None, captured: list[dict], shapes: list[tuple],
+                     capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """After every micro-batch's stage_forward: the captured rows of each layer, concatenated
+        over the micro-batches (`captured`, `shapes`: their input shapes), from the stage that
+        holds the layer to every rank; the hidden states (zeros off the last stage)."""
+        size = self.config["hidden_size"]
+        dtype = self.model.embed_tokens.weight.dtype
+        dev = self.model.embed_tokens.weight.device
+        rows = []
+        for i in sorted(set(capture_layers)):
+            if not 0 <= i < len(self.model.layers):
+                continue
+            stage = next(s for s in range(tp.pp_size()) if i in tp.stage_layers(len(self.model.layers), s))
+            if stage == tp.pp_rank():
+                x = torch.cat([c[i] for c in captured]) if len(captured) > 1 else captured[0][i]
+                x = x.contiguous()
+            else:
+                lead = (sum(torch.Size(sh).numel() for sh in shapes),) if len(shapes) > 1 else tuple(shapes[0])
+                x = torch.empty(*lead, size, dtype=dtype, device=dev)
+            rows.append(tp.broadcast_from_stage(x, stage))
+        order = [i for i in capture_layers if 0 <= i < len(self.model.layers)]
+        by_layer = dict(zip(sorted(set(order)), rows))
+        if hidden is None:
+            lead = (sum(torch.Size(sh).numel() for sh in shapes),) if len(shapes) > 1 else tuple(shapes[0])
+            hidden = torch.zeros(*lead, size, dtype=dtype, device=dev)
+        return hidden, [by_layer[i] for i in sorted(set(order))]     # layer order, as without stages
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight
         if tp.tp_size() == 1:
@@ -239,7 +316,15 @@ class LlamaForCausalLM(nn.Module):
         return tp.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return tp.all_gather_last(self.lm_head.forward(hidden).float())
+        """Under pipeline parallelism every rank gets the last stage's logits."""
+        if tp.pp_size() == 1:
+            return tp.all_gather_last(self.lm_head.forward(hidden).float())
+        if tp.is_last_stage():
+            logits = tp.all_gather_last(self.lm_head.forward(hidden).float()).contiguous()
+        else:
+            logits = torch.empty(*hidden.shape[:-1], self.config["vocab_size"], dtype=torch.float32,
+                                 device=hidden.device)
+        return tp.broadcast_from_stage(logits, tp.pp_size() - 1)
 
     def decode_loop(self, block_size: int):
         """The C++ multi-step decode loop (csrc/decode_loop.cpp) over this model's weights and
@@ -247,10 +332,12 @@ class LlamaForCausalLM(nn.Module):
         kernels, a layer that is not the dense SwiGLU layer, a head size that is not a multiple
         of 8, KV caches not yet allocated or neither float32 nor float16. Rebuilt when a weight
         or a cache is replaced or modified in place, as the fused layers' weight lists are."""
+        if tp.world_size() > 1:          # the loop runs every layer of a whole model in one call
+            return None
         layers = self.model.layers
         attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
-        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu" or tp.tp_size() > 1
+        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu" or tp.world_size() > 1
                 or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):

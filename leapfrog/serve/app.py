@@ -201,10 +201,9 @@ class ServerState:
 
 def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
     def factory() -> Any:
-        size = int(cfg.engine.get("tensor_parallel_size", 1))
-        if size > 1:       # this process drives; the follower ranks are started here
-            from leapfrog.distributed import start
-            return start(str(cfg.model), size, cfg.engine_kwargs())
+        from leapfrog.distributed import num_ranks, start
+        if num_ranks(cfg.engine) > 1:       # this process drives; the follower ranks are started here
+            return start(str(cfg.model), cfg.engine_kwargs())
         from leapfrog.engine import LLMEngine
         return LLMEngine(cfg.model, **cfg.engine_kwargs())
     return factory

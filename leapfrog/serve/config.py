@@ -26,6 +26,12 @@ ALIASES = {
     "cache_size": "kv_cache_tokens",
     "max_tokens": "default_max_tokens",
     "temperature": "default_temperature",
+    # DeepSpeed-style keys (the couplet guide's hybrid-parallel configuration), nested in a file
+    # as {"tensor_parallel": {"tp_size": 2}, "pipeline": {"pipeline_parallel_size": 2}}. The
+    # per-GPU micro-batch is what one engine step holds.
+    "tensor_parallel.tp_size": "tensor_parallel_size",
+    "pipeline.pipeline_parallel_size": "pipeline_parallel_size",
+    "train_micro_batch_size_per_gpu": "max_batch_size",
 }
 BARE_ENV = ("CACHE_SIZE", "MAX_TOKENS", "BATCH_SIZE", "TEMPERATURE")   # read without a prefix
 ENV_PREFIX = "LEAPFROG_"
@@ -124,6 +130,10 @@ HELP = {
     "max_batch_size": "most sequences in one step (guide names BATCH_SIZE, batch_size)",
     "max_model_len": "context length (guide name max_seq_len; default: the model's)",
     "kv_cache_tokens": "KV-cache size in tokens (guide name CACHE_SIZE; '2GiB' sets bytes instead)",
+    "tensor_parallel_size": "split each layer over this many ranks, started here (torchrun for several nodes; "
+                            "config-file name tensor_parallel.tp_size)",
+    "pipeline_parallel_size": "cut the layers into this many stages, one rank group each, started here "
+                              "(config-file name pipeline.pipeline_parallel_size)",
 }
 
 _SERVER_TYPES = {f.name: f.type for f in fields(ServerConfig) if f.name != "engine"}
@@ -230,9 +240,22 @@ def _canonical(key: str, value: Any, source: str) -> tuple[str, Any]:
     return name, _coerce(name, value, source)
 
 
+def _flatten(layer: dict) -> dict:
+    """Sections of nested keys ({"pipeline": {"pipeline_parallel_size": 2}}) as dotted keys
+    ("pipeline.pipeline_parallel_size"); a key whose value is a mapping by type (method_options)
+    stays as it is."""
+    out = {}
+    for key, value in layer.items():
+        if isinstance(value, dict) and str(key) not in KEYS:
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
 def _merge_layer(layer: dict, out: dict, source: str) -> None:
     seen: dict[str, str] = {}
-    for key, value in layer.items():
+    for key, value in _flatten(layer).items():
         name, parsed = _canonical(str(key), value, source)
         if name in seen and out[name] != parsed:
             raise ConfigError(f"{source}: {key!r} and {seen[name]!r} both set {name} to different values")
