@@ -4,7 +4,7 @@ drives, the others follow its schedule.
 Every rank builds the same LLMEngine over its part of the model (layers/parallel.py) and runs
 the same scheduler. Rank 0 broadcasts each call that changes the engine's state (add a request,
 abort one, take a step) before making it; the followers make the same call. The schedule is a
-function of those calls alone (no clocks: methods that schedule by measured time are refused),
+function of those calls alone (a decision from measured time reads rank 0's clock, broadcast),
 and every rank samples from the same gathered logits with the same seeds, so the ranks' batches,
 KV blocks and tokens stay identical and their collectives meet.
 
@@ -25,9 +25,9 @@ from leapfrog.layers import parallel as tp
 
 log = logging.getLogger("leapfrog.distributed")
 
-# Methods whose schedule depends only on the engine's calls (confidence-scheduled verification
-# prices steps by measured time, so ranks could decide differently).
-TP_METHODS = ("ar",)
+# Methods that run over several ranks. Their schedule depends only on the engine's calls; what
+# is decided from measured time (confidence-scheduled verification) reads rank 0's clock.
+TP_METHODS = ("ar", "dflash", "dspark", "diffusion")
 
 
 class RankDied(BaseException):

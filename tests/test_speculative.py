@@ -400,12 +400,16 @@ def _records(n: int) -> list[VerifyRecord]:
     return [VerifyRecord() for _ in range(n)]
 
 
-def test_plain_steps_are_priced_apart_from_verify_steps():
+def test_plain_steps_are_priced_apart_from_verify_steps(monkeypatch):
     """A step that drafts nothing runs in the decode loop, several times cheaper than a verify
     step of the same width on the layer-by-layer path; priced from the same samples, drafting
     looked worth it on `stories` and ran at 0.33x ar. Plain samples move only the plain price,
     verify samples only the verify price, and steps no decision chose are no samples."""
-    import time as _time
+    import types
+
+    import leapfrog.methods.verify as verify_mod
+    clock = [0.0]                               # the policy's clock, moved by hand
+    monkeypatch.setattr(verify_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     policy = _priced((1.0, 0.5), 2.0)          # verify at B tokens: 1 + 0.5 B ms; drafting 2 ms
     one = _records(1)
     m = policy.cost_model()
@@ -420,12 +424,12 @@ def test_plain_steps_are_priced_apart_from_verify_steps():
     # A step is sampled as what the last decision made it; prompt chunks and undecided steps not.
     verify, plain = m.num_samples, m.num_plain_samples
     policy.next_step()                          # the step's clock starts
-    _time.sleep(0.0004)
+    clock[0] += 0.0004
     policy.observe_step(1)                      # the step after a decision not to draft
-    _time.sleep(0.0004)
+    clock[0] += 0.0004
     policy.observe_step(1)                      # no decision before it: a request's last step
     policy._next_kind = "plain"
-    _time.sleep(0.0004)
+    clock[0] += 0.0004
     policy.observe_step(13, decode_only=False)  # a prompt chunk
     assert (m.num_samples, m.num_plain_samples) == (verify, plain + 1)
 

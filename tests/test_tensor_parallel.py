@@ -99,6 +99,37 @@ def test_mixture_of_experts_over_two_pipeline_stages(moe_dir, tmp_path):
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def method_models(llama_dir, tmp_path_factory):
+    from test_diffusion import MASK, diffusion_folder
+    from test_speculative import write_drafter
+    root = tmp_path_factory.mktemp("methods")
+    return {"drafter": write_drafter(root / "dspark", llama_dir, "dspark", num_layers=2, block_size=4),
+            "diffusion": diffusion_folder(llama_dir, root / "diffusion", block_size=4, mask_token_id=MASK,
+                                          diffusion_logit_shift=True)}
+
+
+@pytest.mark.parametrize("tp_size,stages", [(2, 1), (1, 2)])
+def test_speculative_and_diffusion_over_ranks(tp_size, stages, llama_dir, method_models):
+    """DSpark with confidence-scheduled verification (decided from measured time: every rank
+    reads rank 0's clock and prices steps by rank 0's profile; the drafter runs whole on every
+    rank) gives ar's greedy tokens, and block diffusion gives one process's, over tensor-parallel
+    ranks and over pipeline stages."""
+    ranks = dict(tensor_parallel_size=tp_size, pipeline_parallel_size=stages, block_size=4)
+    cases = [(llama_dir, "dspark", {"draft_model": str(method_models["drafter"]), "verify": "confidence"}),
+             (method_models["diffusion"], "diffusion", {"threshold": 0.5})]
+    for folder, method, opts in cases:
+        want = [o.token_ids for o in LLM(str(folder), method="ar" if method == "dspark" else method,
+                                         block_size=4, **({} if method == "dspark" else opts)).generate(PROMPTS, GREEDY)]
+        llm = LLM(str(folder), method=method, **ranks, **opts)
+        try:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want, method
+            if method == "dspark":
+                assert llm.engine.method.stats()["num_drafted_tokens"] > 0
+        finally:
+            llm.shutdown()
+
+
 def test_micro_batches_split_the_batch_by_query_tokens():
     from leapfrog.methods.base import Batch
     from leapfrog.runner import micro_batches
@@ -115,8 +146,8 @@ def test_micro_batches_split_the_batch_by_query_tokens():
 
 
 def test_what_is_not_split_yet_is_refused_by_name(llama_dir):
-    with pytest.raises(ValueError, match="support the ar method"):
-        LLM(str(llama_dir), method="dspark", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="support the ar, dflash, dspark, diffusion method"):
+        LLM(str(llama_dir), method="couplet-magic", tensor_parallel_size=2)
     from leapfrog.engine import LLMEngine
     with pytest.raises(ValueError, match="start the ranks"):
         LLMEngine(str(llama_dir), tensor_parallel_size=2)       # not through LLM: no group to join

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -112,6 +114,29 @@ def shutdown() -> None:
         dist.destroy_process_group()
     _STATE.size, _STATE.rank, _STATE.objects, _STATE.group = 1, 0, None, None
     _STATE.pp_size, _STATE.pp_rank, _STATE.world_rank = 1, 0, 0
+
+
+@contextmanager
+def whole() -> Iterator[None]:
+    """Modules built inside are whole, not shards (a drafter, replicated on every rank: its
+    layers then never call a collective)."""
+    saved = _STATE.size, _STATE.rank
+    _STATE.size, _STATE.rank = 1, 0
+    try:
+        yield
+    finally:
+        _STATE.size, _STATE.rank = saved
+
+
+def shared_clock(reading: float) -> float:
+    """Rank 0's clock `reading` on every rank (one broadcast per reading): a decision made from
+    measured time (confidence-scheduled verification) is then the same on every rank, as their
+    schedules must be. Alone: the reading itself."""
+    if world_size() == 1:
+        return reading
+    t = torch.tensor([reading], dtype=torch.float64)
+    dist.broadcast(t, 0, group=_STATE.objects)
+    return float(t.item())
 
 
 def stage_layers(num_layers: int, stage: int | None = None, stages: int | None = None) -> range:

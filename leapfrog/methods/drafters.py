@@ -20,6 +20,7 @@ from leapfrog.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, draw_token
+from leapfrog.layers.parallel import whole
 from leapfrog.methods.verify import make_policy
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block
@@ -69,13 +70,15 @@ class DFlashMethod(SpeculativeMethod):
         """The drafter; when it cannot be found or loaded: with fallback="parallel" the model's
         pure parallel (DFlash) drafter, then with "ar" or "parallel" no drafter at all (ar)."""
         try:
-            return load_drafter(find_drafter(ctx.model_path, method, ctx.draft_model), ctx.device, ctx.dtype)
+            with whole():                 # every rank runs the whole drafter (replicated)
+                return load_drafter(find_drafter(ctx.model_path, method, ctx.draft_model), ctx.device, ctx.dtype)
         except (ValueError, FileNotFoundError) as e:
             if fallback == "none":
                 raise
             if fallback == "parallel" and method != "dflash" and not ctx.draft_model:
                 try:
-                    drafter = load_drafter(find_drafter(ctx.model_path, "dflash"), ctx.device, ctx.dtype)
+                    with whole():
+                        drafter = load_drafter(find_drafter(ctx.model_path, "dflash"), ctx.device, ctx.dtype)
                     warnings.warn(f"{e}; drafting with the parallel (dflash) drafter (fallback='parallel')",
                                   stacklevel=3)
                     return drafter

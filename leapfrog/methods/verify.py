@@ -27,10 +27,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from leapfrog.layers.parallel import broadcast_object, shared_clock, world_size
 from leapfrog.methods.confidence_schedule import (AcceptanceFeedback, MeasuredCost, StepCostTable,
                                                   schedule_prefix, survival)
 
 VERIFY_MODES = ("fixed", "threshold", "confidence")
+
+
+def _now() -> float:
+    """The policies' clock: this process's, or rank 0's when several ranks run one engine (each
+    rank then decides as rank 0 does, and their schedules stay the same)."""
+    return shared_clock(time.perf_counter())
 
 
 @dataclass(slots=True)
@@ -185,6 +192,8 @@ class ConfidencePolicy(VerifyPolicy):
                 if self._profile is None:
                     raise ValueError("confidence scheduling: no step_costs given and no model to profile")
                 self.step_costs = self._profile()
+                if world_size() > 1:      # every rank prices steps by rank 0's profile
+                    self.step_costs = broadcast_object(self.step_costs)
             self.measured = MeasuredCost(self.step_costs)
         return self.measured
 
@@ -199,7 +208,7 @@ class ConfidencePolicy(VerifyPolicy):
         self._next_kind = "verify"
         if self.measured is None or not self.measured.draft.num_samples or self.prior is None:
             # nothing measured yet: draft, priced as a probe (its cost sets the probe budget's pace)
-            self._probe_start, self._probing = time.perf_counter(), True
+            self._probe_start, self._probing = _now(), True
             return True
         batch = len(records)
         if batch != self._decided_batch:
@@ -226,7 +235,7 @@ class ConfidencePolicy(VerifyPolicy):
             if wait > 0:                  # over the probe budget: skip on, the loop may run them
                 self._reprobe_every = self._skipped_steps + wait
                 return self._skip()
-            self._probe_start = time.perf_counter()
+            self._probe_start = _now()
             self._skipped_steps = 0
             self._reprobe_every = self._waits[batch] = min(2 * self._reprobe_every, self.max_reprobe_steps)
             self._probing = True
@@ -263,7 +272,7 @@ class ConfidencePolicy(VerifyPolicy):
         table = self.measured
         plain = table.plain_cost(batch)
         cost = self._probe_cost + max(0.0, table.cost(2 * batch) - plain)
-        left = self._last_probe_end + cost / self.probe_budget - time.perf_counter()
+        left = self._last_probe_end + cost / self.probe_budget - _now()
         return 0 if left <= 0 else min(self.max_reprobe_steps, int(left / plain) + 1)
 
     def first_wait(self, batch: int) -> int:
@@ -284,8 +293,8 @@ class ConfidencePolicy(VerifyPolicy):
             # costs (seconds of it would otherwise pace the probes minutes apart).
             self.cost_model()
             if self._probing:
-                self._probe_start = time.perf_counter()
-        self._draft_start = time.perf_counter()
+                self._probe_start = _now()
+        self._draft_start = _now()
 
     def num_to_verify(self, records: list[VerifyRecord], confidences: list[list[float] | None],
                       num_drafts: list[int]) -> list[int | None]:
@@ -308,13 +317,13 @@ class ConfidencePolicy(VerifyPolicy):
         return lengths
 
     def end_drafting(self, num_requests: int) -> None:
-        spent = time.perf_counter() - self._draft_start
+        spent = _now() - self._draft_start
         self.num_drafts += 1
         if self.num_drafts > 1 and self.measured is not None:   # the first pays one-off allocations
             self.measured.draft.add(num_requests, spent)
 
     def next_step(self) -> None:
-        now = time.perf_counter()
+        now = _now()
         if self._probing:
             # The first drafting call pays one-off allocations: not what a probe costs.
             if self.num_drafts > 1:
@@ -337,7 +346,7 @@ class ConfidencePolicy(VerifyPolicy):
 
     def skipped_in_loop(self, steps: int, batch: int) -> None:
         """The loop's steps are what a plain decode step costs now: priced as their mean."""
-        now = time.perf_counter()
+        now = _now()
         if self._step_end is not None and self.measured is not None and steps > 0:
             self.measured.observe_plain(batch, (now - self._step_end) / steps)
         self._skipped_steps += steps - 1
@@ -351,7 +360,7 @@ class ConfidencePolicy(VerifyPolicy):
         drafted, as a plain step when it decided not to. Steps no decision chose are no samples:
         a request's last step (nothing left to draft for), a step with a prompt chunk in it (its
         cost is the prompt's; the first step of a request also follows the engine's idle gap)."""
-        now = time.perf_counter()
+        now = _now()
         kind, self._next_kind = self._next_kind, None
         if self._step_end is not None and self.measured is not None and decode_only:
             if kind == "verify":

@@ -174,8 +174,11 @@ class DFlashDraftModel(nn.Module):
 
     # --- vocabulary: the drafter's own (narrow drafter) or the target's ----------------------
     def embed(self, ids: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.embed_tokens is not None else target.model.embed_tokens.weight
-        return F.embedding(ids, weight)
+        if self.embed_tokens is not None:
+            return F.embedding(ids, self.embed_tokens.weight)
+        if hasattr(target, "embed"):          # the target's (its vocabulary split over ranks)
+            return target.embed(ids)
+        return F.embedding(ids, target.model.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
         if self.lm_head is not None:

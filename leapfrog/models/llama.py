@@ -37,7 +37,7 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")[1]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = cfg.get("attention_bias", cfg.get("qkv_bias", flavour == "qwen2"))
-        split = tp.tp_size() > 1
+        self.split = split = tp.tp_size() > 1      # built as a shard: its output is summed over ranks
         self.qkv_proj = PackedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias,
                                      column_parallel=split)
         o_bias = cfg.get("attention_bias", False) and flavour != "qwen2"
@@ -59,8 +59,8 @@ class DecoderAttention(nn.Module):
                             self.k_norm.forward(qk[..., self.num_heads:, :])], dim=-2)
         qk = rope.apply(qk)              # q and k heads rotated together: half the ops
         q, k = qk[..., :self.num_heads, :], qk[..., self.num_heads:, :]
-        o = self.attn.forward(q, k, v, meta)
-        return tp.all_reduce(self.o_proj.forward(o.reshape(*lead, -1)))
+        o = self.o_proj.forward(self.attn.forward(q, k, v, meta).reshape(*lead, -1))
+        return tp.all_reduce(o) if self.split else o
 
 
 class MLP(nn.Module):
@@ -68,14 +68,15 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        split = tp.tp_size() > 1         # this rank's columns of gate/up and rows of down
+        self.split = split = tp.tp_size() > 1   # this rank's columns of gate/up and rows of down
         local = tp.shard(intermediate, "intermediate_size")[1]
         self.gate_up_proj = PackedLinear(hidden, {"0": local, "1": local}, bias=bias, column_parallel=split)
         self.down_proj = Linear(local, hidden, bias=bias, parallel="row" if split else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return tp.all_reduce(self.down_proj.forward(F.silu(gate).mul_(up)))
+        out = self.down_proj.forward(F.silu(gate).mul_(up))
+        return tp.all_reduce(out) if self.split else out
 
 
 class DecoderLayer(nn.Module):
