@@ -65,11 +65,31 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", MANIFESTS)
+@pytest.mark.parametrize("name", MANIFESTS + ["multinode/statefulset.yaml"])
 def test_manifest_validates(name):
     import kubernetes_validate
     for doc in docs(K8S / name):
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)   # raises on any error
+
+
+def test_multinode_replica_launches_what_the_server_accepts():
+    """The multi-node StatefulSet's torchrun command: as many nodes as pods, a group of
+    tensor_parallel_size x pipeline_parallel_size processes (what `leapfrog serve` checks under
+    torchrun), flags `leapfrog serve` knows, the rendezvous on pod 0 through the headless Service."""
+    import shlex
+    from leapfrog.serve.app import build_parser
+    sts = one("multinode/statefulset.yaml", "StatefulSet")
+    cmd = shlex.split(sts["spec"]["template"]["spec"]["containers"][0]["args"][0].replace('"${HOSTNAME##*-}"', "0"))
+    assert cmd[:2] == ["exec", "torchrun"]
+    opt = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert int(opt("--nnodes")) == sts["spec"]["replicas"]
+    serve = cmd[cmd.index("-m") + 2:]
+    args = build_parser().parse_args(serve[1:])
+    assert serve[0] == "serve"
+    assert args.tensor_parallel_size * args.pipeline_parallel_size == int(opt("--nnodes")) * int(opt("--nproc-per-node"))
+    gpus = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) == int(opt("--nproc-per-node"))
+    assert opt("--master-addr") == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
 
 
 def test_hpa_custom_metric_variant():

@@ -204,8 +204,50 @@ def test_two_node_torchrun_on_loopback(llama_dir, tmp_path):
     assert "TOKENS" not in outs[1]
 
 
-def _spawned_children(parent: int) -> list[int]:
-    """multiprocessing's spawned children of `parent` (the follower ranks, not its resource tracker)."""
+def test_serve_under_torchrun_over_two_nodes_of_pipeline_stages(llama_dir, tmp_path):
+    """One replica over two torchrun "nodes" on loopback, a pipeline stage each (what the
+    multi-node StatefulSet in deploy/k8s runs): rank 0 serves HTTP with the whole model's greedy
+    text, rank 1 follows; SIGTERM to rank 0's launcher stops both with exit code 0. A group of
+    the wrong size is refused with a message."""
+    import shutil
+    import subprocess
+    import sys
+    import httpx
+    from test_server_common import wait_ready
+    body = {"prompt": [1, 5, 9, 30, 44], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = LLM(str(llama_dir)).generate([body["prompt"]], GREEDY)[0].text
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    master, port = free_port(), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(node: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                                 "--master-addr", "127.0.0.1", "--master-port", str(master), "-m", "leapfrog", "serve",
+                                 "--model", str(llama_dir), "--host", "127.0.0.1", "--port", str(port),
+                                 "--warmup-requests", "1", "--log-level", "warning", *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs = [launch(r, "--pipeline-parallel-size", "2") for r in (0, 1)]
+    try:
+        wait_ready(procs[0], f"http://127.0.0.1:{port}")
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        worker = _children(procs[0].pid)          # rank 0 itself (torchrun answers SIGTERM with 1)
+        assert len(worker) == 1
+        os.kill(worker[0], signal.SIGTERM)
+        assert [p.wait(60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    master = free_port()
+    wrong = [launch(r) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in wrong]
+    assert all(p.returncode != 0 for p in wrong)
+    assert "torchrun started 2 processes" in outs[0][1]
+
+
+def _children(parent: int, marker: str = "") -> list[int]:
+    """Processes whose parent is `parent` (and whose command line holds `marker`)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -215,9 +257,14 @@ def _spawned_children(parent: int) -> list[int]:
             cmd = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if ppid == parent and "spawn_main" in cmd:
+        if ppid == parent and marker in cmd:
             out.append(int(entry))
     return out
+
+
+def _spawned_children(parent: int) -> list[int]:
+    """multiprocessing's spawned children of `parent` (the follower ranks, not its resource tracker)."""
+    return _children(parent, "spawn_main")
 
 
 def test_serve_over_two_ranks_and_recover_from_a_dead_rank(llama_dir, tmp_path):

@@ -83,6 +83,8 @@ def init(rank: int, size: int, init_method: str | None = None, backend: str | No
     if pipeline_size < 1 or size % pipeline_size:
         raise ValueError(f"{size} processes cannot form {pipeline_size} pipeline stages of equal size")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":                 # one GPU per rank: torchrun's local rank, else by rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     tp = size // pipeline_size

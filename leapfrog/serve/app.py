@@ -671,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"leapfrog serve: {exc}", file=sys.stderr)
         return 2
+    follower = torchrun_role(cfg)
+    if follower is not None:
+        return follower
     app = create_app(cfg)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
@@ -686,6 +689,33 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", line)
     server.run()
     return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
+
+
+def torchrun_role(cfg: ServerConfig) -> int | None:
+    """Under torchrun (one replica over several nodes), None on rank 0, which serves HTTP; on
+    any other rank, the exit code after following rank 0's engine until it stops. Errors: a
+    group of another size than tensor_parallel_size x pipeline_parallel_size, several models."""
+    import os
+    from leapfrog.distributed import num_ranks
+    from leapfrog.layers.parallel import launched_by_torchrun
+    if not launched_by_torchrun():
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if num_ranks(cfg.engine) != world:
+        print(f"leapfrog serve: torchrun started {world} processes, but tensor_parallel_size x "
+              f"pipeline_parallel_size is {num_ranks(cfg.engine)}: set them so that they multiply to {world}",
+              file=sys.stderr)
+        return 2
+    if len(cfg.views()) > 1:
+        print("leapfrog serve: under torchrun the ranks run one model; name it with --model", file=sys.stderr)
+        return 2
+    if int(os.environ["RANK"]) == 0:
+        return None
+    try:
+        _engine_factory(cfg)()          # follows rank 0 inside this call, then exits
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
 
 
 def startup_warnings(cfg: ServerConfig, auth_enabled: bool) -> list[str]:

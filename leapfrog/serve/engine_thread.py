@@ -125,10 +125,25 @@ class AsyncEngine:
         self.restarts += 1
         self.metrics.add("engine_restarts", 1)
         why = self.crash
+        from leapfrog.distributed import RankDied
+        from leapfrog.layers.parallel import launched_by_torchrun
+        if isinstance(why, RankDied) and launched_by_torchrun():
+            # torchrun's ranks cannot be started again from here: exit, so that torchrun (with
+            # --max-restarts) or the orchestrator restarts the whole group.
+            log.error("a rank of %s died under torchrun (%s): exiting so that every rank restarts",
+                      self.info.model_name, why)
+            self.load_error = why
+            self._fail_tracked(EngineError(f"a rank of the model died ({why}); the server is restarting"))
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
         error = EngineError(f"the engine stopped while this request was in flight ({why!r}); it is restarting, "
                             "retry in a few seconds")
         log.error("engine of %s died (%r): failing %d requests in flight and restarting it",
                   self.info.model_name, why, len(self._tracked))
+        self._fail_tracked(error)
+
+    def _fail_tracked(self, error: Exception) -> None:
         for request_id, tracked in self._tracked.items():
             tracked.sink.put_nowait((request_id, error))
             self.metrics.finished("error")
