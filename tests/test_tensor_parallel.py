@@ -309,7 +309,9 @@ def test_parallel_benchmark_reports_equal_tokens_and_collective_cost(llama_dir, 
     assert main(["--suite", "parallel", "--model", str(llama_dir), "--new-tokens", "8", "--concurrency", "1", "2",
                  "--repeats", "1", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "parallel.json").read_text())
-    assert [(row["tp"], row["concurrency"]) for row in r["rows"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert [(row["tp"], row["pp"], row["concurrency"]) for row in r["rows"]] == [
+        (1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
     assert all(row["same_tokens"] and row["tok_s"] > 0 for row in r["rows"])
-    assert all(row["comm_per_step_ms"] > 0 for row in r["rows"] if row["tp"] == 2)
-    assert "collectives per step" in (tmp_path / "parallel.md").read_text()
+    assert all(row["comm_per_step_ms"] > 0 for row in r["rows"] if (row["tp"], row["pp"]) != (1, 1))
+    assert all(0 <= row["bubble"] < 1 for row in r["rows"] if row["pp"] == 2 and row["concurrency"] == 2)
+    assert "pipeline bubble" in (tmp_path / "parallel.md").read_text()

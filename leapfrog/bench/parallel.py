@@ -1,10 +1,15 @@
-"""`leapfrog bench --suite parallel`: one model decoded whole and split over tensor-parallel
-ranks on this machine (LLM(tensor_parallel_size=N)), and what the split costs in communication.
+"""`leapfrog bench --suite parallel`: one model decoded whole and split over ranks on this
+machine: tensor-parallel ranks, pipeline stages, or both (LLM(tensor_parallel_size=N,
+pipeline_parallel_size=M)), and what the split costs in communication.
 
-For each size: output tokens/s at each concurrency (greedy, --new-tokens each, the same prompts),
-and whether the tokens equal the whole model's. The collectives are timed on their own: an
-all-reduce of one step's hidden rows between two ranks (gloo on CPU), times the 2 per layer and
-1 for the embedding that a step makes, plus the logits' all-gather.
+For each layout: output tokens/s at each concurrency (greedy, --new-tokens each, the same
+prompts), and whether the tokens equal the whole model's. The communication is timed on its own,
+between processes doing nothing else: for tensor parallelism, an all-reduce of one step's hidden
+rows times the 2 per layer and 1 for the embedding that a step makes, plus the logits'
+all-gather; for pipeline parallelism, sending one step's hidden rows to the next stage once per
+stage boundary, plus the logits' broadcast from the last stage. Pipelined steps also report
+their bubble: the share of each rank's step time not spent on its own stage's layers (waiting
+for the previous stage, for its sends, for the logits), averaged over the ranks.
 """
 from __future__ import annotations
 
@@ -17,40 +22,67 @@ import torch
 
 from leapfrog.bench.common import load_average, log, story_prompts
 
-SIZES = (1, 2)
+LAYOUTS = ("1x1", "2x1", "1x2")
+
+
+def layout(text: str) -> tuple[int, int]:
+    """"TxP": tensor_parallel_size x pipeline_parallel_size."""
+    try:
+        t, p = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TxP, e.g. 2x1 (tensor parallel 2, one stage)") from None
+    if t < 1 or p < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be >= 1")
+    return t, p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp-sizes", type=int, nargs="+", default=list(SIZES), help="parallel: tensor-parallel sizes")
+    p.add_argument("--layouts", type=layout, nargs="+", default=[layout(x) for x in LAYOUTS],
+                   help="parallel: layouts as TxP, tensor-parallel size x pipeline stages (default 1x1 2x1 1x2)")
 
 
 def _collective_worker(rank: int, size: int, port: int, hidden: int, vocab: int, rows: list[int],
-                       repeats: int, out: str) -> None:
+                       repeats: int, out: str, stages: int) -> None:
     from leapfrog.layers import parallel as tp
     torch.set_num_threads(1)
-    tp.init(rank, size, f"tcp://127.0.0.1:{port}")
+    tp.init(rank, size, f"tcp://127.0.0.1:{port}", pipeline_size=stages)
     result = {}
     for r in rows:
-        x, logits = torch.randn(r, hidden), torch.randn(r, vocab // size)
-        for _ in range(5):
-            tp.all_reduce(x)
+        x, logits = torch.randn(r, hidden), torch.randn(r, vocab // tp.tp_size())
+        if stages == 1:
+            for _ in range(5):
+                tp.all_reduce(x)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                tp.all_reduce(x)
+            reduce_s = (time.perf_counter() - t0) / repeats
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                tp.all_gather_last(logits)
+            result[r] = {"all_reduce_s": reduce_s, "all_gather_s": (time.perf_counter() - t0) / repeats}
+            continue
+        t0 = time.perf_counter()
+        for _ in range(repeats):          # stage 0 -> 1 -> ... : the hidden rows' trip through the stages
+            if not tp.is_first_stage():
+                x = tp.recv_prev(x.shape, x.dtype)
+            if not tp.is_last_stage():
+                tp.send_next(x).wait()
+        send_s = (time.perf_counter() - t0) / repeats / (stages - 1)
+        full = torch.randn(r, vocab)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            tp.all_reduce(x)
-        reduce_s = (time.perf_counter() - t0) / repeats
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            tp.all_gather_last(logits)
-        result[r] = {"all_reduce_s": reduce_s, "all_gather_s": (time.perf_counter() - t0) / repeats}
+            tp.broadcast_from_stage(full, stages - 1)
+        result[r] = {"send_s": send_s, "broadcast_s": (time.perf_counter() - t0) / repeats}
     if rank == 0:
         torch.save(result, out)
     tp.shutdown()
 
 
-def collectives(hidden: int, vocab: int, size: int, rows: list[int], out: Path, repeats: int = 200) -> dict:
+def collectives(hidden: int, vocab: int, size: int, rows: list[int], out: Path, repeats: int = 200,
+                stages: int = 1) -> dict:
     import torch.multiprocessing as mp
     from leapfrog.layers.parallel import free_port
-    mp.start_processes(_collective_worker, args=(size, free_port(), hidden, vocab, rows, repeats, str(out)),
+    mp.start_processes(_collective_worker, args=(size, free_port(), hidden, vocab, rows, repeats, str(out), stages),
                        nprocs=size, join=True, start_method="spawn")
     return torch.load(out)
 
@@ -63,54 +95,76 @@ def run(args: argparse.Namespace) -> dict:
     concurrency = args.concurrency or [1, 8]
     rows, reference = [], None
     la = load_average()
-    for size in args.tp_sizes:
-        llm = LLM(args.model, tensor_parallel_size=size)
+    first = args.layouts[0]
+    for t, p in args.layouts:
+        llm = LLM(args.model, tensor_parallel_size=t, pipeline_parallel_size=p)
         prompts = story_prompts(max(concurrency), llm.tokenizer)
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))        # warm
         for c in concurrency:
-            best, tokens = 0.0, None
+            best, tokens, bubble = 0.0, None, None
             for _ in range(args.repeats):
+                before = llm.engine.parallel_stats() if p > 1 else None
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts[:c], params)
                 dt = time.perf_counter() - t0
-                best = max(best, sum(len(o.token_ids) for o in outs) / dt)
+                if dt and sum(len(o.token_ids) for o in outs) / dt > best:
+                    best = sum(len(o.token_ids) for o in outs) / dt
+                    bubble = _bubble(before, llm.engine.parallel_stats()) if p > 1 else None
                 tokens = [o.token_ids for o in outs]
-            if size == args.tp_sizes[0]:
+            if (t, p) == first:
                 reference = {**(reference or {}), c: tokens}
             same = reference is not None and reference.get(c) == tokens
-            rows.append({"tp": size, "concurrency": c, "tok_s": best, "same_tokens": same})
-            log(f"parallel: tp {size}, {c} requests: {best:.1f} tok/s, tokens equal to tp {args.tp_sizes[0]}: {same}")
+            rows.append({"tp": t, "pp": p, "concurrency": c, "tok_s": best, "same_tokens": same, "bubble": bubble})
+            log(f"parallel: tp {t} x pp {p}, {c} requests: {best:.1f} tok/s, tokens equal to {first[0]}x{first[1]}: "
+                f"{same}" + (f", bubble {bubble:.0%}" if bubble is not None else ""))
         cfg = llm.engine.hf_config
         if hasattr(llm, "shutdown"):
             llm.shutdown()
         del llm
     hidden, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     comm = {}
-    for size in [s for s in args.tp_sizes if s > 1]:
-        timed = collectives(hidden, vocab, size, concurrency, out / "collectives.pt")
-        comm[size] = {c: {**t, "per_step_s": (2 * layers + 1) * t["all_reduce_s"] + t["all_gather_s"]}
-                      for c, t in timed.items()}
-    base = {r["concurrency"]: r["tok_s"] for r in rows if r["tp"] == args.tp_sizes[0]}
+    for t, p in [lay for lay in args.layouts if lay != (1, 1)]:
+        if t > 1 and p > 1:
+            continue                                        # priced by its parts' rows
+        timed = collectives(hidden, vocab, t * p, concurrency, out / "collectives.pt", stages=p)
+        if p == 1:
+            comm[(t, p)] = {c: (2 * layers + 1) * x["all_reduce_s"] + x["all_gather_s"] for c, x in timed.items()}
+        else:
+            comm[(t, p)] = {c: (p - 1) * x["send_s"] + x["broadcast_s"] for c, x in timed.items()}
+    base = {r["concurrency"]: r["tok_s"] for r in rows if (r["tp"], r["pp"]) == first}
     for r in rows:
         r["vs_first"] = r["tok_s"] / base[r["concurrency"]]
-        if r["tp"] in comm:
+        if (r["tp"], r["pp"]) in comm:
             step_s = r["concurrency"] / r["tok_s"]          # one decode step yields a token per request
-            r["comm_per_step_ms"] = 1000 * comm[r["tp"]][r["concurrency"]]["per_step_s"]
-            r["comm_share"] = comm[r["tp"]][r["concurrency"]]["per_step_s"] / step_s
+            per_step = comm[(r["tp"], r["pp"])][r["concurrency"]]
+            r["comm_per_step_ms"] = 1000 * per_step
+            r["comm_share"] = per_step / step_s
     return {"model": args.model, "rows": rows, "load_average_start": la, "load_average_end": load_average(),
             "cpus": os.cpu_count(), "hidden": hidden, "layers": layers, "vocab": vocab, "new_tokens": args.new_tokens}
+
+
+def _bubble(before: list[dict], after: list[dict]) -> float | None:
+    """Mean over the ranks of the share of pipelined-step time not spent on the rank's own layers."""
+    shares = []
+    for b, a in zip(before, after):
+        secs = a["seconds"] - b["seconds"]
+        if secs > 0:
+            shares.append(1 - (a["busy_seconds"] - b["busy_seconds"]) / secs)
+    return sum(shares) / len(shares) if shares else None
 
 
 def markdown(result: dict) -> str:
     lines = [f"`{result['model']}`, {result['new_tokens']} new tokens per request, greedy; load average "
              f"{result['load_average_start']:.2f} -> {result['load_average_end']:.2f}", "",
-             "| tensor parallel | requests | tok/s | vs tp 1 | same tokens | collectives per step | share of a step |",
-             "|---|---|---|---|---|---|---|"]
+             "| tensor parallel x stages | requests | tok/s | vs first | same tokens | communication per step "
+             "| share of a step | pipeline bubble |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         comm = f"{r['comm_per_step_ms']:.2f} ms" if "comm_per_step_ms" in r else "-"
         share = f"{100 * r['comm_share']:.0f}%" if "comm_share" in r else "-"
-        lines.append(f"| {r['tp']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['vs_first']:.2f}x | "
-                     f"{'yes' if r['same_tokens'] else 'NO'} | {comm} | {share} |")
+        bubble = f"{100 * r['bubble']:.0f}%" if r.get("bubble") is not None else "-"
+        lines.append(f"| {r['tp']} x {r['pp']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['vs_first']:.2f}x | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} | {comm} | {share} | {bubble} |")
     return "\n".join(lines)
 
 
@@ -119,9 +173,10 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3))
-    for size in sorted({r["tp"] for r in result["rows"]}):
-        rs = [r for r in result["rows"] if r["tp"] == size]
-        ax.plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", label=f"tensor parallel {size}")
+    for lay in sorted({(r["tp"], r["pp"]) for r in result["rows"]}):
+        rs = [r for r in result["rows"] if (r["tp"], r["pp"]) == lay]
+        ax.plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o",
+                label=f"tensor parallel {lay[0]} x {lay[1]} stage(s)")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tok/s")
     ax.set_title(f"{result['model']} split over ranks ({result['cpus']} CPUs)")
