@@ -341,12 +341,14 @@ static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
   return x2.add_(project(act, w, 10, 15));
 }
 
-static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
-                                const torch::Tensor& cos, const torch::Tensor& sin,
-                                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
-                                const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
-                                int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
-                                double eps, double qk_eps) {
+// The attention half of a layer: input norm, q/k/v with RoPE, the step's keys and values
+// written to the paged cache, attention over it. Returns the heads' outputs [T, H, D].
+static torch::Tensor attention_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                    const torch::Tensor& cos, const torch::Tensor& sin,
+                                    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                                    const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
+                                    int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                                    double eps, double qk_eps) {
   auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
   const int64_t T = x.size(0), width = qkv.size(1);
   const float* p = qkv.data_ptr<float>();
@@ -367,7 +369,45 @@ static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch:
     }
   });
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  return out_mlp(x, paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale), w, eps);
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale);
+}
+
+static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                const torch::Tensor& cos, const torch::Tensor& sin,
+                                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                                const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
+                                int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                                double eps, double qk_eps) {
+  auto o = attention_rows(x, w, cos, sin, k_cache, v_cache, slots, block_tables, ctx_lens, block_size,
+                          H, KVH, D, scale, eps, qk_eps);
+  return out_mlp(x, o, w, eps);
+}
+
+// A tensor-parallel rank's share of a layer, cut where the ranks' partial sums meet: its heads'
+// attention through its columns of the output projection (attention_partial), then, after the
+// caller's all-reduce and residual, its columns of gate/up through its rows of down
+// (mlp_partial). Each returns the rank's partial sum [T, d], to be all-reduced. The weights are
+// decode_layer's, of the rank's shard; a row-parallel bias is on one rank only.
+torch::Tensor attention_partial(torch::Tensor x, std::vector<torch::Tensor> w, torch::Tensor cos,
+                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
+                                int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                                double eps, double qk_eps) {
+  auto o = attention_rows(x, w, cos, sin, k_cache, v_cache, slots, block_tables, ctx_lens, block_size,
+                          H, KVH, D, scale, eps, qk_eps);
+  return project(o.reshape({x.size(0), -1}), w, 5, 13);
+}
+
+torch::Tensor mlp_partial(torch::Tensor x, std::vector<torch::Tensor> w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "mlp_partial: x must be [T, d] float32");
+  const int64_t T = x.size(0);
+  auto gu = project(rms_norm(x, w[7], eps), w, 8, 14);
+  const int64_t I = gu.size(1) / 2;
+  auto act = torch::empty({T, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) silu_mul(g + t * 2 * I, g + t * 2 * I + I, a + t * I, I);
+  return project(act, w, 10, 15);
 }
 
 // One Llama-family decoder layer over a step's query rows. A batch of kSkinnyRows + 1 to
@@ -589,6 +629,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)", nogil);
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)", nogil);
+  m.def("attention_partial", &attention_partial,
+        "a tensor-parallel rank's attention and output-projection partial sum (CPU, float32)", nogil);
+  m.def("mlp_partial", &mlp_partial, "a tensor-parallel rank's SwiGLU partial sum (CPU, float32)", nogil);
   m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)", nogil);
   m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)", nogil);
   m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)", nogil);

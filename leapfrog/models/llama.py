@@ -104,10 +104,14 @@ class DecoderLayer(nn.Module):
         """The same layer as one C++ call (CPU, few rows read straight from the paged cache:
         see LlamaForCausalLM.forward for when it applies). cos_sin: [T, rotary_dim] each."""
         a, g = self.self_attn, meta.groups[0]
-        return cpu_kernels().decode_layer(
-            x, self._fused_weights(), cos_sin[0], cos_sin[1], a.attn.k_cache, a.attn.v_cache,
-            meta.slot_mapping, g.block_tables, g.ctx_lens, g.block_size, a.num_heads, a.num_kv_heads,
-            a.head_dim, a.attn.scale, self.input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0)
+        args = (cos_sin[0], cos_sin[1], a.attn.k_cache, a.attn.v_cache, meta.slot_mapping, g.block_tables,
+                g.ctx_lens, g.block_size, a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale,
+                self.input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0)
+        if a.split:           # a tensor-parallel shard: one all-reduce after attention, one after the MLP
+            k, w = cpu_kernels(), self._fused_weights()
+            x = x + tp.all_reduce(k.attention_partial(x, w, *args))
+            return x + tp.all_reduce(k.mlp_partial(x, w, self.post_attention_layernorm.eps))
+        return cpu_kernels().decode_layer(x, self._fused_weights(), *args)
 
     def _fused_weights(self) -> list[torch.Tensor]:
         """The tensors decode_layer reads, cached while every parameter is the same object at
@@ -146,7 +150,7 @@ def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
     attention is a single group read straight from the paged cache, rows in order (decode
     and verification batches, diffusion steps; up to 32 rows the projections use the few-row
     kernel, beyond it BLAS)."""
-    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or len(meta.groups) != 1 or tp.tp_size() > 1:
+    if not _FUSED_LAYERS or meta is None or x.dim() != 2 or len(meta.groups) != 1:
         return False
     g = meta.groups[0]
     return (g.ctx_lens is not None and g.out_rows is None and g.row_start == 0
