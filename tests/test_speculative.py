@@ -481,6 +481,46 @@ def test_no_probes_where_not_even_perfect_drafts_would_pay():
     assert policy.should_draft(big) and not policy.dormant(8)
 
 
+def test_drafting_after_a_dormant_spell_waits_for_a_current_context(llama_dir, drafters, fake_clock):
+    """While drafting cannot pay at all, the decode loop captures no features for the drafter.
+    When it can again (here: the costs change mid-request), a request is drafted for only once
+    its context reaches the anchor again (a fresh context from the next captured step), never
+    on the stale one; the output stays ar's."""
+    llm = _llm(llama_dir, "dspark", drafters["dspark"], verify="confidence", step_costs={1: 0.001, 64: 64.0})
+    method = llm.engine.method
+    seen = []
+    propose = method.propose
+
+    def spy(anchors):
+        seen.extend(method.state(a.seq).context.start + method.state(a.seq).context.num_positions == a.pos
+                    for a in anchors)
+        return propose(anchors)
+    method.propose = spy
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    want = LLM(str(llama_dir), **ENGINE).generate([PROMPTS[0]], params)[0].token_ids
+    engine = llm.engine
+    policy, out = method.policy, []
+    skipped_in_loop = policy.skipped_in_loop
+
+    def wake(steps, batch):
+        # right after a dormant call of the decode loop, before the next decision: from now on
+        # drafting pays, and that decision re-plans
+        skipped_in_loop(steps, batch)
+        if policy.dormant(1) and engine.multistep.num_loop_steps >= 16:
+            m = policy.measured
+            m.table = type(m.table)([1, 64], [0.01, 0.0100001])
+            m.seen, m.plain = {}, {1: (1.0, 99)}
+            policy._reprobe_every = policy._skipped_steps = 1
+    policy.skipped_in_loop = wake
+    engine.add_request(PROMPTS[0], params, request_id="r")
+    while engine.has_unfinished():
+        out += [o for o in engine.step() if o.finished]
+    assert out[0].token_ids == want
+    assert engine.multistep.num_loop_steps >= 16        # dormant steps ran in the decode loop
+    assert seen and all(seen)
+    assert method.stats()["num_verify_steps"] > 2                 # it drafted again after waking
+
+
 def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, drafters):
     """At 8 requests drafting never pays (probes back off to long waits); at 1 it pays (the wait
     restarts short). Back at 8, the step takes the long wait it had there, instead of probing

@@ -126,6 +126,11 @@ class DFlashMethod(SpeculativeMethod):
         for i, (s, c) in enumerate(zip(batch.seqs, commits)):
             self._queue(s, feats[i, :c.num_kv_keep])
 
+    def _context_reaches(self, seq: Sequence, anchor_pos: int) -> bool:
+        st = seq.method_state
+        ctx = st.context if st is not None else None
+        return self.drafter is None or (ctx is not None and ctx.start + ctx.num_positions == anchor_pos)
+
     def _queue(self, s: ScheduledSeq, rows: torch.Tensor) -> None:
         """Queue the target features of `s`'s newly kept positions for its drafter context."""
         st = self.state(s.seq)

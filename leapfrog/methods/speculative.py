@@ -215,6 +215,10 @@ class SpeculativeMethod(Method):
         """Draft (or decide not to) after each request's last committed token."""
         anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
                    for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
+        # A request whose drafter context stops short of its anchor (the decode loop captured no
+        # features while drafting could not pay) decodes one more step plainly: its features are
+        # captured again, into a fresh context, before its next draft.
+        anchors = [a for a in anchors if self._context_reaches(a.seq, a.pos)]
         for a, prop in zip(anchors, self._proposals(anchors) if anchors else []):
             self.state(a.seq).proposal = prop
 
@@ -251,6 +255,11 @@ class SpeculativeMethod(Method):
             props = [Proposal(a.pos, []) for a in anchors]
         self.policy.next_step()
         return props
+
+    def _context_reaches(self, seq: Sequence, anchor_pos: int) -> bool:
+        """Whether the drafter's context of `seq` holds every position before `anchor_pos`
+        (a drafter without context: always)."""
+        return True
 
     def _wants_drafts(self, seq: Sequence, commit: Commit) -> bool:
         """Skip drafting for a request this commit finishes by length or whose drafts stopped paying."""
