@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on CPU with gloo: a model split over 2 tensor-parallel ranks,
 2 pipeline stages, or 2 x 2, gives the logits of the whole model (float32, 1e-5) and the same
 greedy and seeded tokens, for Llama (untied head), Qwen2 (q/k/v bias, tied embeddings), Qwen3
-(per-head q/k norm) and a Qwen3-MoE model (pipeline stages); what is not split yet is refused by
-name; a follower rank that dies stops the engine with an error, never a hang."""
+(per-head q/k norm) and Qwen3-MoE / Qwen2-MoE models (experts split across tensor-parallel ranks);
+what is not split yet is refused by name; a follower rank that dies stops the engine with an error, never a hang."""
 from __future__ import annotations
 
 import os
@@ -74,27 +74,41 @@ def test_generate_over_ranks_gives_the_same_tokens(family, tp_size, stages, fami
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def moe_dirs(tmp_path_factory):
     from test_moe import build_moe
-    return build_moe(tmp_path_factory.mktemp("moe"), "qwen3_moe")    # 3 layers: stages of 2 and 1
+    root = tmp_path_factory.mktemp("moe")
+    # 3 layers (stages of 2 and 1), 8 experts (4 per tensor-parallel rank); qwen2_moe adds a
+    # gated shared expert, split as a dense MLP is
+    return {f: build_moe(root, f) for f in ("qwen3_moe", "qwen2_moe")}
 
 
-def test_mixture_of_experts_over_two_pipeline_stages(moe_dir, tmp_path):
-    """Experts stay whole inside their stage: the logits and the greedy tokens are the whole
-    model's, and the batch of three runs through the stages in micro-batches."""
+@pytest.mark.parametrize("family,tp_size,stages", [("qwen3_moe", 1, 2), ("qwen3_moe", 2, 1), ("qwen2_moe", 2, 1)])
+def test_mixture_of_experts_over_ranks(family, tp_size, stages, moe_dirs, tmp_path):
+    """Pipeline stages keep their experts whole; tensor-parallel ranks hold half the experts
+    each (expert parallelism) and half the shared expert's columns. The logits and the greedy
+    tokens are the whole model's; a batch of three runs through the stages in micro-batches."""
     from leapfrog.loader import load_model
+    folder = moe_dirs[family]
     ids = torch.tensor([PROMPTS[1]])
-    want = load_model(moe_dir).forward_dense(ids)
+    whole = load_model(folder)
+    want = whole.forward_dense(ids)
     out = tmp_path / "logits.pt"
-    mp.start_processes(_rank_logits, args=(2, free_port(), str(moe_dir), ids, str(out), 2), nprocs=2, join=True,
-                       start_method="spawn")
-    torch.testing.assert_close(torch.load(out)["logits"], want, rtol=1e-5, atol=1e-5)
-    tokens = [o.token_ids for o in LLM(str(moe_dir), block_size=4).generate(PROMPTS, GREEDY)]
-    llm = LLM(str(moe_dir), block_size=4, pipeline_parallel_size=2)
+    size = tp_size * stages
+    mp.start_processes(_rank_logits, args=(size, free_port(), str(folder), ids, str(out), stages), nprocs=size,
+                       join=True, start_method="spawn")
+    got = torch.load(out)
+    torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+    if tp_size == 2:
+        experts = sum(p.numel() for n, p in whole.named_parameters() if ".experts." in n)
+        assert got["params"] < sum(p.numel() for p in whole.parameters()) - 0.45 * experts
+    tokens = [o.token_ids for o in LLM(str(folder), block_size=4).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(folder), block_size=4, tensor_parallel_size=tp_size, pipeline_parallel_size=stages)
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
-        stats = llm.engine.parallel_stats()
-        assert len(stats) == 2 and all(s["num_steps"] > 0 and 0 < s["busy_seconds"] <= s["seconds"] for s in stats)
+        if stages > 1:
+            stats = llm.engine.parallel_stats()
+            assert len(stats) == 2 and all(s["num_steps"] > 0 and 0 < s["busy_seconds"] <= s["seconds"]
+                                           for s in stats)
     finally:
         llm.shutdown()
 

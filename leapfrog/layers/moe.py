@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapfrog.layers import parallel as tp
 from leapfrog.layers.linear import Linear, PackedLinear, default_weight_loader
 
 
@@ -129,13 +130,18 @@ def expert_target(name: str) -> tuple[str, object] | None:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """E SwiGLU experts stored stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Under tensor parallelism a rank holds whole experts, E / tp_size of them (expert parallelism
+    inside the tensor-parallel group: experts first .. first + num_local - 1); a token's pairs
+    with other ranks' experts add nothing here, and the layer's all-reduce sums the ranks."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.first, self.num_local = tp.shard(num_experts, "num_experts")
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, intermediate))
         self._arrived: dict[str, set] = {"gate_up_proj": set(), "down_proj": set()}
         for name, p in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
             p.weight_loader = self._load
@@ -143,14 +149,21 @@ class Experts(nn.Module):
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard: object = None) -> None:
         key = "gate_up_proj" if param is self.gate_up_proj else "down_proj"
-        experts = range(self.num_experts)
+        experts = range(self.first, self.first + self.num_local)
+        local = self.num_local != self.num_experts
         if shard is None:
+            if local and tensor.shape[0] == self.num_experts:
+                tensor = tensor.narrow(0, self.first, self.num_local)
             target, parts = param.data, {(e, p) for e in experts for p in ("gate", "up", "down")}
         else:
             expert, proj = shard
+            if expert is not None and expert not in experts:
+                return                    # another tensor-parallel rank's expert
             rows = param.data if proj == "down" else param.data.narrow(
                 1, 0 if proj == "gate" else self.intermediate, self.intermediate)
-            target = rows if expert is None else rows[expert]
+            if expert is None and local and tensor.shape[0] == self.num_experts:
+                tensor = tensor.narrow(0, self.first, self.num_local)
+            target = rows if expert is None else rows[expert - self.first]
             parts = {(e, proj) for e in (experts if expert is None else [expert])}
         if target.shape != tensor.shape:
             raise ValueError(f"shape mismatch: parameter {tuple(target.shape)} vs checkpoint {tuple(tensor.shape)}")
@@ -159,26 +172,32 @@ class Experts(nn.Module):
 
     def _missing(self, key: str) -> list[str]:
         projs = ("down",) if key == "down_proj" else ("gate", "up")
-        return [f"{e}.{p}_proj.weight" for e in range(self.num_experts) for p in projs
+        return [f"{e}.{p}_proj.weight" for e in range(self.first, self.first + self.num_local) for p in projs
                 if (e, p) not in self._arrived[key]]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
         t, k = ids.shape
         flat = ids.reshape(-1)
-        if t * k <= self.num_experts:
+        if self.num_local != self.num_experts:   # this rank's experts only: the others' pairs add 0
+            flat = flat - self.first
+            mine = (flat >= 0) & (flat < self.num_local)
+            weights = weights * mine.view(t, k).to(weights.dtype)
+            flat = torch.where(mine, flat, torch.full_like(flat, self.num_local))   # a bucket that never runs
+        if t * k <= self.num_local:
             # Few pairs (decode): gathering their k matrices reads no more than all E experts once,
             # and needs no host sync.
             xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1, 1)
-            gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
-            out = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+            pick = flat.clamp(max=self.num_local - 1)           # another rank's pair: weight 0
+            gate, up = torch.bmm(self.gate_up_proj[pick], xs).squeeze(-1).chunk(2, dim=-1)
+            out = torch.bmm(self.down_proj[pick], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         else:
             order = flat.argsort(stable=True)                   # pairs grouped by expert
-            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+            counts = torch.bincount(flat, minlength=self.num_local + 1).tolist()
             xs = x.index_select(0, order // k)
-            sorted_out = torch.empty_like(xs)
+            sorted_out = torch.zeros_like(xs)
             start = 0
-            for e, n in enumerate(counts):
+            for e, n in enumerate(counts[:self.num_local]):
                 if n:
                     rows = xs[start:start + n]
                     gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -189,12 +208,15 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """SwiGLU MLP with the checkpoint's gate_proj/up_proj packed into one matmul."""
+    """SwiGLU MLP with the checkpoint's gate_proj/up_proj packed into one matmul; under tensor
+    parallelism split as the dense MLP is (columns of gate/up, rows of down: a partial sum)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden, {"0": intermediate, "1": intermediate})
-        self.down_proj = Linear(intermediate, hidden)
+        split = tp.tp_size() > 1
+        local = tp.shard(intermediate, "shared_expert_intermediate_size")[1]
+        self.gate_up_proj = PackedLinear(hidden, {"0": local, "1": local}, column_parallel=split)
+        self.down_proj = Linear(local, hidden, parallel="row" if split else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
@@ -236,6 +258,7 @@ class SparseMoE(nn.Module):
             self.shared_name = "shared_expert" if spec.shared_gate else "shared_experts"
             setattr(self, self.shared_name, SharedExpert(hidden, spec.shared_intermediate_size))
         self.shared_expert_gate = Linear(hidden, 1) if spec.shared_gate else None
+        self.split = tp.tp_size() > 1         # partial sums: this rank's experts and shared columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -247,4 +270,6 @@ class SparseMoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate.forward(flat)) * shared
             out = out + shared
+        if self.split:
+            out = tp.all_reduce(out)
         return out.view(*lead, -1)

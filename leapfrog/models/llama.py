@@ -85,9 +85,6 @@ class DecoderLayer(nn.Module):
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = DecoderAttention(cfg, flavour)
         if is_moe_layer(cfg, layer_idx):
-            if tp.tp_size() > 1:
-                raise ValueError("tensor_parallel_size > 1: mixture-of-experts layers are not split across "
-                                 "ranks yet (dense models only)")
             self.mlp = SparseMoE(cfg["hidden_size"], moe_spec(cfg))
         else:
             self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
