@@ -106,7 +106,8 @@ class TensorParallelEngine:
                 self._check(wait=1.0)
             except RankDied as dead:
                 raise dead from exc
-            if tp.world_size() > 1 and ("gloo" in str(exc).lower() or "nccl" in str(exc).lower()):
+            msg = str(exc).lower()
+            if tp.world_size() > 1 and ("gloo" in msg or "nccl" in msg or "shared-memory collective" in msg):
                 raise RankDied(f"a collective failed: {exc}") from exc
             raise
 

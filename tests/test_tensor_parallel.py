@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +143,57 @@ def test_speculative_and_diffusion_over_ranks(tp_size, stages, llama_dir, method
                 assert llm.engine.method.stats()["num_drafted_tokens"] > 0
         finally:
             llm.shutdown()
+
+
+def _shm_rank(rank: int, port: int, out: str, die: bool) -> None:
+    import json
+    torch.set_num_threads(1)
+    tp.init(rank, 2, f"tcp://127.0.0.1:{port}")
+    result = {"shm": tp._STATE.shm is not None}
+    x = torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1)
+    tp.all_reduce(x)                                      # through shared memory
+    result["sum"] = x.tolist()
+    big = torch.full((tp._ShmGroup.SLOT + 1,), float(rank + 1))
+    tp.all_reduce(big)                                    # too big for a slot: gloo
+    result["big"] = float(big[-1])
+    result["gather"] = tp.all_gather_last(torch.full((2, 2), float(rank))).tolist()
+    if die and rank == 1:
+        os._exit(0)                                       # gone without a word
+    if die:
+        t0 = time.time()
+        try:
+            tp.all_reduce(torch.ones(4))
+        except RuntimeError as exc:
+            result["error"], result["after_s"] = str(exc), time.time() - t0
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    if not die:
+        tp.shutdown()
+
+
+def test_shared_memory_collectives_between_ranks_of_one_machine(tmp_path):
+    """Ranks on one machine sum and gather through shared memory (gloo for what does not fit a
+    slot), and a rank waiting for a peer that died gets an error within seconds, not a hang."""
+    import json
+    out = tmp_path / "shm.json"
+    mp.start_processes(_shm_rank, args=(free_port(), str(out), False), nprocs=2, join=True, start_method="spawn")
+    r = json.loads(out.read_text())
+    assert r["shm"] and r["sum"] == (torch.arange(12.).view(3, 4) * 3).tolist() and r["big"] == 3.0
+    assert r["gather"] == [[0.0, 0.0, 1.0, 1.0]] * 2
+    out.unlink()
+    ctx = mp.start_processes(_shm_rank, args=(free_port(), str(out), True), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.time() + 60
+    while not out.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    for p in ctx.processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    r = json.loads(out.read_text())
+    assert "shared-memory collective: rank 1" in r["error"] and r["after_s"] < 5
+    assert not any(f.name.startswith("leapfrog-") for f in Path("/dev/shm").iterdir())
 
 
 def test_micro_batches_split_the_batch_by_query_tokens():
