@@ -137,7 +137,9 @@ class RedisKVTier:
         self._errors = (redis.RedisError, OSError)
         self.caches, self.block_size, self.url = caches, block_size, url
         self.ttl, self.retry_after, self.clock = ttl, retry_after, clock
-        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        # Reads wait `timeout` at most (a step waits on them); connecting may take longer.
+        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout,
+                                                     socket_connect_timeout=max(timeout, 2.0))
         self.prefix = f"leapfrog:kv:{namespace}:".encode()
         self._down_until = 0.0
         self._outage = False
@@ -190,6 +192,9 @@ class RedisKVTier:
 
     def _write_loop(self) -> None:
         ttl = max(1, int(round(self.ttl)))
+        # Connect now, off the engine's thread: the first lookup then finds a connection in the
+        # pool instead of paying for one (on a busy machine that took longer than a read may).
+        self._call(self.client.ping)
         while True:
             item = self._pending.get()
             if item is None:

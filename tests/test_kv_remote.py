@@ -161,6 +161,9 @@ def test_two_server_processes_share_a_prefix(llama_dir, redis_server, tmp_path):
             time.sleep(0.05)
         second = httpx.post(b + "/v1/completions", json=body, timeout=60).json()
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        deadline = time.time() + 10               # /metrics is published after the response
+        while _tier3_hits(b) < 40 and time.time() < deadline:
+            time.sleep(0.05)
         assert _tier3_hits(b) == 40 and _tier3_hits(a) == 0
         redis_server.stop()                       # both replicas keep serving without it
         for base in (a, b):
