@@ -196,6 +196,19 @@ def test_shared_memory_collectives_between_ranks_of_one_machine(tmp_path):
     assert not any(f.name.startswith("leapfrog-") for f in Path("/dev/shm").iterdir())
 
 
+def test_generate_command_over_pipeline_stages(llama_dir):
+    """`leapfrog generate --pipeline-parallel-size 2` starts its ranks and prints one process's text."""
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir), "--max-tokens", "10",
+            "--temperature", "0", "--ignore-eos", "Once upon a time"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    want = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    got = subprocess.run(args + ["--pipeline-parallel-size", "2"], capture_output=True, text=True, timeout=120, env=env)
+    assert want.returncode == 0 and got.returncode == 0, got.stderr
+    assert got.stdout == want.stdout and want.stdout.strip()
+
+
 def test_micro_batches_split_the_batch_by_query_tokens():
     from leapfrog.methods.base import Batch
     from leapfrog.runner import micro_batches
