@@ -80,6 +80,16 @@ def test_coherence_oracles(embedder):
         embedder.similarity([same], [])
 
 
+def test_normalised_coherence_and_the_human_continuation():
+    assert mt.normalised_coherence(0.5, 0.5, 0.2) == pytest.approx(1.0)       # as coherent as people
+    assert mt.normalised_coherence(0.2, 0.5, 0.2) == pytest.approx(0.0)       # as a random story's text
+    assert mt.normalised_coherence(0.341, 0.508, 0.237) == pytest.approx(0.3838, abs=1e-4)
+    assert mt.normalised_coherence(0.3, 0.2, 0.2) is None                      # baselines do not separate
+    story = "Tom had a red ball. He liked to play with it every day in the park."
+    assert mt.story_rest(story, "Tom had a red ball.", 4) == "He liked to play"
+    assert mt.story_rest(story, "Tom had a red ball.", 0) == "He"
+
+
 # --- teacher-forced loss --------------------------------------------------------------------
 
 
@@ -125,6 +135,10 @@ def test_eval_stories_end_to_end(llama_dir, tmp_path, capsys):
     m, s = res["metrics"], res["speed"]
     assert math.isfinite(m["val_loss"]) and m["val_ppl"] == pytest.approx(math.exp(m["val_loss"]), rel=1e-2)
     assert 0 <= m["rep_4"] <= 1 and 0 <= m["distinct_2"] <= 1 and -1 <= m["coherence"] <= 1
+    assert -1 <= m["coherence_human"] <= 1 and -1 <= m["coherence_unrelated"] <= 1
+    if m["coherence_normalised"] is not None:
+        assert m["coherence_normalised"] == pytest.approx(
+            (m["coherence"] - m["coherence_unrelated"]) / (m["coherence_human"] - m["coherence_unrelated"]), abs=2e-3)
     assert s["num_requests"] == 3 and s["tokens_per_forward"] == pytest.approx(1.0)  # ar: one per forward
     assert len(res["samples"]) == 3
     assert "rep_4" in capsys.readouterr().out                                  # the table

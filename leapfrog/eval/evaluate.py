@@ -7,7 +7,9 @@
 
 stories:  validation loss / perplexity (teacher-forced on held-out stories); continuations of
           held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4, distinct-1/2, coherence
-          (prompt vs continuation embeddings) and perplexity under a judge model.
+          (prompt vs continuation embeddings; normalised: 1 = as coherent as the stories' own
+          continuations, 0 = as another story's, both cut to the model's length) and perplexity
+          under a judge model.
           A `diffusion` model gets no validation loss (it is no next-token predictor).
 couplets: validation loss / perplexity on held-out ``<s>上联<sep>下联</s>``; greedy 下联 for held-out
           上联 sent raw: share with the 上联's length and character BLEU-4 against the reference.
@@ -30,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STORY_METRICS = ("val_loss", "val_ppl", "val_tokens", "rep_2", "rep_4", "rep_4_tokens",
-                 "distinct_1", "distinct_2", "coherence", "judge_ppl", "mean_output_words")
+                 "distinct_1", "distinct_2", "coherence", "coherence_human", "coherence_unrelated",
+                 "coherence_normalised", "judge_ppl", "mean_output_words")
 COUPLET_METRICS = ("val_loss", "val_ppl", "val_tokens", "length_match", "bleu4_char",
                    "bleu4_char_sentence", "distinct_1", "distinct_2", "exact_match")
 SPEED_METRICS = ("num_requests", "num_output_tokens", "num_forwards", "tokens_per_forward",
@@ -197,9 +200,24 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
         "distinct_1": round(mt.distinct_n(word_lists, 1), 4),
         "distinct_2": round(mt.distinct_n(word_lists, 2), 4),
         "mean_output_words": round(sum(map(len, word_lists)) / max(len(texts), 1), 1)})
-    log("coherence (all-MiniLM-L6-v2)")
-    sims = mt.SentenceEmbedder(str(device)).similarity(prompts, texts)
-    res.metrics["coherence"] = round(sum(sims) / max(len(sims), 1), 4)
+    log("coherence (all-MiniLM-L6-v2), with the human and unrelated baselines")
+    embedder = mt.SentenceEmbedder(str(device))
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    coherence = mean(embedder.similarity(prompts, texts))
+    res.metrics["coherence"] = round(coherence, 4)
+    # Baselines on the same openings, as long as the model's continuation of each: the story's
+    # own continuation, and the next story's (a text about something else).
+    lengths = [len(w) for w in word_lists]
+    human = [mt.story_rest(s, p, n) for s, p, n in zip(stories, prompts, lengths)]
+    if len(prompts) > 1:
+        other = [mt.story_rest(stories[(i + 1) % len(prompts)], prompts[(i + 1) % len(prompts)], n)
+                 for i, n in enumerate(lengths)]
+        h, u = mean(embedder.similarity(prompts, human)), mean(embedder.similarity(prompts, other))
+        norm = mt.normalised_coherence(coherence, h, u)
+        res.metrics.update({"coherence_human": round(h, 4), "coherence_unrelated": round(u, 4),
+                            "coherence_normalised": None if norm is None else round(norm, 4)})
+    else:
+        res.metrics.update({"coherence_human": None, "coherence_unrelated": None, "coherence_normalised": None})
     res.metrics["judge_ppl"] = story_judge_ppl(args, prompts, texts, device, scorer)
     res.samples = [{"prompt": p, "completion": t} for p, t in zip(prompts, texts)][:NUM_SAMPLES]
 

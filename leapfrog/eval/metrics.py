@@ -150,3 +150,19 @@ class SentenceEmbedder:
             raise ValueError(f"similarity needs pairs: {len(a)} vs {len(b)} texts")
         ea, eb = self.embed(a), self.embed(b)
         return (ea * eb).sum(-1).tolist()
+
+
+def normalised_coherence(model: float, human: float, unrelated: float) -> float | None:
+    """Coherence on the scale of its baselines: (model - unrelated) / (human - unrelated), with
+    `human` the same openings' own continuations and `unrelated` the continuations of other
+    stories. 1: as coherent as people were; 0: no more than a random story's text. None where
+    the baselines do not separate (too few or too short texts)."""
+    span = human - unrelated
+    return None if span <= 1e-6 else (model - unrelated) / span
+
+
+def story_rest(story: str, opening: str, max_words: int) -> str:
+    """The story after its opening, cut to `max_words` words (the human continuation)."""
+    words = story.split()[len(opening.split()):]
+    return " ".join(words[:max(1, max_words)])
+
