@@ -35,11 +35,10 @@ def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor
     tp.shutdown()
 
 
-@pytest.mark.parametrize("family,tp_size,stages", [("llama", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1),
-                                                    ("llama", 1, 2), ("qwen2", 1, 2), ("llama", 2, 2)])
-def test_split_model_gives_the_whole_models_logits(family, tp_size, stages, family_dirs, tmp_path):
+def _split_logits(folder, tp_size: int, stages: int, tmp_path) -> tuple[torch.nn.Module, dict]:
+    """The whole model, and rank 0's logits and parameter count over tp_size x stages ranks;
+    the logits are checked against the whole model's (float32, 1e-5)."""
     from leapfrog.loader import load_model
-    folder = family_dirs[family]
     ids = torch.tensor([PROMPTS[1]])
     whole = load_model(folder)
     want = whole.forward_dense(ids)
@@ -50,6 +49,14 @@ def test_split_model_gives_the_whole_models_logits(family, tp_size, stages, fami
     got = torch.load(out)
     assert got["logits"].shape == want.shape
     torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+    return whole, got
+
+
+@pytest.mark.parametrize("family,tp_size,stages", [("llama", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1),
+                                                    ("llama", 1, 2), ("qwen2", 1, 2), ("llama", 2, 2)])
+def test_split_model_gives_the_whole_models_logits(family, tp_size, stages, family_dirs, tmp_path):
+    folder = family_dirs[family]
+    whole, got = _split_logits(folder, tp_size, stages, tmp_path)
     total = sum(p.numel() for p in whole.parameters())
     layers = total - sum(p.numel() for n, p in whole.named_parameters() if not n.startswith("model.layers."))
     if stages == 1:        # each rank holds its share: about half, plus the norms every rank keeps
@@ -88,17 +95,8 @@ def test_mixture_of_experts_over_ranks(family, tp_size, stages, moe_dirs, tmp_pa
     """Pipeline stages keep their experts whole; tensor-parallel ranks hold half the experts
     each (expert parallelism) and half the shared expert's columns. The logits and the greedy
     tokens are the whole model's; a batch of three runs through the stages in micro-batches."""
-    from leapfrog.loader import load_model
     folder = moe_dirs[family]
-    ids = torch.tensor([PROMPTS[1]])
-    whole = load_model(folder)
-    want = whole.forward_dense(ids)
-    out = tmp_path / "logits.pt"
-    size = tp_size * stages
-    mp.start_processes(_rank_logits, args=(size, free_port(), str(folder), ids, str(out), stages), nprocs=size,
-                       join=True, start_method="spawn")
-    got = torch.load(out)
-    torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+    whole, got = _split_logits(folder, tp_size, stages, tmp_path)
     if tp_size == 2:
         experts = sum(p.numel() for n, p in whole.named_parameters() if ".experts." in n)
         assert got["params"] < sum(p.numel() for p in whole.parameters()) - 0.45 * experts

@@ -327,18 +327,23 @@ static torch::Tensor qkv_rope(const torch::Tensor& x, const std::vector<torch::T
   return qkv;
 }
 
-// Output projection and residual, then post norm, SwiGLU and residual.
-static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
-                             const std::vector<torch::Tensor>& w, double eps) {
+// Post norm, gate/up, SwiGLU and down: the MLP's output, without the residual.
+static torch::Tensor norm_swiglu(const torch::Tensor& x, const std::vector<torch::Tensor>& w, double eps) {
   const int64_t T = x.size(0);
-  auto x2 = x + project(o.reshape({T, -1}), w, 5, 13);
-  auto gu = project(rms_norm(x2, w[7], eps), w, 8, 14);
+  auto gu = project(rms_norm(x, w[7], eps), w, 8, 14);
   const int64_t I = gu.size(1) / 2;
   auto act = torch::empty({T, I}, gu.options());
   const float* g = gu.data_ptr<float>();
   float* a = act.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) silu_mul(g + t * 2 * I, g + t * 2 * I + I, a + t * I, I);
-  return x2.add_(project(act, w, 10, 15));
+  return project(act, w, 10, 15);
+}
+
+// Output projection and residual, then post norm, SwiGLU and residual.
+static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
+                             const std::vector<torch::Tensor>& w, double eps) {
+  auto x2 = x + project(o.reshape({x.size(0), -1}), w, 5, 13);
+  return x2.add_(norm_swiglu(x2, w, eps));
 }
 
 // The attention half of a layer: input norm, q/k/v with RoPE, the step's keys and values
@@ -400,14 +405,7 @@ torch::Tensor attention_partial(torch::Tensor x, std::vector<torch::Tensor> w, t
 
 torch::Tensor mlp_partial(torch::Tensor x, std::vector<torch::Tensor> w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "mlp_partial: x must be [T, d] float32");
-  const int64_t T = x.size(0);
-  auto gu = project(rms_norm(x, w[7], eps), w, 8, 14);
-  const int64_t I = gu.size(1) / 2;
-  auto act = torch::empty({T, I}, gu.options());
-  const float* g = gu.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) silu_mul(g + t * 2 * I, g + t * 2 * I + I, a + t * I, I);
-  return project(act, w, 10, 15);
+  return norm_swiglu(x, w, eps);
 }
 
 // One Llama-family decoder layer over a step's query rows. A batch of kSkinnyRows + 1 to
