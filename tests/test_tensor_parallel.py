@@ -170,6 +170,34 @@ def _shm_rank(rank: int, port: int, out: str, die: bool) -> None:
         tp.shutdown()
 
 
+def _full_shm_rank(rank: int, port: int, out: str) -> None:
+    import errno
+    import json
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    os.posix_fallocate = no_room                          # /dev/shm is full
+    torch.set_num_threads(1)
+    tp.init(rank, 2, f"tcp://127.0.0.1:{port}")
+    x = torch.full((2, 3), float(rank + 1))
+    tp.all_reduce(x)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"shm": tp._STATE.shm is not None, "sum": x.tolist()}, f)
+    tp.shutdown()
+
+
+def test_a_full_dev_shm_means_gloo(tmp_path):
+    """No room for the buffers in /dev/shm (a container's small default): both ranks agree to
+    use gloo, the sums are right, and no file is left behind."""
+    import json
+    out = tmp_path / "full.json"
+    mp.start_processes(_full_shm_rank, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    r = json.loads(out.read_text())
+    assert r == {"shm": False, "sum": [[3.0, 3.0, 3.0]] * 2}
+    assert not any(f.name.startswith("leapfrog-") for f in Path("/dev/shm").iterdir())
+
+
 def test_shared_memory_collectives_between_ranks_of_one_machine(tmp_path):
     """Ranks on one machine sum and gather through shared memory (gloo for what does not fit a
     slot), and a rank waiting for a peer that died gets an error within seconds, not a hang."""

@@ -115,15 +115,9 @@ class _ShmGroup:
     SLOT = 1 << 20                 # float32 elements per rank and buffer (larger tensors: gloo)
     STRIDE = 16                    # int64s between flags: one cache line each
 
-    def __init__(self, name: str, rank: int, size: int) -> None:
+    def __init__(self, paths: list[str], counts: list[int], rank: int, size: int) -> None:
+        """Map the files the group's first rank made (create), then unlink them."""
         self.rank, self.size, self.gen = rank, size, 0
-        paths = [f"/dev/shm/{name}-flags", f"/dev/shm/{name}-data"]
-        counts = [size * self.STRIDE, 2 * size * self.SLOT]
-        if rank == 0:
-            for path, n, width in zip(paths, counts, (8, 4)):
-                with open(path, "wb") as f:
-                    f.truncate(n * width)
-        dist.barrier(group=_STATE.group)
         self.flags = torch.from_file(paths[0], shared=True, size=counts[0], dtype=torch.int64)
         self.data = torch.from_file(paths[1], shared=True, size=counts[1], dtype=torch.float32).view(2, size, -1)
         self._flags = self.flags.numpy()
@@ -136,20 +130,39 @@ class _ShmGroup:
 
     @classmethod
     def create(cls, backend: str) -> "_ShmGroup | None":
-        """For a tensor-parallel group whose ranks all run on this machine, on gloo, on x86;
-        LEAPFROG_SHM_COLLECTIVES=0 keeps gloo."""
+        """For a tensor-parallel group whose ranks all run on this machine, on gloo, on x86, where
+        /dev/shm has room for the buffers (their pages are reserved up front: a full /dev/shm,
+        Docker's 64 MB default say, then means gloo, not a crash on first write);
+        LEAPFROG_SHM_COLLECTIVES=0 keeps gloo. Every rank reaches the same decision."""
         import platform
-        if (_STATE.size == 1 or backend != "gloo" or os.environ.get("LEAPFROG_SHM_COLLECTIVES", "1") == "0"
-                or platform.machine().lower() not in ("x86_64", "amd64") or not os.path.isdir("/dev/shm")):
-            ok = False
-        else:
-            ok = True
+        ok = (_STATE.size > 1 and backend == "gloo" and os.environ.get("LEAPFROG_SHM_COLLECTIVES", "1") != "0"
+              and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm"))
         hosts = gather_objects((socket.gethostname(), ok))
         stage = hosts[_STATE.pp_rank * _STATE.size:(_STATE.pp_rank + 1) * _STATE.size]
         if not all(h[1] for h in hosts) or len({h[0] for h in stage}) != 1:
             return None
         name = broadcast_object(f"leapfrog-{os.getpid()}-{os.urandom(4).hex()}" if _STATE.world_rank == 0 else None)
-        return cls(f"{name}-stage{_STATE.pp_rank}", _STATE.rank, _STATE.size)
+        size = _STATE.size
+        paths = [f"/dev/shm/{name}-stage{_STATE.pp_rank}-flags", f"/dev/shm/{name}-stage{_STATE.pp_rank}-data"]
+        counts = [size * cls.STRIDE, 2 * size * cls.SLOT]
+        made = True
+        if _STATE.rank == 0:
+            try:
+                for path, n, width in zip(paths, counts, (8, 4)):
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, n * width)
+                    finally:
+                        os.close(fd)
+            except OSError:
+                made = False
+        if not all(gather_objects(made)):
+            if _STATE.rank == 0:
+                for path in paths:
+                    if os.path.exists(path):
+                        os.unlink(path)
+            return None
+        return cls(paths, counts, _STATE.rank, size)
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's x, as [size, n] rows of the current buffer; None when x does not fit."""
