@@ -27,7 +27,7 @@ log = logging.getLogger("leapfrog.distributed")
 
 # Methods that run over several ranks. Their schedule depends only on the engine's calls; what
 # is decided from measured time (confidence-scheduled verification) reads rank 0's clock.
-TP_METHODS = ("ar", "dflash", "dspark", "diffusion")
+PARALLEL_METHODS = ("ar", "dflash", "dspark", "diffusion")
 
 
 class RankDied(BaseException):
@@ -48,8 +48,8 @@ def num_ranks(options: dict) -> int:
 
 
 def check_method(method: str) -> None:
-    if method not in TP_METHODS:
-        raise ValueError(f"tensor_parallel_size / pipeline_parallel_size > 1 support the {', '.join(TP_METHODS)} "
+    if method not in PARALLEL_METHODS:
+        raise ValueError(f"tensor_parallel_size / pipeline_parallel_size > 1 support the {', '.join(PARALLEL_METHODS)} "
                          f"method for now, not {method!r}")
 
 

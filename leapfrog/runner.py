@@ -7,6 +7,8 @@ verification) are padded together into one [B, Lq] x [B, Lk] problem; each longe
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -145,7 +147,6 @@ class ModelRunner:
         rank. The time this rank spent on its own layers is counted apart from the step's wall
         time (the rest is the bubble: waiting for rows from the previous stage, for the sends
         to drain and for the last stage's logits)."""
-        import time
         t0, waited = time.perf_counter(), recv_wait_seconds()
         parts = micro_batches(batch, pp_size())
         hidden, captured, shapes, rows, sends = [], [], [], [], []

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     comm = {}
     for t, p in [lay for lay in args.layouts if lay != (1, 1)]:
         if t > 1 and p > 1:
-            continue                                        # priced by its parts' rows
+            continue                                        # not timed: its rows carry no communication figure
         timed = collectives(hidden, vocab, t * p, concurrency, out / "collectives.pt", stages=p)
         if p == 1:
             comm[(t, p)] = {c: (2 * layers + 1) * x["all_reduce_s"] + x["all_gather_s"] for c, x in timed.items()}

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leapfrog.layers.parallel import whole
 from leapfrog.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, draw_token
-from leapfrog.layers.parallel import whole
 from leapfrog.methods.verify import make_policy
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block

@@ -234,7 +234,6 @@ class LlamaForCausalLM(nn.Module):
             return self.finish_stage(hidden, [local], [input_ids.shape], capture_layers)
         x = self.embed(input_ids)
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
-        captured = []
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping
         # Module.__call__ saves ~0.4 ms per decode step on a small model.
         fused = fused_rows(x, meta)
@@ -248,14 +247,23 @@ class LlamaForCausalLM(nn.Module):
                 hidden, cap = loop.forward(input_ids.reshape(-1), positions.reshape(-1), meta.slot_mapping,
                                            g.block_tables, g.ctx_lens, taps)
                 return hidden, [cap[:, c] for c in range(len(taps))]
+        x, captured = self._layers(x, rope, meta, range(len(self.model.layers)), capture_layers, fused)
+        return self.model.norm.forward(x), list(captured.values())
+
+    def _layers(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata | None, layer_ids: range,
+                capture_layers: tuple[int, ...], fused: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Layers `layer_ids` in order (each as one C++ call where `fused`), and the outputs of
+        those of them in `capture_layers`, by layer."""
         if fused:
             t = x.shape[0]
             cos_sin = (rope.cos_sin[0].reshape(t, -1), rope.cos_sin[1].reshape(t, -1))
-        for i, layer in enumerate(self.model.layers):
+        captured = {}
+        for i in layer_ids:
+            layer = self.model.layers[i]
             x = layer.forward_fused(x, cos_sin, meta) if fused and layer.fusable else layer.forward(x, rope, meta)
             if i in capture_layers:
-                captured.append(x)
-        return self.model.norm.forward(x), captured
+                captured[i] = x
+        return x, captured
 
     def stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None,
                       capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, dict, object]:
@@ -267,16 +275,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         x = self.embed(input_ids) if tp.is_first_stage() else tp.recv_prev(shape, dtype, input_ids.device)
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
-        fused = fused_rows(x, meta)
-        if fused:
-            t = x.shape[0]
-            cos_sin = (rope.cos_sin[0].reshape(t, -1), rope.cos_sin[1].reshape(t, -1))
-        captured = {}
-        for i in self.model.stage:
-            layer = self.model.layers[i]
-            x = layer.forward_fused(x, cos_sin, meta) if fused and layer.fusable else layer.forward(x, rope, meta)
-            if i in capture_layers:
-                captured[i] = x
+        x, captured = self._layers(x, rope, meta, self.model.stage, capture_layers, fused_rows(x, meta))
         if tp.is_last_stage():
             return self.model.norm.forward(x), captured, None
         return None, captured, tp.send_next(x)
@@ -286,27 +285,18 @@ class LlamaForCausalLM(nn.Module):
         """After every micro-batch's stage_forward: the captured rows of each layer, concatenated
         over the micro-batches (`captured`, `shapes`: their input shapes), from the stage that
         holds the layer to every rank; the hidden states (zeros off the last stage)."""
-        size = self.config["hidden_size"]
-        dtype = self.model.embed_tokens.weight.dtype
-        dev = self.model.embed_tokens.weight.device
+        size, n = self.config["hidden_size"], len(self.model.layers)
+        w = self.model.embed_tokens.weight
+        lead = tuple(shapes[0]) if len(shapes) == 1 else (sum(torch.Size(sh).numel() for sh in shapes),)
         rows = []
-        for i in sorted(set(capture_layers)):
-            if not 0 <= i < len(self.model.layers):
-                continue
-            stage = next(s for s in range(tp.pp_size()) if i in tp.stage_layers(len(self.model.layers), s))
-            if stage == tp.pp_rank():
-                x = torch.cat([c[i] for c in captured]) if len(captured) > 1 else captured[0][i]
-                x = x.contiguous()
-            else:
-                lead = (sum(torch.Size(sh).numel() for sh in shapes),) if len(shapes) > 1 else tuple(shapes[0])
-                x = torch.empty(*lead, size, dtype=dtype, device=dev)
+        for i in sorted({i for i in capture_layers if 0 <= i < n}):       # layer order, as without stages
+            stage = next(s for s in range(tp.pp_size()) if i in tp.stage_layers(n, s))
+            x = (torch.cat([c[i] for c in captured]).contiguous() if stage == tp.pp_rank()
+                 else torch.empty(*lead, size, dtype=w.dtype, device=w.device))
             rows.append(tp.broadcast_from_stage(x, stage))
-        order = [i for i in capture_layers if 0 <= i < len(self.model.layers)]
-        by_layer = dict(zip(sorted(set(order)), rows))
         if hidden is None:
-            lead = (sum(torch.Size(sh).numel() for sh in shapes),) if len(shapes) > 1 else tuple(shapes[0])
-            hidden = torch.zeros(*lead, size, dtype=dtype, device=dev)
-        return hidden, [by_layer[i] for i in sorted(set(order))]     # layer order, as without stages
+            hidden = torch.zeros(*lead, size, dtype=w.dtype, device=w.device)
+        return hidden, rows
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight
@@ -339,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
-        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu" or tp.world_size() > 1
+        if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu"
                 or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):
