@@ -86,6 +86,9 @@ def write_mini_data(root: Path) -> Path:
                      for _ in range(rng.randint(1, 3))]
             stories.append(f"Story {fname[:4]} {i}.\n" + "\n".join(lines) + "\n<|endoftext|>\n")
         (root / "stories" / fname).write_text("".join(stories))
+    chapters = [f"Chapter {i}\n" + " ".join(rng.choice(WORDS).upper() for _ in range(40)) + ".\n<|endoftext|>\n"
+                for i in range(30)]           # the training-only classics, in capitals
+    (root / "stories" / "classics.txt").write_text("".join(chapters))
     (root / "couplets").mkdir(exist_ok=True)
     side = lambda n: "".join(rng.choice(HAN) for _ in range(n))  # noqa: E731
     pairs = [f"{side(n)}\t{side(n)}\n" for n in (rng.choice((5, 7)) for _ in range(400))]

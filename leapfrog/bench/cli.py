@@ -17,6 +17,9 @@ Suites:
           outcome classified (soak.py).
   parallel  a model whole and split over tensor-parallel ranks on this machine: tokens/s, equal
           tokens, and the collectives' measured cost per step (parallel.py).
+  train   the training loop, before and after its lean compiled forward, on one recipe: tokens/s,
+          FLOP/s, loss curves side by side (leapfrog.train.speed, which the `leapfrog` command
+          runs for `--suite train`; `leapfrog bench --suite train --help` lists its flags).
 Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
 Speed targets live here, never in tests; ratios are taken against a baseline measured in the
 same run, so a busy machine slows both sides alike.

@@ -6,8 +6,10 @@ token caches are written, under the ignored ``data_cache/``.
 Which files are used, and why:
 - stories: ``tinystories_cased.txt`` + ``tinystories_valid.txt`` (cased TinyStories, both split
   into train/held-out) and ``tinystories_lowercase.txt`` (train only: it doubles the data, and a
-  cased prompt keeps the continuation cased). ``classics.txt`` is left out: a different register
-  (19th-century prose) that a 5M model trained for minutes would only blur into TinyStories.
+  cased prompt keeps the continuation cased). ``classics.txt`` (public-domain children's books, a
+  19th-century register) is a separate training-only source (``extra_items``) that a recipe may
+  mix in at a set share of its windows: more text to repeat less of TinyStories' one million
+  tokens on a long run; it never enters the tokenizer or the validation split.
 - couplets: ``couplets.tsv`` (split), ``spring_festival.tsv`` (the only source of 横批) and
   ``poetry_pairs.tsv`` (train only: parallel lines of equal length teach the length constraint).
 """
@@ -116,6 +118,20 @@ def train_items(name: str, data_dir: str | None = None) -> dict[str, list]:
             "spring": [(r[0], r[1], r[2]) for r in spring if ok(r, 3)],
         }
     raise ValueError(f"unknown dataset {name!r}; expected 'stories' or 'couplets'")
+
+
+EXTRA_FILES = {("stories", "classics"): "classics.txt"}
+
+
+def extra_items(name: str, source: str, data_dir: str | None = None) -> list[str]:
+    """A training-only source of dataset ``name`` (``EXTRA_FILES``): its items as strings."""
+    if (name, source) not in EXTRA_FILES:
+        known = sorted(s for n, s in EXTRA_FILES if n == name)
+        raise ValueError(f"{name}: no extra source {source!r} (known: {', '.join(known) or 'none'})")
+    path = data_root(data_dir) / name / EXTRA_FILES[name, source]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the {source!r} source of {name} is missing")
+    return read_stories(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes")
     p.add_argument("--ckpt-interval", type=int, default=None, help="steps between resumable saves")
     p.add_argument("--seed", type=int, default=None, help="seed for init and batch order")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for this process")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for this process (default: the recipe's; stories uses every core)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the fast forward uncompiled (no compiler warm-up; slower steps)")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt if present")
     p.add_argument("--no-readme", action="store_true",
                    help="skip sampling/metrics after training (README then lacks samples)")
@@ -55,7 +58,8 @@ def _recipe_table() -> str:
         lines += [f"  {name}: {describe(name)}",
                   f"      hidden {c.model.hidden_size} x {c.model.num_layers} layers, steps "
                   f"{c.max_steps}, batch {c.batch_size} x {c.seq_len}, lr {c.lr}, {c.dtype}, "
-                  f"saved as {c.save_dtype}"]
+                  f"saved as {c.save_dtype}" + (", fast forward" if c.fast else "")
+                  + (" (compiled)" if c.compile else "") + f", {c.threads} thread(s)"]
     return "\n".join(lines) + "\n"
 
 
@@ -75,6 +79,8 @@ def config_for(argv: list[str]):
         value = getattr(args, arg_name)
         if value is not None:
             setattr(cfg, field_name, value)
+    if args.no_compile:
+        cfg.compile = False
     cfg.lr = max(cfg.lr, cfg.min_lr)
     cfg.command = "leapfrog train " + shlex.join(argv)
     return cfg, args

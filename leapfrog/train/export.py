@@ -58,10 +58,13 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
 
 def summarize(model, cfg, history: dict, prep) -> dict:
     val = history["val"][-1][1] if history["val"] else float("nan")
+    if "exported" in history:          # keep_best: the weights of the best validation loss
+        val = history["exported"]["val"]
     return {
         "recipe": cfg.recipe or cfg.name,
         "num_params": sum(p.numel() for p in model.parameters()),
         "steps": history["train"][-1][0] if history["train"] else 0,
+        "exported_step": history.get("exported", {}).get("step"),
         "tokens_seen": history["tokens"],
         "wall_s": round(history["wall_s"], 1),
         "val_loss": round(val, 4),

@@ -3,10 +3,15 @@ block-diffusion losses of ``diffusion.py``) on packed token windows.
 
 AdamW, linear warm-up then cosine decay, gradient accumulation and clipping, optional bf16
 autocast, periodic validation, resumable state in a run folder (ignored by git), and a final
-Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` (windows and any
-noise the objective draws) depends only on (seed, s), so a resumed run sees exactly the batches an
-uninterrupted one would have. A run either builds a fresh model from ``model`` or continues the
-weights of the checkpoint folder ``init_from`` (with its tokenizer).
+Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` (windows, any
+noise the objective draws, dropout masks) depends only on (seed, s), so a resumed run sees
+exactly the batches an uninterrupted one would have. A run either builds a fresh model from
+``model`` or continues the weights of the checkpoint folder ``init_from`` (with its tokenizer).
+
+``fast`` runs the next-token objective of a dense Llama through ``train.fast`` (the same
+function over the same parameters, leaner), with fused AdamW, and ``compile`` compiles that
+step; the run folder keeps its progress (``progress.json``, ``loss.png``) next to ``state.pt``,
+saved at least every ``ckpt_minutes``.
 """
 from __future__ import annotations
 
@@ -84,6 +89,14 @@ class TrainConfig:
     # > 0: the exported weights are the mean of the weights after every step from this fraction
     # of max_steps on (stochastic weight averaging over the cosine tail), not the last step's.
     average_from: float = 0.0
+    # Training-only sources (prepare's ``extra``) and the share of windows drawn from each; the
+    # rest come from the dataset's own training stream.
+    mix: tuple[tuple[str, float], ...] = ()
+    dropout: float = 0.0                        # residual and embedding dropout (fast forward)
+    fast: bool = False                          # train.fast forward + fused AdamW where supported
+    compile: bool = False                       # torch.compile the fast step (static shapes)
+    ckpt_minutes: float = 0.0                   # > 0: also save state.pt this often (wall clock)
+    keep_best: bool = False                     # export the weights of the best validation loss
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -92,6 +105,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def draw_windows(prep, cfg: TrainConfig, rng: np.random.Generator, start_ids: np.ndarray | None = None):
+    """One micro-batch of training windows: each row from the dataset's stream, or from a mixed-in
+    source with that source's share (``cfg.mix``), the choice drawn from the step's generator."""
+    if not cfg.mix:
+        return get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng, start_ids)
+    shares = np.array([w for _, w in cfg.mix], dtype=np.float64)
+    picks = rng.choice(len(shares) + 1, size=cfg.batch_size, p=[1.0 - shares.sum(), *shares])
+    rows_x, rows_y = [], []
+    for row in picks:
+        stream = prep.train if row == 0 else prep.extra[cfg.mix[row - 1][0]]
+        x, y = get_batch(stream, 1, cfg.seq_len, rng, start_ids if row == 0 else None)
+        rows_x.append(x)
+        rows_y.append(y)
+    return torch.cat(rows_x), torch.cat(rows_y)
 
 
 def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator,
@@ -148,7 +177,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=cfg.fast)
 
 
 def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -173,8 +202,28 @@ class NextToken:
         return loss_on(model, *batch, dtype), {}
 
 
-def make_objective(cfg: TrainConfig, tok):
+class FastNextToken(NextToken):
+    """NextToken through ``train.fast`` (optionally compiled): the same loss, less overhead."""
+
+    def __init__(self, model, cfg: TrainConfig) -> None:
+        from leapfrog.train import fast
+        self.cos, self.sin = fast.rope_table(model, cfg.model.max_position)
+        self.dropout = cfg.dropout
+        self.fn = torch.compile(fast.causal_lm_loss, fullgraph=True, dynamic=False) if cfg.compile \
+            else fast.causal_lm_loss
+
+    def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            return self.fn(model, *batch, self.cos, self.sin, self.dropout), {}
+
+
+def make_objective(cfg: TrainConfig, tok, model=None):
     if cfg.diffusion is None:
+        from leapfrog.train import fast
+        if cfg.fast and model is not None and fast.supported(model):
+            return FastNextToken(model, cfg)
+        if cfg.dropout or cfg.compile:
+            raise ValueError("dropout and compile need the fast forward (fast=True, a dense Llama)")
         return NextToken()
     from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
@@ -227,12 +276,10 @@ class WeightAverage:
 def save_state(run_dir: Path, model, opt, step: int, history: dict,
                average: WeightAverage | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "state.pt.tmp"
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
     if average is not None and average.count:
         state["average"] = {"mean": average.mean, "count": average.count}
-    torch.save(state, tmp)
-    tmp.replace(run_dir / "state.pt")  # atomic, so a kill mid-save keeps the previous state
+    _save_atomic(state, run_dir / "state.pt")  # a kill mid-save keeps the previous state
 
 
 def load_state(run_dir: Path, model, opt, average: WeightAverage | None = None) -> tuple[int, dict]:
@@ -264,8 +311,12 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir, make_objective(cfg, tok),
-                               average)
+    step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir,
+                               make_objective(cfg, tok, model), average)
+    if cfg.keep_best and (run_dir / "best.pt").exists():
+        best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(best["model"])
+        history["exported"] = {"step": best["step"], "val": best["val"]}
     summary = export.save_checkpoint(model, tok, prep, cfg, history)
     export.write_sha256sums(cfg.out_dir)
     return summary
@@ -278,7 +329,7 @@ def training_data(cfg: TrainConfig):
     from leapfrog.train.prepare import prepare
 
     prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                   cfg.long_repeats)
+                   cfg.long_repeats, tuple(source for source, _ in cfg.mix))
     if cfg.distill is not None:
         from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
@@ -326,14 +377,16 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
     bar = tqdm(total=cfg.max_steps, initial=step, file=sys.stderr, mininterval=10,
                desc=cfg.name, dynamic_ncols=False)
     model.train()
-    t_last = time.time()
+    t_last = last_save = time.time()
     while step < cfg.max_steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         rng = np.random.default_rng([cfg.seed, step])
+        if cfg.dropout:            # dropout masks of step s depend on (seed, s) only: exact resume
+            torch.manual_seed(int(rng.integers(2**62)))
         total = 0.0
         for _ in range(cfg.grad_accum):
-            batch = objective.batch(*get_batch(prep.train, cfg.batch_size, cfg.seq_len, rng, start_ids), rng)
+            batch = objective.batch(*draw_windows(prep, cfg, rng, start_ids), rng)
             loss, _ = objective.loss(model, batch, cfg.dtype)
             (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum
@@ -362,9 +415,39 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
             print(f"step {step} train {total:.4f} val {val:.4f}{extra} lr {lr_at(step, cfg):.2e} "
                   f"tokens {history['tokens']} tok/s {rate:.0f} wall {history['wall_s']:.0f}s",
                   flush=True)
+            if cfg.keep_best and val < history.get("best_val", float("inf")):
+                history["best_val"] = val
+                _save_atomic({"model": model.state_dict(), "step": step, "val": val}, run_dir / "best.pt")
             t_last = time.time()  # evaluation time is not training time
-        if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+        if (step % cfg.ckpt_interval == 0 or step == cfg.max_steps
+                or (cfg.ckpt_minutes and time.time() - last_save >= cfg.ckpt_minutes * 60)):
             save_state(run_dir, model, opt, step, history, average)
-            t_last = time.time()
+            write_progress(run_dir, cfg, step, history)
+            last_save = t_last = time.time()
     bar.close()
     return step, history
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def write_progress(run_dir: Path, cfg: TrainConfig, step: int, history: dict) -> None:
+    """The run's progress beside its state: progress.json (step, tokens, rate, last losses) and
+    loss.png, so a run that spans sessions shows where it is without loading anything."""
+    from leapfrog.train.export import plot_loss
+    recent = [loss for _, loss in history["train"][-50:]]
+    progress = {
+        "recipe": cfg.recipe or cfg.name, "step": step, "max_steps": cfg.max_steps,
+        "tokens": history["tokens"], "target_tokens": cfg.max_steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum,
+        "wall_s": round(history["wall_s"], 1),
+        "tok_s": round(history["tokens"] / max(history["wall_s"], 1e-9)),
+        "train_loss_recent": round(float(np.mean(recent)), 4) if recent else None,
+        "val": history["val"][-1] if history["val"] else None,
+        "best_val": history.get("best_val"),
+        "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    (run_dir / "progress.json").write_text(json.dumps(progress, indent=2) + "\n")
+    plot_loss(history, run_dir / "loss.png", f"{progress['recipe']} (step {step}/{cfg.max_steps})")

@@ -5,7 +5,7 @@ tokenizer spec and the format version, so a second run (or a resume) tokenises n
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,8 @@ class Prepared:
     val: np.memmap
     num_train_items: int
     num_val_items: int
+    # Training-only sources mixed into a recipe's windows (TrainConfig.mix), by name.
+    extra: dict[str, np.memmap] = field(default_factory=dict)
 
 
 def _texts(name: str, data_dir: str | None, seed: int, long_repeats: int = 0
@@ -48,10 +50,11 @@ def _data_stamp(data_dir: str | None, name: str) -> list[tuple[str, int, int]]:
 
 
 def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: int = 0,
-            max_length: int = 512, long_repeats: int = 0) -> Prepared:
-    """Build (or reuse) the tokenizer and token streams for dataset ``name``."""
-    extra = [long_repeats] if long_repeats else []      # existing caches keep their keys
-    tag = data.fingerprint(FORMAT_VERSION, name, asdict(spec), _data_stamp(data_dir, name), seed, *extra)
+            max_length: int = 512, long_repeats: int = 0, extra: tuple[str, ...] = ()) -> Prepared:
+    """Build (or reuse) the tokenizer and token streams for dataset ``name``, and a stream for
+    each training-only source in ``extra`` (encoded with the same tokenizer)."""
+    key_extra = [long_repeats] if long_repeats else []      # existing caches keep their keys
+    tag = data.fingerprint(FORMAT_VERSION, name, asdict(spec), _data_stamp(data_dir, name), seed, *key_extra)
     root = data.CACHE_DIR / name / tag
     tok_dir, train_bin, val_bin = root / "tokenizer", root / "train.bin", root / "val.bin"
     train_texts, val_texts, tok_texts = _texts(name, data_dir, seed, long_repeats)
@@ -63,5 +66,15 @@ def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: i
                                 for ids in tok(texts, add_special_tokens=False).input_ids]
         data.write_stream(val_bin, encode(val_texts))
         data.write_stream(train_bin, encode(train_texts))
+    streams = {}
+    for source in extra:
+        path = root / f"extra-{source}.bin"
+        if not path.exists():
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(tok_dir)
+            texts = data.extra_items(name, source, data_dir)
+            data.write_stream(path, [[tok.bos_token_id, *ids, tok.eos_token_id]
+                                     for ids in tok(texts, add_special_tokens=False).input_ids])
+        streams[source] = data.load_stream(path)
     return Prepared(tok_dir, data.load_stream(train_bin), data.load_stream(val_bin),
-                    len(train_texts), len(val_texts))
+                    len(train_texts), len(val_texts), streams)

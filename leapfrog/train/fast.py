@@ -1,0 +1,83 @@
+"""A lean training forward for the built-in Llama models, over the Hugging Face model's own
+parameters.
+
+``transformers``' Llama forward is written for every use (caches, masks of any shape, output
+records, hooks); a training step needs none of that. ``causal_lm_loss`` computes the same
+function from the same ``nn.Parameter`` objects: the query/key/value and gate/up projections
+as one matrix product each (their weights concatenated on the fly, so autograd splits the
+gradient back), RoPE from a cached table, PyTorch's fused causal attention, and the loss. The
+optimizer, the resumable state and the export keep seeing the unchanged Hugging Face model, so
+nothing else in the loop knows which forward ran.
+
+Written so that ``torch.compile`` captures a step in one graph (static shapes, no data-dependent
+branches); ``dropout`` > 0 drops on the residual branches and the embeddings while training.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def supported(model) -> bool:
+    """The lean forward covers dense Llama models with RoPE of the default kind."""
+    c = model.config
+    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+    return (c.model_type == "llama" and rope == "default" and not getattr(c, "attention_bias", False)
+            and not getattr(c, "mlp_bias", False) and getattr(c, "hidden_act", "silu") == "silu")
+
+
+def rope_table(model, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape [seq_len, head_dim], the halves repeated as in HF's rotate_half form."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  dropout: float = 0.0) -> torch.Tensor:
+    """The final-normed hidden states [B, T, H] of a Llama ``model`` for ``input_ids`` [B, T]."""
+    c = model.config
+    inner = model.model
+    b, t = input_ids.shape
+    n_heads, n_kv = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads
+    eps = c.rms_norm_eps
+    train = model.training and dropout > 0
+    cos, sin = cos[:t], sin[:t]
+    x = inner.embed_tokens(input_ids)
+    if train:
+        x = F.dropout(x, dropout, True)
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, eps)
+        qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+        q = _rotate(q.view(b, t, n_heads, head_dim).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(b, t, n_kv, head_dim).transpose(1, 2), cos, sin)
+        v = v.view(b, t, n_kv, head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != n_heads)
+        a = attn.o_proj(a.transpose(1, 2).reshape(b, t, n_heads * head_dim))
+        x = x + (F.dropout(a, dropout, True) if train else a)
+        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, eps)
+        gate, up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])).chunk(2, dim=-1)
+        m = mlp.down_proj(F.silu(gate) * up)
+        x = x + (F.dropout(m, dropout, True) if train else m)
+    return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, eps)
+
+
+def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``targets`` (float32 logits, as the reference loop)."""
+    h = hidden_states(model, input_ids, cos, sin, dropout)
+    logits = model.lm_head(h).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,122 @@
+"""The training loop's fast path (train.fast) and long-run machinery: the lean forward computes
+Hugging Face Llama's loss and gradients, mixed-in sources take their share of the windows, a run
+with dropout resumes exactly, the best validation weights are the ones exported, and the run
+folder shows its progress."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_mini_data
+
+from leapfrog.data import corpus as data
+from leapfrog.train import fast
+from leapfrog.train.loop import ModelShape, build_model, draw_windows, loss_on, train
+from leapfrog.train.prepare import prepare
+from leapfrog.train.recipes import tiny
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_mini_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(1, True), (2, False)])
+def test_fast_forward_gives_transformers_loss_and_gradients(kv_heads, tied):
+    """Oracle: transformers' LlamaForCausalLM on the same parameters (GQA and plain attention,
+    tied and untied embeddings)."""
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=kv_heads,
+                                   intermediate_size=96, max_position=64, tie_embeddings=tied,
+                                   rope_theta=500.0), vocab_size=101)
+    assert fast.supported(model)
+    x, y = torch.randint(0, 101, (3, 40)), torch.randint(0, 101, (3, 40))
+    want = loss_on(model, x, y, "fp32")
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    cos, sin = fast.rope_table(model, 64)
+    got = fast.causal_lm_loss(model, x, y, cos, sin)
+    got.backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, want_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_dropout_is_active_in_training_only():
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                   intermediate_size=64, max_position=32), vocab_size=50)
+    x = torch.randint(0, 50, (2, 16))
+    cos, sin = fast.rope_table(model, 32)
+    model.train()
+    a = fast.causal_lm_loss(model, x, x, cos, sin, dropout=0.3)
+    b = fast.causal_lm_loss(model, x, x, cos, sin, dropout=0.3)
+    assert not torch.equal(a, b)
+    model.eval()
+    assert torch.equal(fast.causal_lm_loss(model, x, x, cos, sin, dropout=0.3),
+                       fast.causal_lm_loss(model, x, x, cos, sin))
+
+
+def test_mixed_source_takes_its_share_of_windows(data_dir):
+    cfg = tiny("stories")
+    cfg.data_dir, cfg.batch_size, cfg.mix = str(data_dir), 400, (("classics", 0.3),)
+    prep = prepare("stories", cfg.tokenizer, cfg.data_dir, cfg.seed, 64, extra=("classics",))
+    extra = np.asarray(prep.extra["classics"])
+    main_ids, extra_ids = set(np.asarray(prep.train).tolist()), set(extra.tolist())
+    only_extra = extra_ids - main_ids          # pieces of the capitalised words only
+    assert len(only_extra) > 5
+    x, y = draw_windows(prep, cfg, np.random.default_rng(0))
+    from_extra = [bool(set(row.tolist()) & only_extra) for row in x]
+    assert 0.2 < np.mean(from_extra) < 0.4
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    again, _ = draw_windows(prep, cfg, np.random.default_rng(0))
+    assert torch.equal(x, again)               # the step's generator decides everything
+
+
+def _fast_config(data_dir, root: Path, steps: int):
+    cfg = tiny("stories", root / "out", root / "run")
+    cfg.data_dir, cfg.max_steps, cfg.ckpt_interval, cfg.eval_interval = str(data_dir), steps, 3, 2
+    cfg.fast, cfg.dropout, cfg.mix, cfg.keep_best, cfg.save_dtype = True, 0.2, (("classics", 0.5),), True, "float32"
+    return cfg
+
+
+def test_fast_run_with_dropout_and_mix_resumes_exactly_and_exports_the_best(data_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    reference = train(_fast_config(data_dir, tmp_path / "a", 8))
+    want = torch.load(tmp_path / "a" / "run" / "state.pt", weights_only=False)
+    # The same run stopped after 3 steps, then resumed to 8.
+    train(_fast_config(data_dir, tmp_path / "b", 3))
+    train(_fast_config(data_dir, tmp_path / "b", 8), resume=True)
+    got = torch.load(tmp_path / "b" / "run" / "state.pt", weights_only=False)
+    assert got["history"]["train"] == want["history"]["train"]
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    # keep_best: the exported weights are best.pt's, and the summary gives its step and loss.
+    best = torch.load(tmp_path / "a" / "run" / "best.pt", weights_only=True)
+    vals = dict(want["history"]["val"])
+    assert best["val"] == min(vals.values()) and vals[best["step"]] == best["val"]
+    assert reference["exported_step"] == best["step"] and reference["val_loss"] == round(best["val"], 4)
+    saved = load_file(str(tmp_path / "a" / "out" / "model.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, best["model"][name]), name
+    progress = json.loads((tmp_path / "a" / "run" / "progress.json").read_text())
+    assert progress["step"] == 8 and progress["tokens"] == 8 * 4 * 32
+    assert (tmp_path / "a" / "run" / "loss.png").stat().st_size > 1000
+
+
+def test_dropout_without_the_fast_forward_is_refused(data_dir, tmp_path):
+    cfg = tiny("stories", tmp_path / "out", tmp_path / "run")
+    cfg.data_dir, cfg.dropout = str(data_dir), 0.1
+    with pytest.raises(ValueError, match="fast forward"):
+        train(cfg)
