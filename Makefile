@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test bench models
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) scripts/install.sh
@@ -16,3 +16,46 @@ test: setup             ## run the test suite (the import layering first)
 
 bench: setup
 	$(VENV)/bin/leapfrog bench
+
+# Retrain every built-in model from ../shared/data, in dependency order (hours to days on 2 CPU
+# cores). Each step resumes its own run (--resume) and leaves a marker in runs/done/ when it has
+# finished, so `make models` run again, in a later session, continues where it stopped; `make -n
+# models` lists what is left. The commands are the ones docs/models.md reports numbers for.
+LF := $(VENV)/bin/leapfrog
+DONE := runs/done
+DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
+DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
+
+models: $(DONE)/stories-large $(DONE)/couplets   ## retrain the built-in models (resumable)
+
+$(DONE)/stories: | setup
+	$(LF) train stories --resume
+	@mkdir -p $(DONE) && touch $@
+
+$(DONE)/couplets: | $(DONE)/stories
+	$(LF) train couplets --resume
+	@touch $@
+
+$(DONE)/drafter-%: $(DONE)/stories
+	$(LF) train drafter $* --steps 2000 --num-regen 6400 --threads 2 --resume
+	@touch $@
+
+$(DONE)/stories-diffusion: $(DONE)/stories
+	$(LF) train stories-diffusion --threads 2 --resume
+	@touch $@
+$(DONE)/stories-diffusion-mb: $(DONE)/stories-diffusion
+	$(LF) train stories-diffusion-mb --threads 2 --resume
+	@touch $@
+$(DONE)/stories-diffusion-distill: $(DONE)/stories-diffusion-mb
+	$(LF) train stories-diffusion-distill --threads 2 --resume
+	@touch $@
+$(DONE)/stories-diffusion-distill2: $(DONE)/stories-diffusion-distill
+	$(LF) train stories-diffusion-distill2 --threads 2 --resume
+	@touch $@
+
+# stories-large and stories-large-diffusion are grown from the models above on first use: their
+# recipes only need the checksums of what they now build.
+$(DONE)/stories-large: $(DONE)/drafter-dspark-markov-2l $(DONE)/drafter-dflash-2l $(DONE)/stories-diffusion-distill2 \
+		$(DONE)/drafter-dspark-rnn-2l $(DONE)/drafter-dflash-5l
+	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
+	@touch $@

@@ -223,17 +223,45 @@ def read_sums(path: Path) -> dict[str, str]:
     return sums
 
 
-def build(recipe_dir: Path, out_dir: Path, checkpoints: Path) -> Path:
+def build(recipe_dir: Path, out_dir: Path, checkpoints: Path, check: bool = True) -> Path:
     """Build the recipe's model into out_dir (atomically: a temporary folder renamed at the end,
-    removed if anything fails)."""
+    removed if anything fails); ``check`` compares the result with the recipe's SHA256SUMS."""
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     try:
-        return _build(recipe_dir, out_dir, checkpoints, tmp)
+        return _build(recipe_dir, out_dir, checkpoints, tmp, check)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path) -> Path:
+def write_sums(recipe_dir: Path) -> Path:
+    """Rebuild a recipe folder's model from the current base checkpoints and write its SHA256SUMS
+    (the built weights and configs, the model's then each drafter's): after a base model or a
+    drafter it grows from was retrained."""
+    import tempfile
+    recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
+    with tempfile.TemporaryDirectory(prefix="leapfrog-build-") as scratch:
+        out = build(recipe_dir, Path(scratch) / "model", recipe_dir.parent, check=False)
+        names = ["model.safetensors", "config.json"]
+        for dst in recipe.get("drafters", {}):
+            names += [f"{dst}/model.safetensors", f"{dst}/config.json"]
+        lines = [f"{sha256(out / name)}  {name}\n" for name in names]
+    (recipe_dir / "SHA256SUMS").write_text("".join(lines))
+    return recipe_dir / "SHA256SUMS"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m leapfrog.build --write-sums FOLDER...``: refresh recipe folders' SHA256SUMS."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m leapfrog.build", description=main.__doc__)
+    p.add_argument("--write-sums", nargs="+", required=True, metavar="FOLDER",
+                   help="recipe folders (with build.json) whose SHA256SUMS to rewrite")
+    args = p.parse_args(argv)
+    for folder in args.write_sums:
+        print(f"wrote {write_sums(Path(folder))}")
+    return 0
+
+
+def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check: bool = True) -> Path:
     recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
     base = checkpoints / recipe["base"]
     if not (base / "model.safetensors").is_file():
@@ -272,7 +300,7 @@ def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path) -> Pat
                   str(tmp / dst / "model.safetensors"), metadata={"format": "pt"})
         (tmp / dst / "config.json").write_text(json.dumps(dnew, indent=2, sort_keys=True) + "\n")
     sums_file = recipe_dir / "SHA256SUMS"
-    if sums_file.is_file():
+    if check and sums_file.is_file():
         for name, digest in read_sums(sums_file).items():
             if not (tmp / name).is_file() or sha256(tmp / name) != digest:
                 raise BuildError(f"{recipe_dir}: the built {name} does not match {sums_file} "
@@ -302,3 +330,7 @@ def materialize(folder: Path) -> Path:
         if old != out and old.is_dir() and (stale_tmp or len(old.name) == len(out.name)):
             shutil.rmtree(old, ignore_errors=True)
     return built
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -162,3 +162,27 @@ def test_the_shipped_diffusion_recipe_builds_and_decodes_as_its_base(tmp_path, m
     small = LLM("stories-diffusion").generate(["Once upon a time"], params)[0]
     assert large.token_ids == small.token_ids
     assert large.metrics.num_forwards == small.metrics.num_forwards
+
+
+def test_write_sums_after_the_base_changes(llama_dir, tmp_path, monkeypatch):
+    """A retrained base makes the recipe's checksums stale (the build refuses); `python -m
+    leapfrog.build --write-sums` rewrites them from a fresh build, which then loads."""
+    from leapfrog.build import main as build_main
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "ckpts"
+    shutil.copytree(llama_dir, root / "base")
+    recipe = write_recipe(root, "base")
+    assert build_main(["--write-sums", str(recipe)]) == 0
+    sums = (recipe / "SHA256SUMS").read_text()
+    assert [line.split("  ")[1] for line in sums.splitlines()] == ["model.safetensors", "config.json"]
+    assert materialize(recipe).is_dir()
+    tensors = load_file(str(root / "base" / "model.safetensors"))      # "retrain" the base
+    tensors = {n: t + 0.01 if t.dim() == 2 else t for n, t in tensors.items()}
+    save_file(tensors, str(root / "base" / "model.safetensors"))
+    (recipe / "README.md").write_text("retrained base\n")              # a new recipe digest: a new build
+    with pytest.raises(BuildError, match="model.safetensors does not match"):
+        materialize(recipe)
+    build_main(["--write-sums", str(recipe)])
+    assert (recipe / "SHA256SUMS").read_text() != sums
+    built = materialize(recipe)
+    assert sha256(built / "model.safetensors") == (recipe / "SHA256SUMS").read_text().split()[0]
