@@ -53,9 +53,14 @@ $(DONE)/stories-diffusion-distill2: $(DONE)/stories-diffusion-distill
 	$(LF) train stories-diffusion-distill2 --threads 2 --resume
 	@touch $@
 
-# stories-large and stories-large-diffusion are grown from the models above on first use: their
-# recipes only need the checksums of what they now build.
-$(DONE)/stories-large: $(DONE)/drafter-dspark-markov-2l $(DONE)/drafter-dflash-2l $(DONE)/stories-diffusion-distill2 \
+# stories-large is grown from stories on first use and trained further as a low-rank delta that
+# ships in its recipe folder; stories-large-diffusion is grown from stories-diffusion. Their
+# recipes then need the checksums of what they now build.
+$(DONE)/stories-large-delta: $(DONE)/stories
+	$(LF) train stories-large --resume
+	@touch $@
+
+$(DONE)/stories-large: $(DONE)/stories-large-delta $(DONE)/drafter-dspark-markov-2l $(DONE)/drafter-dflash-2l $(DONE)/stories-diffusion-distill2 \
 		$(DONE)/drafter-dspark-rnn-2l $(DONE)/drafter-dflash-5l
 	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
 	@touch $@

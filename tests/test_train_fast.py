@@ -120,3 +120,73 @@ def test_dropout_without_the_fast_forward_is_refused(data_dir, tmp_path):
     cfg.data_dir, cfg.dropout = str(data_dir), 0.1
     with pytest.raises(ValueError, match="fast forward"):
         train(cfg)
+
+
+def _grown_recipe(data_dir, tmp_path: Path) -> Path:
+    """A tiny stories model trained for a few steps (the base, with the data's tokenizer) and a
+    recipe folder growing it 2x wider and 2x deeper."""
+    root = tmp_path / "ckpts"
+    cfg = tiny("stories", root / "base", tmp_path / "base-run")
+    cfg.data_dir, cfg.max_steps = str(data_dir), 4
+    train(cfg)
+    recipe = root / "grown"
+    recipe.mkdir()
+    (recipe / "build.json").write_text(json.dumps({"base": "base", "width": 2, "depth": 2, "delta": None}))
+    return recipe
+
+
+def _lora_config(data_dir, recipe: Path, run: Path, steps: int):
+    from leapfrog.train.large import LoraSpec
+    cfg = tiny("stories", recipe, run)
+    cfg.data_dir, cfg.max_steps, cfg.eval_interval, cfg.ckpt_interval = str(data_dir), steps, 2, 2
+    cfg.lr, cfg.fast, cfg.keep_best = 1e-2, True, True
+    cfg.lora = LoraSpec(recipe=str(recipe), rank=4, noise=1e-2)
+    return cfg
+
+
+def test_low_rank_run_ships_a_delta_that_the_recipe_builds(data_dir, tmp_path, monkeypatch):
+    """Oracle: the trained model in memory. The recipe, built with the exported delta, gives its
+    logits (float16 rounding); the export is never worse than step 0; the frozen weights are not
+    in the run's state; a resumed run equals an uninterrupted one."""
+    from safetensors.torch import load_file
+
+    from transformers import LlamaForCausalLM
+
+    from leapfrog.build import materialize, sha256
+    from leapfrog.train import large
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    recipe = _grown_recipe(data_dir, tmp_path)
+    summary = train(_lora_config(data_dir, recipe, tmp_path / "run", 6))
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert state["model"] and all(".lora_" in n for n in state["model"])
+    vals = dict(state["history"]["val"])
+    assert 0 in vals and summary["val_loss"] <= round(vals[0], 4)
+    assert json.loads((recipe / "build.json").read_text())["delta"] == large.DELTA_FILE
+    delta = load_file(str(recipe / large.DELTA_FILE))
+    assert summary["delta"]["parameters"] == sum(t.numel() for t in delta.values())
+    # the copies have drifted apart: B's rows for the two copies of a unit differ
+    b = delta["model.layers.0.mlp.down_proj.weight.lora_B"].float()
+    half = b.shape[0] // 2
+    assert not torch.allclose(b[:half], b[half:])
+    # the recipe now builds the trained model: its logits are the in-memory model's
+    built = materialize(recipe)
+    assert sha256(built / "model.safetensors") == (recipe / "SHA256SUMS").read_text().split()[0]
+    model, _ = large.grown_model(large.LoraSpec(recipe=str(recipe), rank=4))
+    ids = torch.tensor([[1, 40, 33, 95, 120, 7, 8, 9]])
+    with torch.no_grad():
+        start = model(ids).logits[0]
+    large.add_low_rank(model, large.LoraSpec(recipe=str(recipe), rank=4), 0)
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)["model"]
+    model.load_state_dict({n: t.to(torch.float16).float() for n, t in best.items()}, strict=False)
+    with torch.no_grad():
+        want = model(ids).logits[0]
+    assert (want - start).abs().max() > 0.1           # training moved the function (5x the tolerance below)
+    hf = LlamaForCausalLM.from_pretrained(str(built), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits[0], want, atol=2e-2)
+    # resume: 3 steps, then on to 6, equals the 6-step run
+    recipe2 = _grown_recipe(data_dir, tmp_path / "again")
+    train(_lora_config(data_dir, recipe2, tmp_path / "run2", 3))
+    train(_lora_config(data_dir, recipe2, tmp_path / "run2", 6), resume=True)
+    again = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)
+    assert again["history"]["train"] == state["history"]["train"]

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None,
                    help="folder holding stories/ and couplets/ (default: ../shared/data next to "
                         "the repository, or $LEAPFROG_DATA_DIR)")
-    p.add_argument("--out", default=None, help="checkpoint folder to write (default: the recipe's)")
+    p.add_argument("--out", default=None, help="checkpoint folder to write (default: the recipe's; for "
+                   "stories-large, the recipe folder, beside its base, that gets the delta)")
     p.add_argument("--run-dir", default=None, help="resumable state: weights + optimizer (default: runs/<recipe>)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch")
@@ -81,6 +82,8 @@ def config_for(argv: list[str]):
             setattr(cfg, field_name, value)
     if args.no_compile:
         cfg.compile = False
+    if cfg.lora is not None and args.out:     # a low-rank run writes into a recipe folder
+        cfg.lora.recipe = args.out
     cfg.lr = max(cfg.lr, cfg.min_lr)
     cfg.command = "leapfrog train " + shlex.join(argv)
     return cfg, args
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from leapfrog.train.loop import train
 
     summary = train(cfg, resume=args.resume)
-    if not args.no_readme:
+    if not args.no_readme and cfg.lora is None:      # a delta's recipe folder keeps its own README
         from leapfrog.train.readme import finish_folder
 
         finish_folder(cfg, summary)

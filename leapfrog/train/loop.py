@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from leapfrog.train.diffusion import DiffusionSpec
 from leapfrog.train.distill import DistillSpec, RejectionSpec
+from leapfrog.train.large import LoraSpec
 from leapfrog.train.tokenizer import TokenizerSpec
 
 
@@ -97,6 +98,7 @@ class TrainConfig:
     compile: bool = False                       # torch.compile the fast step (static shapes)
     ckpt_minutes: float = 0.0                   # > 0: also save state.pt this often (wall clock)
     keep_best: bool = False                     # export the weights of the best validation loss
+    lora: LoraSpec | None = None                # train a grown recipe's model as a low-rank delta
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -273,18 +275,36 @@ class WeightAverage:
             p.copy_(self.mean[name].to(p.dtype))
 
 
+def weights_to_save(model) -> dict[str, torch.Tensor]:
+    """What a run's state keeps of the model: every weight, or with frozen weights (a low-rank
+    run: 600 MB frozen against a few MB trained) only the trained ones."""
+    if all(p.requires_grad for p in model.parameters()):
+        return model.state_dict()
+    from leapfrog.train.large import trainable_state
+    return trainable_state(model)
+
+
 def save_state(run_dir: Path, model, opt, step: int, history: dict,
                average: WeightAverage | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
+    state = {"model": weights_to_save(model), "optimizer": opt.state_dict(), "step": step, "history": history}
     if average is not None and average.count:
         state["average"] = {"mean": average.mean, "count": average.count}
     _save_atomic(state, run_dir / "state.pt")  # a kill mid-save keeps the previous state
 
 
+def _load_weights(model, weights: dict) -> None:
+    """Load saved weights: all of them, or a frozen model's trained ones (weights_to_save)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or (set(missing) & trained) or (len(weights) < len(trained)):
+        raise ValueError(f"saved weights do not fit the model (missing {sorted(set(missing) & trained)[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+
+
 def load_state(run_dir: Path, model, opt, average: WeightAverage | None = None) -> tuple[int, dict]:
     state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
+    _load_weights(model, state["model"])
     opt.load_state_dict(state["optimizer"])
     if average is not None and "average" in state:
         average.mean, average.count = state["average"]["mean"], state["average"]["count"]
@@ -315,8 +335,11 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
                                make_objective(cfg, tok, model), average)
     if cfg.keep_best and (run_dir / "best.pt").exists():
         best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)
-        model.load_state_dict(best["model"])
+        _load_weights(model, best["model"])
         history["exported"] = {"step": best["step"], "val": best["val"]}
+    if cfg.lora is not None:             # the delta into the recipe folder, not a model folder
+        from leapfrog.train.large import export_delta
+        return export_delta(model, cfg, history, prep)
     summary = export.save_checkpoint(model, tok, prep, cfg, history)
     export.write_sha256sums(cfg.out_dir)
     return summary
@@ -345,6 +368,18 @@ def training_data(cfg: TrainConfig):
 def _model_and_tokenizer(cfg: TrainConfig, prep):
     """A fresh model for the data's tokenizer, or the init_from folder's weights and tokenizer."""
     from transformers import AutoTokenizer
+    if cfg.lora is not None:
+        from leapfrog.train import large
+        model, base = large.grown_model(cfg.lora)
+        tok = AutoTokenizer.from_pretrained(base)
+        _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), str(base))
+        c = model.config
+        cfg.model = ModelShape(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                               num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                               intermediate_size=c.intermediate_size, max_position=c.max_position_embeddings,
+                               tie_embeddings=c.tie_word_embeddings)
+        large.add_low_rank(model, cfg.lora, cfg.seed)
+        return model, tok
     if cfg.init_from:
         tok = AutoTokenizer.from_pretrained(cfg.init_from)
         _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), cfg.init_from)
@@ -376,6 +411,13 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         start_ids = start_ids[start_ids < len(prep.train) - cfg.seq_len - 1]
     bar = tqdm(total=cfg.max_steps, initial=step, file=sys.stderr, mininterval=10,
                desc=cfg.name, dynamic_ncols=False)
+    if cfg.keep_best and step == 0 and (cfg.init_from or cfg.lora):
+        # the starting weights are a candidate: the export is never worse than where it began
+        val, _ = evaluate(model, prep.val, cfg, objective)
+        history["val"].append((0, val))
+        history["best_val"] = val
+        _save_atomic({"model": weights_to_save(model), "step": 0, "val": val}, run_dir / "best.pt")
+        print(f"step 0 val {val:.4f}", flush=True)
     model.train()
     t_last = last_save = time.time()
     while step < cfg.max_steps:
@@ -417,7 +459,7 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
                   flush=True)
             if cfg.keep_best and val < history.get("best_val", float("inf")):
                 history["best_val"] = val
-                _save_atomic({"model": model.state_dict(), "step": step, "val": val}, run_dir / "best.pt")
+                _save_atomic({"model": weights_to_save(model), "step": step, "val": val}, run_dir / "best.pt")
             t_last = time.time()  # evaluation time is not training time
         if (step % cfg.ckpt_interval == 0 or step == cfg.max_steps
                 or (cfg.ckpt_minutes and time.time() - last_save >= cfg.ckpt_minutes * 60)):
