@@ -26,11 +26,15 @@ DONE := runs/done
 DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
 DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
 
-models: $(DONE)/stories-large $(DONE)/couplets   ## retrain the built-in models (resumable)
+models: $(DONE)/stories-large $(DONE)/couplets $(DONE)/stories-moe   ## retrain the built-in models (resumable)
 
 $(DONE)/stories: | setup
 	$(LF) train stories --resume
 	@mkdir -p $(DONE) && touch $@
+
+$(DONE)/stories-moe: | $(DONE)/stories
+	$(LF) train stories-moe --resume
+	@touch $@
 
 $(DONE)/couplets: | $(DONE)/stories
 	$(LF) train couplets --resume
