@@ -24,6 +24,7 @@ bench: setup
 LF := $(VENV)/bin/leapfrog
 DONE := runs/done
 DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
+.SECONDARY:                   # the markers are the record of what is done: never deleted as intermediates
 DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
 
 models: $(DONE)/stories-large $(DONE)/couplets $(DONE)/stories-moe   ## retrain the built-in models (resumable)
@@ -64,7 +65,17 @@ $(DONE)/stories-large-delta: $(DONE)/stories
 	$(LF) train stories-large --resume
 	@touch $@
 
-$(DONE)/stories-large: $(DONE)/stories-large-delta $(DONE)/drafter-dspark-markov-2l $(DONE)/drafter-dflash-2l $(DONE)/stories-diffusion-distill2 \
-		$(DONE)/drafter-dspark-rnn-2l $(DONE)/drafter-dflash-5l
+# Its default (narrow) drafters start as stories' drafters read through the wider features, then
+# are distilled against stories-large itself and shipped in its recipe folder (7 MB each).
+$(DONE)/large-drafter-%: $(DONE)/stories-large-delta $(DONE)/drafter-%
+	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large
+	$(LF) train drafter $* --target stories-large --steps 600 --num-regen 3200 --threads 2 --resume \
+		--init-from "$$($(PY) -m leapfrog.build --path checkpoints/stories-large | tail -1)/drafters/$*-narrow" \
+		--out checkpoints/stories-large/drafters/$*-narrow --run-dir runs/drafter-stories-large-$*
+	$(PY) -m leapfrog.build --ship-drafter checkpoints/stories-large drafters/$*-narrow
+	@touch $@
+
+$(DONE)/stories-large: $(DONE)/large-drafter-dspark-markov-2l $(DONE)/large-drafter-dflash-2l \
+		$(DONE)/stories-diffusion-distill2 $(DONE)/drafter-dspark-rnn-2l $(DONE)/drafter-dflash-5l
 	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
 	@touch $@

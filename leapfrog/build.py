@@ -249,15 +249,37 @@ def write_sums(recipe_dir: Path) -> Path:
     return recipe_dir / "SHA256SUMS"
 
 
+def ship_drafter(recipe_dir: Path, dst: str) -> Path:
+    """Make the recipe ship its own trained drafter at ``dst`` (a folder inside the recipe, e.g.
+    distilled against the built model) instead of deriving it from the base's: build.json's
+    entry becomes ``{"copy": dst}``; then SHA256SUMS are rewritten."""
+    path = recipe_dir / BUILD_FILE
+    recipe = json.loads(path.read_text())
+    if not (recipe_dir / dst / "model.safetensors").is_file():
+        raise BuildError(f"{recipe_dir / dst}: no drafter weights to ship")
+    recipe.setdefault("drafters", {})[dst] = {"copy": dst}
+    path.write_text(json.dumps(recipe, indent=2) + "\n")
+    return write_sums(recipe_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m leapfrog.build --write-sums FOLDER...``: refresh recipe folders' SHA256SUMS."""
+    """``python -m leapfrog.build``: refresh recipe folders' SHA256SUMS after what they grow from
+    changed (--write-sums), ship a drafter trained for the built model (--ship-drafter), or print
+    the built model's folder, building it if needed (--path)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m leapfrog.build", description=main.__doc__)
-    p.add_argument("--write-sums", nargs="+", required=True, metavar="FOLDER",
+    p.add_argument("--write-sums", nargs="+", default=[], metavar="FOLDER",
                    help="recipe folders (with build.json) whose SHA256SUMS to rewrite")
+    p.add_argument("--ship-drafter", nargs=2, metavar=("FOLDER", "DRAFTER"),
+                   help="recipe folder and a drafter folder inside it (e.g. drafters/dflash-2l-narrow) to ship as is")
+    p.add_argument("--path", metavar="FOLDER", help="print where FOLDER's model is built (building it now if needed)")
     args = p.parse_args(argv)
     for folder in args.write_sums:
         print(f"wrote {write_sums(Path(folder))}")
+    if args.ship_drafter:
+        print(f"wrote {ship_drafter(Path(args.ship_drafter[0]), args.ship_drafter[1])}")
+    if args.path:
+        print(materialize(Path(args.path)))
     return 0
 
 
@@ -284,7 +306,11 @@ def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check:
         shutil.copy2(recipe_dir / name, tmp / name)
     tied = bool(cfg.get("tie_word_embeddings", False))
     base_tensors = None
-    for dst, spec in recipe.get("drafters", {}).items():   # drafters grown to match, or kept narrow
+    for dst, spec in recipe.get("drafters", {}).items():   # drafters grown to match, kept narrow, or shipped
+        if isinstance(spec, dict) and "copy" in spec:      # a drafter trained for the grown model itself
+            shutil.copytree(recipe_dir / spec["copy"], tmp / dst,
+                            ignore=shutil.ignore_patterns("*.png", "README.md", "training.json", "SHA256SUMS"))
+            continue
         src, narrow = (spec, False) if isinstance(spec, str) else (spec["from"], bool(spec.get("narrow")))
         src_dir = checkpoints / src
         dcfg = json.loads((src_dir / "config.json").read_text())

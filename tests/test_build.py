@@ -186,3 +186,48 @@ def test_write_sums_after_the_base_changes(llama_dir, tmp_path, monkeypatch):
     assert (recipe / "SHA256SUMS").read_text() != sums
     built = materialize(recipe)
     assert sha256(built / "model.safetensors") == (recipe / "SHA256SUMS").read_text().split()[0]
+
+
+def test_a_narrow_drafter_distils_against_the_grown_target_and_ships_in_the_recipe(
+        llama_dir, tmp_path, monkeypatch, one_thread):
+    """`leapfrog train drafter --target GROWN --init-from NARROW`: the drafter keeps its width,
+    taps and frozen embedding and LM head, trains the rest against the grown model, and, shipped
+    in the recipe folder (a `copy` drafter), decodes the grown model losslessly."""
+    from safetensors.torch import load_file
+    from test_speculative import write_drafter
+
+    from leapfrog.train.drafter import DrafterRecipe, train_drafter
+    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "ckpts"
+    shutil.copytree(llama_dir, root / "base")
+    write_drafter(root / "base" / "drafters" / "dspark", llama_dir, "dspark", num_layers=1, block_size=4)
+    recipe = write_recipe(root, "base", {"drafters/dspark": {"from": "base/drafters/dspark", "narrow": True}})
+    built = materialize(recipe)
+    start = built / "drafters" / "dspark"
+    out = recipe / "drafters" / "dspark"                  # trained into the recipe folder itself
+    r = DrafterRecipe(name="dspark-markov", target=str(built), kind="dspark", num_layers=1, markov_rank=8,
+                      num_draft=4, taps=[0, 2], steps=4, seqs_per_step=2, anchors=8, lr=3e-3, warmup=1,
+                      eval_interval=2, ckpt_interval=2, num_regen=6, num_val=3, regen_tokens=20,
+                      init_from=str(start), out_dir=str(out), run_dir=str(tmp_path / "run"))
+    summary = train_drafter(r)
+    assert summary["narrow"] and r.taps == json.loads((start / "config.json").read_text())["target_layer_ids"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["target_hidden_size"] == 2 * cfg["hidden_size"]
+    before, after = load_file(str(start / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert torch.equal(before["embed_tokens.weight"], after["embed_tokens.weight"])
+    assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+    # shipped in the recipe: the build copies it; dspark on the grown model is still lossless
+    from leapfrog.build import main as build_main
+    assert build_main(["--ship-drafter", str(recipe), "drafters/dspark"]) == 0
+    assert json.loads((recipe / "build.json").read_text())["drafters"] == {"drafters/dspark": {"copy": "drafters/dspark"}}
+    sums = (recipe / "SHA256SUMS").read_text()
+    assert "drafters/dspark/model.safetensors" in sums
+    rebuilt = materialize(recipe)
+    assert load_file(str(rebuilt / "drafters" / "dspark" / "model.safetensors"))["fc.weight"].equal(after["fc.weight"])
+    assert not (rebuilt / "drafters" / "dspark" / "SHA256SUMS").exists()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat liked to play"]
+    want = LLM(str(rebuilt)).generate(prompts, params)
+    got = LLM(str(rebuilt), method="dspark", draft_model=str(rebuilt / "drafters" / "dspark")).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -22,6 +22,7 @@ DSpark; the DeepSpec reference code for the training details).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -34,7 +35,7 @@ from tqdm import tqdm
 
 from leapfrog.train.drafter_recipe import VARIANTS, DrafterRecipe  # noqa: F401  (importable from here)
 from leapfrog.train.drafter_data import load_data, regenerate  # noqa: F401  (importable from here)
-from leapfrog.train.drafter_export import (drafter_config, export, hf_state_dict,  # noqa: F401
+from leapfrog.train.drafter_export import (NARROW_KEYS, drafter_config, export, hf_state_dict,  # noqa: F401
                                            mask_token_id, render_readme)
 
 
@@ -56,10 +57,29 @@ def init_drafter(cfg: dict, seed: int, target=None):
             torch.nn.init.normal_(p, std=0.02)
     if model.confidence_head is not None:      # start near "half the drafts survive"
         torch.nn.init.zeros_(model.confidence_head.proj.weight)
-    if target is not None:
+    if target is not None and model.norm.weight.shape == target.model.norm.weight.shape:
         with torch.no_grad():
             model.norm.weight.copy_(target.model.norm.weight)
     return model
+
+
+def saved_taps(folder: str) -> list[int] | None:
+    """The target layers a saved drafter folder reads (DSpark or DFlash config layout)."""
+    saved = json.loads((Path(folder) / "config.json").read_text())
+    taps = saved.get("target_layer_ids") or (saved.get("dflash_config") or {}).get("target_layer_ids")
+    return [int(t) for t in taps] if taps else None
+
+
+def narrow_shape(cfg: dict, init_from: str | None) -> dict:
+    """``cfg`` with the shape of a narrow drafter (narrower than its target, its own embedding and
+    LM head: ``target_hidden_size`` in its config) when ``init_from`` is one; ``cfg`` otherwise.
+    Such a drafter continues at its own width, its embedding and LM head frozen."""
+    if not init_from:
+        return cfg
+    saved = json.loads((Path(init_from) / "config.json").read_text())
+    if saved.get("target_hidden_size", saved["hidden_size"]) == saved["hidden_size"]:
+        return cfg
+    return {**cfg, **{k: saved[k] for k in NARROW_KEYS if k in saved}}
 
 
 def _continue_from(drafter, folder: str) -> None:
@@ -86,7 +106,9 @@ class Distiller:
         self.gamma = drafter.drafter.num_draft_tokens
         self.taps = sorted(set(r.taps))
         self.tap_order = [self.taps.index(t) for t in r.taps]
-        self.embed = target.model.embed_tokens.weight
+        # A narrow drafter embeds and reads out with its own (frozen) tables, else the target's.
+        own = drafter.embed_tokens
+        self.embed = own.weight if own is not None else target.model.embed_tokens.weight
         self.weights = position_weights(self.gamma, r.decay)
 
     @torch.no_grad()
@@ -114,7 +136,7 @@ class Distiller:
         feats, tlogits = self.target_pass(ids)
         labels, valid = block_labels(ids, mask, anchors, self.gamma)
         hidden = forward_blocks(self.drafter, feats, self.embed, ids, anchors)
-        base = self.target.compute_logits(hidden)
+        base = self.drafter.compute_logits(hidden, self.target)
         if self.drafter.markov_head is None and self.drafter.confidence_head is None:
             return {"loss": dflash_loss(base, labels, valid, self.weights)}
         prev = torch.cat([ids[anchors].unsqueeze(1), labels[:, :-1]], dim=1)
@@ -140,7 +162,7 @@ class Distiller:
                 continue
             feats, _ = self.target_pass(ids)
             hidden = forward_blocks(self.drafter, feats, self.embed, ids, anchors)
-            base = self.target.compute_logits(hidden)
+            base = self.drafter.compute_logits(hidden, self.target)
             prev, state, drafts, confs = ids[anchors], None, [], []
             for k in range(self.gamma):
                 h, row, e = hidden[:, k], base[:, k], None
@@ -224,10 +246,15 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     target = load_model(target_dir).requires_grad_(False)
     tcfg = read_config(target_dir)
     mask_id = mask_token_id(target_dir)
+    if r.init_from:                      # continue on the taps the saved drafter reads
+        r.taps = saved_taps(r.init_from) or r.taps
     train, val = load_data(r, target_dir)
-    drafter = init_drafter(drafter_config(r, tcfg, mask_id), r.seed, target)
+    drafter = init_drafter(narrow_shape(drafter_config(r, tcfg, mask_id), r.init_from), r.seed, target)
     if r.init_from:
         _continue_from(drafter, r.init_from)
+    for table in (drafter.embed_tokens, drafter.lm_head):    # a narrow drafter's: kept as given
+        if table is not None:
+            table.weight.requires_grad_(False)
     d = Distiller(r, target, drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=r.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -251,6 +278,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         history["val"].append((step, _val_loss(d, val)))
     calib = calibrate(d, val) if drafter.confidence_head is not None else None
     summary = {"recipe": asdict(r), "num_params": n_params, "steps": step,
+               "narrow": drafter.embed_tokens is not None,
                "wall_s": round(history["wall_s"], 1), "blocks_seen": history["blocks"],
                "val_loss": round(history["val"][-1][1], 4), "offline_tau": round(history["tau"][-1][1], 3),
                "num_train_sequences": len(train), "num_val_sequences": len(val), "calibration": calib}

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from leapfrog.train.drafter_recipe import DrafterRecipe
 
 
+# The shape keys a narrow drafter (own width, own embedding and LM head) keeps from its own config.
+NARROW_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "target_hidden_size", "tie_word_embeddings")
+
+
 def drafter_config(r: DrafterRecipe, target_cfg: dict, mask_id: int, temperatures: list[float] | None = None
                    ) -> dict:
     """config.json in the published layout: z-lab DFlash (block_size + dflash_config) or
@@ -78,7 +83,9 @@ def export(r: DrafterRecipe, drafter: nn.Module, tcfg: dict, mask_id: int, histo
     out = Path(r.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     temps = (summary.get("calibration") or {}).get("temperatures")
-    (out / "config.json").write_text(json.dumps(drafter_config(r, tcfg, mask_id, temps), indent=2) + "\n")
+    cfg = {**drafter_config(r, tcfg, mask_id, temps), **{k: drafter.config[k] for k in NARROW_KEYS
+                                                          if k in drafter.config}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(hf_state_dict(drafter), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plot_loss(history, out / "loss.png", f"{r.target} drafter {r.name}")
@@ -94,7 +101,9 @@ def render_readme(r: DrafterRecipe, s: dict) -> str:
         f"A {'DSpark' if r.kind == 'dspark' else 'DFlash'} drafter for the built-in `{r.target}` model, "
         f"distilled by `leapfrog train drafter` (leapfrog/train/drafter.py). "
         f"Layout: {'DeepSpec `Qwen3DSparkModel`' if r.kind == 'dspark' else 'z-lab `DFlashDraftModel`'} "
-        "config keys and weight names; the embedding and LM head are the target's and are not stored here.",
+        "config keys and weight names; " + ("narrower than its target: its fc reads the target's wider "
+        "features, and it carries its own embedding and LM head (frozen while it trained)."
+        if s.get("narrow") else "the embedding and LM head are the target's and are not stored here."),
         "",
         "| | |", "|---|---|",
         f"| draft layers | {r.num_layers} (Qwen3 decoder layers, hidden {s.get('hidden', '')}) |".replace(", hidden )", ")"),
