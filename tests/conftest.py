@@ -98,6 +98,19 @@ def write_mini_data(root: Path) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A miniature copy of the shared data layout, one per test module."""
+    return write_mini_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """Token caches under the test's own tmp_path, never the repository's data_cache/."""
+    from leapfrog.data import corpus
+    monkeypatch.setattr(corpus, "CACHE_DIR", tmp_path / "cache")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_folder(tmp_path_factory) -> Path:
     """Tests never read the real ../shared/data: code that looks for it by default

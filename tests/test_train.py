@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_mini_data
 
 from leapfrog.data import couplets as fmt
 from leapfrog.train import couplets as examples
@@ -19,15 +18,9 @@ from leapfrog.train.loop import ModelShape, build_model, loss_on, make_optimizer
 from leapfrog.train.recipes import tiny
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """A miniature copy of the shared data layout."""
-    return write_mini_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+# data_dir (a miniature copy of the shared data layout) and private_cache (token caches under
+# the test's tmp_path) come from conftest.py.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def test_loss_falls_on_a_repeated_batch():

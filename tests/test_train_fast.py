@@ -11,23 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_mini_data
 
-from leapfrog.data import corpus as data
 from leapfrog.train import fast
 from leapfrog.train.loop import ModelShape, build_model, draw_windows, loss_on, train
 from leapfrog.train.prepare import prepare
 from leapfrog.train.recipes import tiny
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_mini_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+# data_dir (a miniature copy of the shared data layout) and private_cache (token caches under
+# the test's tmp_path) come from conftest.py.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.mark.parametrize("kv_heads,tied", [(1, True), (2, False)])
