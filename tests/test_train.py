@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 from leapfrog.data import couplets as fmt
 from leapfrog.train import couplets as examples
 from leapfrog.data import corpus as data

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from leapfrog.train import fast
 from leapfrog.train.loop import ModelShape, build_model, draw_windows, loss_on, train
 from leapfrog.train.prepare import prepare
