@@ -98,3 +98,51 @@ def test_couplet_load_bench(server, tmp_path):
     assert rc == 0 and lv["failed"] == 0 and lv["completed"] + lv["shed"] == 4 and lv["completed"] >= 1
     assert 0 < lv["server_s"]["p50"] <= lv["e2e_s"]["p99"] and lv["server_peak_rss_bytes"] > 0
     assert "server-side p50 / p99" in (tmp_path / "c.md").read_text()
+
+
+def test_couplets_past_capacity_are_shed_with_a_retry_after(server):
+    """At max_couplets_in_flight a couplet is a 429 queue_full with Retry-After (RetryAdvice),
+    and nothing else changes: once places free up the same request is written."""
+    writer = server.state.couplet_server("couplets")
+    cap = server.state.cfg.max_couplets_in_flight
+    writer.couplets_in_flight += cap
+    try:
+        r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["Retry-After"]) >= 1 and f"retry in {r.headers['Retry-After']} s" in r.json()["error"]["message"]
+    finally:
+        writer.couplets_in_flight -= cap
+    assert httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=60).status_code == 200
+
+
+def test_retry_advice_brings_shed_clients_back_as_fast_as_places_free_up():
+    """A simulated crowd: 200 clients turned away, each coming back after the advised Retry-After,
+    places freeing at 10 a second. The advice grows from 1 s towards W / C = 20 s (within [1, 30]),
+    which cuts the sheds from 200 a second (a fixed 1 s) to a few tens, and falls back to 1 s
+    once the crowd is gone."""
+    import statistics
+
+    from leapfrog.serve.backoff import RetryAdvice
+    now = [0.0]
+    advice = RetryAdvice(clock=lambda: now[0])
+    waiting, capacity_per_s = 200, 10
+    next_try = [0.0] * waiting
+    late_sheds, late_advice = 0, []
+    for tick in range(600):                      # 60 s in steps of 0.1 s
+        now[0] = tick / 10
+        if tick % 10 == 0:
+            for _ in range(capacity_per_s):      # places freeing up (taken by others)
+                advice.finished()
+        for i in range(waiting):
+            if next_try[i] <= now[0]:
+                wait = advice.shed()
+                next_try[i] = now[0] + wait
+                if now[0] >= 40:
+                    late_sheds += 1
+                    late_advice.append(wait)
+    assert all(1 <= w <= 30 for w in late_advice) and statistics.median(late_advice) >= 8
+    assert late_sheds / 20 < 0.25 * waiting       # sheds a second over the last 20 s
+    for tick in range(600, 1050):                # the crowd is gone (for longer than the longest wait)
+        now[0] = tick / 10
+        advice.finished()
+    assert advice.current() == 1

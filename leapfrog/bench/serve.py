@@ -178,7 +178,7 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
                 async with sem:
                     res = await one_couplet(client, url, body)
                     if res.shed:      # a client told to come back later waits before its next request
-                        await asyncio.sleep(min(res.retry_after, 5.0))
+                        await asyncio.sleep(min(res.retry_after, 30.0))
                     return res
             body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,

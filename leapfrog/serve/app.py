@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
+from leapfrog.serve.backoff import RetryAdvice
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
@@ -65,6 +66,7 @@ class ModelServer:
         self.sampling_defaults = request_defaults(cfg)
         self._writer: Any = None            # the couplet writer, made on first use
         self.couplets_in_flight = 0
+        self.couplet_retry = RetryAdvice()        # Retry-After for couplets shed at capacity
 
     def limits(self) -> Limits:
         info = self.engine.info
@@ -567,8 +569,9 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
     server = state.couplet_server(req.model)
     if server.couplets_in_flight >= state.cfg.max_couplets_in_flight:
         server.metrics.reject("queue_full")
+        wait = server.couplet_retry.shed()
         raise APIError(429, f"{server.couplets_in_flight} couplets are being written (max_couplets_in_flight); "
-                       "retry in a second", "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+                       f"retry in {wait} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(wait)})
     writer = server.couplet_writer()
     plan = writer.plan(keywords, req.seed, req.method == "constrained",
                        req.num_candidates or server.couplet_candidates())
@@ -583,6 +586,7 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
         result = done.value.as_dict()
     finally:
         server.couplets_in_flight -= 1
+        server.couplet_retry.finished()
     result["timing"] = {"seconds": time.perf_counter() - arrival}
     return {"model": server.model_id, **result}
 
