@@ -18,8 +18,9 @@ DATA_NOTES = {
         "TinyStories (Eldan & Li 2023, CDLA-Sharing-1.0) from `../shared/data/stories/`: "
         "`tinystories_cased.txt` + `tinystories_valid.txt` (4% of these held out by a hash of the "
         "story, see `leapfrog.data.corpus.heldout`) and `tinystories_lowercase.txt` (training only). "
-        "`classics.txt` is not used (different register). Each story is `<s> story </s>`; training "
-        "windows are random 256-token slices of the concatenated stream."
+        "`classics.txt` (public-domain children's books, Project Gutenberg) is used only when the "
+        "recipe mixes it in (the table below), never for the tokenizer or validation. Each story is "
+        "`<s> story </s>`; training windows are random 256-token slices of the concatenated stream."
     ),
     "couplets": (
         "`../shared/data/couplets/`: `couplets.tsv` (2% of 上联 held out by hash), "
@@ -131,8 +132,11 @@ def _origin(summary: dict) -> str:
 
 def _loss_rows(summary: dict) -> list[str]:
     if not summary["config"].get("diffusion"):
-        return [f"| final validation loss | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}) |",
-                *_initial_model_row(summary)]
+        label, where = "final validation loss", ""
+        if summary.get("exported_step") is not None:     # keep_best: the best step's weights ship
+            label, where = "validation loss", f", the best, at step {summary['exported_step']:,} (these weights)"
+        return [f"| {label} | {summary['val_loss']} nats/token (perplexity {summary['val_ppl']}){where} |",
+                *_mix_row(summary), *_initial_model_row(summary)]
     rows = [f"| final validation loss | {summary['val_loss']} nats per masked token (the training mix) |"]
     labels = {"single": "single-block (complementary masks)", "multi": "multi-block (MultiTF groups)"}
     for key, label in labels.items():
@@ -141,6 +145,17 @@ def _loss_rows(summary: dict) -> list[str]:
             rows.append(f"| validation, {label} | {summary['val_parts'][key]}"
                         + (f" (initial model: {before})" if before is not None else "") + " |")
     return rows + _initial_model_row(summary)
+
+
+def _mix_row(summary: dict) -> list[str]:
+    cfg = summary["config"]
+    rows = []
+    if cfg.get("mix"):
+        parts = ", ".join(f"{share:.0%} of the windows from `{source}`" for source, share in cfg["mix"])
+        rows.append(f"| mixed in (training only) | {parts} |")
+    if cfg.get("dropout"):
+        rows.append(f"| dropout | {cfg['dropout']} on the residual branches and the embeddings |")
+    return rows
 
 
 def _initial_model_row(summary: dict) -> list[str]:
