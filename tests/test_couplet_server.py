@@ -101,8 +101,9 @@ def test_couplet_load_bench(server, tmp_path):
 
 
 def test_couplets_past_capacity_are_shed_with_a_retry_after(server):
-    """At max_couplets_in_flight a couplet is a 429 queue_full with Retry-After (RetryAdvice),
-    and nothing else changes: once places free up the same request is written."""
+    """At max_couplets_in_flight a couplet is a 429 queue_full with Retry-After (1 s by default,
+    RetryAdvice's with couplet_retry_after 0), and nothing else changes: once places free up the
+    same request is written."""
     writer = server.state.couplet_server("couplets")
     cap = server.state.cfg.max_couplets_in_flight
     writer.couplets_in_flight += cap
@@ -110,8 +111,13 @@ def test_couplets_past_capacity_are_shed_with_a_retry_after(server):
         r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["Retry-After"]) >= 1 and f"retry in {r.headers['Retry-After']} s" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == str(server.state.cfg.couplet_retry_after) == "1"   # the default
+        server.state.cfg.couplet_retry_after = 0                                              # adaptive
+        r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
+        assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 30
     finally:
         writer.couplets_in_flight -= cap
+        server.state.cfg.couplet_retry_after = 1
     assert httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=60).status_code == 200
 
 

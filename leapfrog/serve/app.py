@@ -569,7 +569,7 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
     server = state.couplet_server(req.model)
     if server.couplets_in_flight >= state.cfg.max_couplets_in_flight:
         server.metrics.reject("queue_full")
-        wait = server.couplet_retry.shed()
+        wait = state.cfg.couplet_retry_after or server.couplet_retry.shed()
         raise APIError(429, f"{server.couplets_in_flight} couplets are being written (max_couplets_in_flight); "
                        f"retry in {wait} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(wait)})
     writer = server.couplet_writer()

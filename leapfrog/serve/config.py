@@ -63,6 +63,7 @@ class ServerConfig:
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
     max_couplets_in_flight: int = 24           # couplets written at once per model before 429
+    couplet_retry_after: int = 1               # Retry-After (s) of a shed couplet; 0 = adaptive (backoff.py)
     max_body_bytes: int = 4 << 20              # larger request bodies get 413 before being read
     request_timeout: float = 600.0             # seconds; 0 = none
     rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
@@ -115,6 +116,8 @@ HELP = {
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
     "max_couplets_in_flight": "couplets (POST /couplet) written at once per model before 429 (default 24: "
                               "about what 2 CPU cores write within 3 s)",
+    "couplet_retry_after": "Retry-After (s) of a couplet shed at capacity (default 1); 0 = adaptive: the "
+                           "clients being turned away / couplets finished a second, 1-30 s",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
     "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
     "rate_limit_burst": "token-bucket size per client (default 2 x rate_limit)",
@@ -357,7 +360,7 @@ def _validate(cfg: ServerConfig) -> None:
           "expected critical, error, warning, info, debug or trace")
     for key in ("default_max_tokens", "max_n", "max_body_bytes", "max_couplets_in_flight"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
-    for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
+    for key in ("max_queue_size", "rate_limit_burst", "warmup_requests", "couplet_retry_after"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
     for key in ("request_timeout", "rate_limit", "shutdown_timeout"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
