@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests with --request-rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(8, 2 x level))")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untimed requests to each server before the first level (8 at once), so that "
+                        "neither the client's nor the server's first-use costs land in a level (default 8)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=24, help="words of each story opening used as prompt")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -411,6 +414,10 @@ async def _run(args: argparse.Namespace) -> dict:
         targets.append((args.peer_name, args.peer_url, await first_model(args.peer_url, args.api_key)))
     levels: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
     offline = None
+    for name, url, target_model in targets:
+        if args.warmup:
+            log(f"{name}: {args.warmup} untimed warm-up requests")
+            await run_level(args, url, target_model, min(args.warmup, 8), math.inf, args.warmup)
     for k, (concurrency, rate) in enumerate(_levels(args)):
         num = args.num_prompts or max(8, 2 * (concurrency or int(min(rate, 64)) or 1))
         for name, url, target_model in (targets if k % 2 == 0 else targets[::-1]):

@@ -61,7 +61,7 @@ class ModelServer:
         self.model_id = cfg.model_id
         self.metrics = ServerMetrics(cfg.model_id)
         timeout = cfg.request_timeout or None
-        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout)
+        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout, self._prepare_couplets)
         self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
         self._writer: Any = None            # the couplet writer, made on first use
@@ -98,6 +98,13 @@ class ModelServer:
         stays on time under load, a little less polished."""
         share = int(self.cfg.engine.get("max_batch_size", 64)) // (self.couplets_in_flight + 1)
         return 8 if share >= 8 else 4 if share >= 4 else 2
+
+    def _prepare_couplets(self) -> None:
+        """Before /ready (in the engine thread, after its warm-up): build the couplet writer and
+        load the tone dictionary, so that the first couplets under load do not pay for them."""
+        if self.cfg.warmup_requests and self.couplet_writer() is not None:
+            from leapfrog.couplet import rules
+            rules.tones("春回大地")
 
     def couplet_writer(self) -> Any:
         """The couplet writer over this model's tokenizer, or None when the model cannot write

@@ -75,8 +75,9 @@ class EngineInfo:
 
 class AsyncEngine:
     def __init__(self, factory: Callable[[], Any], metrics: ServerMetrics, warmup_requests: int = 3,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, on_loaded: Callable[[], None] | None = None) -> None:
         self._factory = factory
+        self.on_loaded = on_loaded       # after the warm-up, before ready: the server's own preparation
         self.metrics = metrics
         self.warmup_requests = warmup_requests
         self.request_timeout = request_timeout
@@ -217,6 +218,8 @@ class AsyncEngine:
                                    int(e.hf_config.get("vocab_size", 0)),
                                    max_prompt_chars(self.tokenizer, e.max_model_len))
             self._warmup()
+            if self.on_loaded is not None:
+                self.on_loaded()
         except BaseException as exc:       # surfaced by /health and the startup log
             self.load_error = exc
             log.error("engine failed to load: %s", exc)
