@@ -27,7 +27,7 @@ DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
 .SECONDARY:                   # the markers are the record of what is done: never deleted as intermediates
 DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
 
-models: $(DONE)/stories-large $(DONE)/couplets $(DONE)/stories-moe   ## retrain the built-in models (resumable)
+models: $(DONE)/couplets $(DONE)/stories-large $(DONE)/stories-moe   ## retrain the built-in models (resumable)
 
 $(DONE)/stories: | setup
 	$(LF) train stories --resume
