@@ -214,6 +214,15 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def weights_digest(folder: Path | str) -> str:
+    """One digest of a model folder's weights (every *.safetensors, by name and content): what a
+    run trained from or against that folder records, so a retrained parent is noticed."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).glob("*.safetensors")):
+        h.update(f"{p.name}:{sha256(p)}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def read_sums(path: Path) -> dict[str, str]:
     sums = {}
     for line in path.read_text().splitlines():

@@ -112,6 +112,17 @@ def test_train_drafter_end_to_end_writes_a_usable_lossless_drafter(llama_dir, tm
     # Resuming a finished run trains nothing more and gives the same summary.
     again = train_drafter(r, resume=True)
     assert again["steps"] == s["steps"]
+    # ... but not against a target whose weights changed since (a retrained target)
+    import dataclasses
+    import shutil
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "retrained"
+    shutil.copytree(llama_dir, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(other / "model.safetensors"))
+    with pytest.raises(ValueError, match="retrained"):
+        train_drafter(dataclasses.replace(r, target=str(other), steps=r.steps + 3), resume=True)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["Once upon a time", "The cat liked to play"]
     want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]

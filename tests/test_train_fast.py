@@ -182,3 +182,11 @@ def test_low_rank_run_ships_a_delta_that_the_recipe_builds(data_dir, tmp_path, m
     train(_lora_config(data_dir, recipe2, tmp_path / "run2", 6), resume=True)
     again = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)
     assert again["history"]["train"] == state["history"]["train"]
+    # a retrained base: resuming the old run would mix two parents, so it is refused
+    from safetensors.torch import save_file
+    base = large.base_folder(large.LoraSpec(recipe=str(recipe2)))
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(base / "model.safetensors"))
+    with pytest.raises(ValueError, match="retrained"):
+        train(_lora_config(data_dir, recipe2, tmp_path / "run2", 8), resume=True)

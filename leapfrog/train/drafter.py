@@ -268,6 +268,9 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
         print(f"resumed {run / 'state.pt'} at step {step}", file=sys.stderr)
+    from leapfrog.build import weights_digest
+    from leapfrog.train.loop import same_parent
+    same_parent(history, "target", weights_digest(target_dir), str(target_dir), run / "state.pt")
     n_params = sum(p.numel() for p in params)
     print(f"{r.name}: {r.kind} drafter, {r.num_layers} layers, {n_params / 1e6:.2f}M parameters, "
           f"γ={d.gamma}, taps {r.taps}, {len(train)} training sequences", file=sys.stderr)

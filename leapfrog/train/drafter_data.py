@@ -39,13 +39,12 @@ def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_ev
 def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train, val) regenerated sequences, cached per target (its weights' digest: a retrained
     target regenerates) and size."""
-    from leapfrog.build import sha256
+    from leapfrog.build import weights_digest
     from leapfrog.data.corpus import fingerprint, heldout, train_items
     from leapfrog.data.stories import story_opening
 
     # Next to the run folders (runs/drafter-data/), shared by every variant of one target.
-    weights = [sha256(p) for p in sorted(Path(target_dir).glob("*.safetensors"))]
-    key = fingerprint(str(Path(target_dir).resolve()), weights, r.num_regen, r.num_val, r.regen_tokens,
+    key = fingerprint(str(Path(target_dir).resolve()), weights_digest(target_dir), r.num_regen, r.num_val, r.regen_tokens,
                       r.seed, r.data_dir)
     path = Path(r.run_dir).parent / "drafter-data" / f"{Path(target_dir).name}-{key}.pt"
     if path.is_file():

@@ -46,6 +46,13 @@ class LowRank(nn.Module):
         return weight + self.lora_B @ self.lora_A
 
 
+def base_folder(spec: LoraSpec) -> Path:
+    """The model folder the recipe grows from."""
+    from leapfrog.build import BUILD_FILE
+    folder = Path(spec.recipe)
+    return folder.parent / json.loads((folder / BUILD_FILE).read_text())["base"]
+
+
 def grown_model(spec: LoraSpec):
     """(model, base folder): the recipe's grown model in float32 (no delta), on the CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM

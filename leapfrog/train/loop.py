@@ -311,6 +311,31 @@ def load_state(run_dir: Path, model, opt, average: WeightAverage | None = None) 
     return state["step"], state["history"]
 
 
+def same_parent(history: dict, key: str, digest: str | None, folder: str, state_path: Path) -> None:
+    """Refuse to resume a run whose saved state was trained from (or against) other weights than
+    ``folder`` holds now: a retrained parent would otherwise be mixed silently into the old run.
+    Records the digest in ``history`` (saved with the state) for a run that lacks it."""
+    if digest is None:
+        return
+    saved = history.get(key)
+    if saved is not None and saved != digest:
+        raise ValueError(f"{state_path}: this run was trained with the weights in {folder} as they were "
+                         f"(digest {saved}); they are now {digest} (retrained?). Remove {state_path.parent} "
+                         "to start over, or train without --resume")
+    if saved is None and history.get("train"):
+        print(f"{state_path}: saved before runs recorded their parent's weights; resuming it as is",
+              file=sys.stderr)
+    history[key] = digest
+
+
+def _parent(cfg: TrainConfig) -> str | None:
+    """The folder whose weights this run starts from: init_from, or a low-rank run's base."""
+    if cfg.lora is not None:
+        from leapfrog.train import large
+        return str(large.base_folder(cfg.lora))
+    return cfg.init_from
+
+
 def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     """Train per cfg and write the checkpoint folder; returns the summary written to its README."""
     from leapfrog.train import export
@@ -329,6 +354,10 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     if resume and (run_dir / "state.pt").exists():
         step, history = load_state(run_dir, model, opt, average)
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
+    parent = _parent(cfg)
+    if parent is not None:
+        from leapfrog.build import weights_digest
+        same_parent(history, "parent", weights_digest(parent), parent, run_dir / "state.pt")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     step, history = _run_steps(model, opt, prep, cfg, step, history, run_dir,
