@@ -12,9 +12,10 @@ import leapfrog  # noqa: F401  (before torch: GOMP_SPINCOUNT)
 import torch
 
 
-def parse_load_args(doc: str, extra=None) -> argparse.Namespace:
+def parse_load_args(doc: str, extra=None, **defaults) -> argparse.Namespace:
     """Parse the shared flags (the script's docstring's first line as the description), plus
-    those `extra(parser)` adds, and set torch's CPU threads to --threads."""
+    those `extra(parser)` adds, with a script's own `defaults` for any of them, and set torch's
+    CPU threads to --threads."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     if extra is not None:
         extra(p)
@@ -23,6 +24,7 @@ def parse_load_args(doc: str, extra=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(**defaults)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     return args
