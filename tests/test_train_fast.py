@@ -5,6 +5,7 @@ folder shows its progress."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,53 @@ def test_fast_run_with_dropout_and_mix_resumes_exactly_and_exports_the_best(data
     progress = json.loads((tmp_path / "a" / "run" / "progress.json").read_text())
     assert progress["step"] == 8 and progress["tokens"] == 8 * 4 * 32
     assert (tmp_path / "a" / "run" / "loss.png").stat().st_size > 1000
+
+
+def test_unlikelihood_matches_its_definition():
+    """Against a loop over positions: at t the candidates are the distinct inputs 0..t other than
+    target t, each adding -log(1 - p)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 11)
+    ids = torch.tensor([[3, 5, 3, 7, 7, 1, 2], [4, 4, 4, 4, 9, 0, 4]])
+    targets = torch.tensor([[5, 3, 7, 7, 1, 3, 2], [4, 4, 4, 9, 0, 4, 10]])
+    p = logits.softmax(-1)
+    want = 0.0
+    for b in range(2):
+        for t in range(7):
+            for c in set(ids[b, :t + 1].tolist()) - {int(targets[b, t])}:
+                want -= math.log(1 - float(p[b, t, c]))
+    want /= 2 * 7
+    assert fast.unlikelihood(logits, ids, targets).item() == pytest.approx(want, rel=1e-5)
+    # a window of one repeated token that is also every target has no candidates at all
+    same = torch.full((1, 5), 4)
+    assert fast.unlikelihood(torch.randn(1, 5, 11), same, same).item() == 0.0
+
+
+def test_unlikelihood_run_trains_and_validation_reports_cross_entropy(data_dir, tmp_path):
+    """A run with the unlikelihood term: it trains (the logged parts), validation is the plain
+    cross-entropy (what evaluate gives without the term), and it needs the fast forward."""
+    from leapfrog.train.loop import FastNextToken, _model_and_tokenizer, evaluate, training_data
+
+    cfg = _fast_config(data_dir, tmp_path / "ul", 4)
+    cfg.unlikelihood, cfg.keep_best, cfg.mix = 1.0, False, ()
+    train(cfg)
+    state = torch.load(tmp_path / "ul" / "run" / "state.pt", weights_only=False)
+    prep = training_data(cfg)
+    model, _ = _model_and_tokenizer(cfg, prep)
+    model.load_state_dict(state["model"])
+    plain = _fast_config(data_dir, tmp_path / "plain", 4)
+    val_ul, _ = evaluate(model, prep.val, cfg, FastNextToken(model, cfg))
+    val_plain, _ = evaluate(model, prep.val, plain, FastNextToken(model, plain))
+    assert val_ul == val_plain and dict(state["history"]["val"])[4] == pytest.approx(val_ul)
+    objective = FastNextToken(model, cfg)
+    model.train()
+    x, y = draw_windows(prep, cfg, np.random.default_rng(0))
+    total, parts = objective.loss(model, (x, y), "float32")
+    assert parts["unlikelihood"] > 0 and total.item() == pytest.approx(parts["ce"] + parts["unlikelihood"], rel=1e-5)
+    slow = tiny("stories", tmp_path / "out", tmp_path / "run")
+    slow.data_dir, slow.unlikelihood = str(data_dir), 1.0
+    with pytest.raises(ValueError, match="fast forward"):
+        train(slow)
 
 
 def test_dropout_without_the_fast_forward_is_refused(data_dir, tmp_path):

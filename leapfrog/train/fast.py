@@ -81,3 +81,31 @@ def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: t
     h = hidden_states(model, input_ids, cos, sin, dropout)
     logits = model.lm_head(h).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def causal_lm_loss_ul(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, dropout: float, weight: float) -> tuple[torch.Tensor, ...]:
+    """(cross-entropy + weight * unlikelihood, cross-entropy, unlikelihood)."""
+    h = hidden_states(model, input_ids, cos, sin, dropout)
+    logits = model.lm_head(h).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    ul = unlikelihood(logits, input_ids, targets)
+    return ce + weight * ul, ce, ul
+
+
+def unlikelihood(logits: torch.Tensor, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al. 2019, eq. 4), averaged over positions: at each
+    position t, -sum of log(1 - p(c)) over the candidates c, the distinct tokens of the window up
+    to and including input t other than the target. It pushes down the probability of repeating
+    what the window already holds, which next-token training alone lets a small model loop on.
+    logits [B, T, V] float32, input_ids and targets [B, T]."""
+    b, t, v = logits.shape
+    # first[b, c]: the first position holding token c in window b (t when none): c is a
+    # candidate at every position from there on.
+    pos = torch.arange(t, device=input_ids.device)
+    first = torch.full((b, v), t, dtype=torch.long, device=input_ids.device)
+    first = first.scatter_reduce(1, input_ids, pos.expand(b, t), reduce="amin")
+    cand = first.unsqueeze(1) <= pos.view(1, t, 1)
+    cand = cand.scatter(2, targets.unsqueeze(-1), False)
+    p = logits.softmax(-1)
+    return -(torch.log1p(-p.clamp(max=1 - 1e-5)) * cand).sum(-1).mean()

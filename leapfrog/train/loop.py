@@ -99,6 +99,9 @@ class TrainConfig:
     ckpt_minutes: float = 0.0                   # > 0: also save state.pt this often (wall clock)
     keep_best: bool = False                     # export the weights of the best validation loss
     lora: LoraSpec | None = None                # train a grown recipe's model as a low-rank delta
+    # > 0: add this weight times the token-level unlikelihood of the window's earlier tokens
+    # (Welleck et al. 2019; fast forward only); validation still reports the cross-entropy.
+    unlikelihood: float = 0.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -210,12 +213,18 @@ class FastNextToken(NextToken):
     def __init__(self, model, cfg: TrainConfig) -> None:
         from leapfrog.train import fast
         self.cos, self.sin = fast.rope_table(model, cfg.model.max_position)
-        self.dropout = cfg.dropout
-        self.fn = torch.compile(fast.causal_lm_loss, fullgraph=True, dynamic=False) if cfg.compile \
-            else fast.causal_lm_loss
+        self.dropout, self.ul = cfg.dropout, cfg.unlikelihood
+
+        def build(fn):
+            return torch.compile(fn, fullgraph=True, dynamic=False) if cfg.compile else fn
+        self.fn = build(fast.causal_lm_loss)
+        self.fn_ul = build(fast.causal_lm_loss_ul) if self.ul > 0 else None
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            if self.fn_ul is not None and model.training:
+                total, ce, ul = self.fn_ul(model, *batch, self.cos, self.sin, self.dropout, self.ul)
+                return total, {"ce": ce.item(), "unlikelihood": ul.item()}
             return self.fn(model, *batch, self.cos, self.sin, self.dropout), {}
 
 
@@ -224,8 +233,8 @@ def make_objective(cfg: TrainConfig, tok, model=None):
         from leapfrog.train import fast
         if cfg.fast and model is not None and fast.supported(model):
             return FastNextToken(model, cfg)
-        if cfg.dropout or cfg.compile:
-            raise ValueError("dropout and compile need the fast forward (fast=True, a dense Llama)")
+        if cfg.dropout or cfg.compile or cfg.unlikelihood:
+            raise ValueError("dropout, compile and unlikelihood need the fast forward (fast=True, a dense Llama)")
         return NextToken()
     from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
