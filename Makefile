@@ -29,9 +29,13 @@ DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill st
 
 models: $(DONE)/couplets $(DONE)/stories-large $(DONE)/stories-moe   ## retrain the built-in models (resumable)
 
-$(DONE)/stories: | setup
+$(DONE)/stories-run: | setup
 	$(LF) train stories --resume
 	@mkdir -p $(DONE) && touch $@
+
+$(DONE)/stories: $(DONE)/stories-run
+	$(LF) train stories-polish --resume
+	@touch $@
 
 $(DONE)/stories-moe: | $(DONE)/stories
 	$(LF) train stories-moe --resume

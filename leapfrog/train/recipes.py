@@ -43,12 +43,33 @@ def stories() -> TrainConfig:
     training tokens about 48 times and the classics' about 10: residual dropout 0.1 and weight
     decay against overfitting, and the exported weights are those of the best validation loss.
     The lean forward (train.fast), compiled, on every core. Runs for hours: state.pt every 5
-    minutes, `--resume` continues the exact schedule. Writes checkpoints/stories."""
+    minutes, `--resume` continues the exact schedule. Writes runs/stories/model, which
+    `stories-polish` finishes into checkpoints/stories."""
     cfg = _stories_base()
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories" / "model")
     cfg.batch_size, cfg.max_steps, cfg.warmup_steps = 16, 24000, 500
     cfg.eval_interval, cfg.ckpt_interval, cfg.ckpt_minutes = 500, 500, 5.0
     cfg.mix, cfg.dropout, cfg.keep_best = (("classics", 0.5),), 0.1, True
     cfg.fast, cfg.compile, cfg.threads = True, True, os.cpu_count() or 1
+    return cfg
+
+
+def stories_polish() -> TrainConfig:
+    """stories stage 2: the long run trained against repeating itself; writes checkpoints/stories.
+
+    Next-token training alone leaves a small model that, sampled at T = 0.7, loops on its own
+    words. 600 more steps x 4,096 tokens (same data, mix and dropout as `stories`) at 1e-4
+    cosine to 1e-5, with the token-level unlikelihood term (Welleck et al. 2019) at weight 1:
+    at each position, the tokens the window already holds (other than the target) are pushed
+    down. The last step's weights are exported (validation reports the cross-entropy alone,
+    which the term trades a little of). Needs `leapfrog train stories` first."""
+    cfg = stories()
+    cfg.recipe, cfg.init_from = "stories-polish", cfg.out_dir
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-polish")
+    cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr = 600, 10, 1e-4, 1e-5
+    cfg.eval_interval, cfg.ckpt_interval = 100, 100
+    cfg.keep_best, cfg.compile, cfg.unlikelihood = False, False, 1.0
     return cfg
 
 
@@ -275,7 +296,7 @@ def stories_diffusion_distill() -> TrainConfig:
         spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
                            multi_weight=0.5, max_group=4),
         max_steps=800, lr=5e-4, min_lr=5e-5, warmup_steps=30)
-    cfg.distill = DistillSpec(parent=stories().out_dir)
+    cfg.distill = DistillSpec(parent=stories_polish().out_dir)      # the shipped stories
     return cfg
 
 
@@ -324,7 +345,7 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
-    "stories": stories, "stories-moe": stories_moe, "stories-large": stories_large, "tiny": tiny,
+    "stories": stories, "stories-polish": stories_polish, "stories-moe": stories_moe, "stories-large": stories_large, "tiny": tiny,
     "couplets": couplets, "couplets-continue": couplets_continue, "couplets-long": couplets_long,
     "couplets-rft": couplets_rft, "couplets-swa": couplets_swa,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
