@@ -45,6 +45,11 @@ def test_hanzi_length_ignores_punctuation_and_spaces():
     assert mt.length_match("天若有情天亦老", "月如无恨月常圆。")
     assert not mt.length_match("天若有情天亦老", "月如无恨月常")
     assert not mt.length_match("，", "")
+    ups = ["天若有情天亦老", "一二三四五六七八九十一二三四五六", "一二三四五六七八九十一二三四五六七"]
+    downs = ["月如无恨月常圆", "一二三四五六七八九十一二三四五六", "一二三四五六七八九十一二三四五六"]
+    assert mt.length_match_share(ups, downs) == pytest.approx(2 / 3)
+    assert mt.length_match_share(ups, downs, 16) == 0.5          # the two of 16+ characters
+    assert mt.length_match_share(ups, downs, 18) is None
 
 
 def test_bleu_identical_disjoint_and_hand_computed():
@@ -162,6 +167,14 @@ def test_eval_couplets_end_to_end(llama_dir, tmp_path):
     assert set(COUPLET_METRICS) <= set(res["metrics"]) and set(SPEED_METRICS) <= set(res["speed"])
     assert 0 <= res["metrics"]["length_match"] <= 1 and 0 <= res["metrics"]["bleu4_char"] <= 1
     assert all("reference" in s for s in res["samples"])
+    # the long-上联 share covers exactly the drawn 上联 of 16+ characters
+    from leapfrog.data.corpus import heldout
+    import random
+    pairs = heldout("couplets", None)
+    ups = [u for u, _ in random.Random(0).sample(pairs, len(pairs))[:3]]
+    long_ups = [u for u in ups if mt.hanzi_length(u) >= 16]
+    assert res["metrics"]["num_16plus"] == len(long_ups)
+    assert (res["metrics"]["length_match_16plus"] is None) == (not long_ups)
 
 
 def test_eval_bad_arguments(llama_dir, capsys):

@@ -34,11 +34,13 @@ from pathlib import Path
 STORY_METRICS = ("val_loss", "val_ppl", "val_tokens", "rep_2", "rep_4", "rep_4_tokens",
                  "distinct_1", "distinct_2", "coherence", "coherence_human", "coherence_unrelated",
                  "coherence_normalised", "judge_ppl", "mean_output_words")
-COUPLET_METRICS = ("val_loss", "val_ppl", "val_tokens", "length_match", "bleu4_char",
-                   "bleu4_char_sentence", "distinct_1", "distinct_2", "exact_match")
+COUPLET_METRICS = ("val_loss", "val_ppl", "val_tokens", "length_match", "length_match_16plus",
+                   "num_16plus", "bleu4_char", "bleu4_char_sentence", "distinct_1", "distinct_2",
+                   "exact_match")
 SPEED_METRICS = ("num_requests", "num_output_tokens", "num_forwards", "tokens_per_forward",
                  "acceptance_length", "output_tokens_per_s", "generate_s")
 NUM_SAMPLES = 8
+LONG_COUPLET = 16          # 上联 characters (punctuation aside) from which a pair counts as long
 
 
 @dataclass(slots=True)
@@ -258,8 +260,11 @@ def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
     downs = [o.text.strip() for o in outs]
     chars = [[c for c in d if not c.isspace()] for d in downs]
     n = max(len(downs), 1)
+    long_share = mt.length_match_share(ups, downs, LONG_COUPLET)     # where a small model loses count
     res.metrics.update({
-        "length_match": round(sum(mt.length_match(u, d) for u, d in zip(ups, downs)) / n, 4),
+        "length_match": round(mt.length_match_share(ups, downs) or 0.0, 4),
+        "length_match_16plus": None if long_share is None else round(long_share, 4),
+        "num_16plus": sum(mt.hanzi_length(u) >= LONG_COUPLET for u in ups),
         "bleu4_char": round(mt.corpus_char_bleu(downs, refs), 4),
         "bleu4_char_sentence": round(sum(map(mt.char_bleu, downs, refs)) / n, 4),
         "distinct_1": round(mt.distinct_n(chars, 1), 4),

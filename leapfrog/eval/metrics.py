@@ -21,7 +21,7 @@ from typing import Any
 
 from leapfrog.data.couplets import PUNCT
 
-__all__ = ["rep_n", "mean_rep_n", "distinct_n", "words", "hanzi_length", "length_match",
+__all__ = ["rep_n", "mean_rep_n", "distinct_n", "words", "hanzi_length", "length_match", "length_match_share",
            "char_bleu", "corpus_char_bleu", "SentenceEmbedder"]
 
 
@@ -61,6 +61,13 @@ def length_match(up: str, down: str) -> bool:
     """The 下联 has exactly the 上联's length (an empty 下联 never matches)."""
     n = hanzi_length(down)
     return n > 0 and n == hanzi_length(up)
+
+
+def length_match_share(ups: Sequence[str], downs: Sequence[str], min_length: int = 0) -> float | None:
+    """Share of the pairs whose 上联 has at least ``min_length`` characters that match in length
+    (None when there is no such pair)."""
+    pairs = [(u, d) for u, d in zip(ups, downs) if hanzi_length(u) >= min_length]
+    return sum(length_match(u, d) for u, d in pairs) / len(pairs) if pairs else None
 
 
 def _chars(text: str) -> list[str]:
