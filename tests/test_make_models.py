@@ -1,0 +1,48 @@
+"""`make models` runs for days across sessions: a stage that names a recipe, drafter variant or
+flag that does not exist would only fail hours in. Every command it would run is parsed here
+against the training command lines, without running anything."""
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _planned_commands(tmp_path: Path) -> list[list[str]]:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # -n prints the commands; -B as if nothing were done yet; runs/done of the checkout is not read
+    out = subprocess.run(["make", "-n", "-B", "models", f"DONE={tmp_path / 'done'}", "VENV=.venv"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    joined = out.replace("\\\n", " ")
+    return [shlex.split(line) for line in joined.splitlines() if " train " in line and "leapfrog" in line]
+
+
+def test_every_stage_of_make_models_parses(tmp_path):
+    from leapfrog.train.cli import config_for
+    from leapfrog.train.drafter import recipe_for
+    from leapfrog.train.recipes import RECIPES
+
+    commands = _planned_commands(tmp_path)
+    trained = set()
+    for argv in commands:
+        args = argv[argv.index("train") + 1:]
+        if args[0] == "drafter":
+            # the --init-from folder is computed by the shell at run time
+            args = ["/built/at/run/time" if a.startswith("$(") else a for a in args]
+            r, _ = recipe_for(args[1:])
+            trained.add(f"drafter {r.name} -> {r.target}")
+        else:
+            assert args[0] in RECIPES, args[0]
+            config_for(args)
+            trained.add(args[0])
+    # the user-facing models, their derived ones, and stories before anything grown from it
+    assert {"stories", "stories-polish", "couplets", "stories-large", "stories-moe",
+            "stories-diffusion-distill2"} <= trained
+    names = [a[a.index("train") + 1] for a in commands]
+    assert names.index("stories") < names.index("stories-polish") < names.index("stories-large")
