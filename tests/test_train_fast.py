@@ -238,3 +238,13 @@ def test_low_rank_run_ships_a_delta_that_the_recipe_builds(data_dir, tmp_path, m
     save_file(weights, str(base / "model.safetensors"))
     with pytest.raises(ValueError, match="retrained"):
         train(_lora_config(data_dir, recipe2, tmp_path / "run2", 8), resume=True)
+
+
+def test_a_stopped_process_counts_as_paused_not_as_training():
+    from leapfrog.train.loop import StepClock
+    clock, history = StepClock(), {}
+    # compilation first (never judged), then 1-second steps, a 10-minute stop, more steps
+    seconds = [clock.training_seconds(dt, history) for dt in [90.0, 1.0, 1.0, 1.0, 1.0, 600.0, 1.0, 30.0]]
+    assert seconds[:5] == [90.0, 1.0, 1.0, 1.0, 1.0]
+    assert seconds[5] == pytest.approx(1.0) and history["paused_s"] == pytest.approx(599.0)
+    assert seconds[6] == 1.0 and seconds[7] == 30.0      # a slow step under a minute is training

@@ -458,6 +458,7 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         print(f"step 0 val {val:.4f}", flush=True)
     model.train()
     t_last = last_save = time.time()
+    clock = StepClock()
     while step < cfg.max_steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -475,7 +476,7 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
         opt.zero_grad(set_to_none=True)
         step += 1
         now = time.time()
-        history["wall_s"] += now - t_last
+        history["wall_s"] += clock.training_seconds(now - t_last, history)
         history["tokens"] += tokens_per_step
         history["train"].append((step, total))
         bar.update(1)
@@ -508,6 +509,25 @@ def _run_steps(model, opt, prep, cfg: TrainConfig, step: int, history: dict, run
     return step, history
 
 
+class StepClock:
+    """How much of a step's wall time was training: a step that took over a minute and 20x the
+    usual (the process stopped with SIGSTOP, the machine suspended) counts as a usual step, the
+    rest as ``history["paused_s"]``, so tok/s stays the rate of training. The first steps of a
+    process (compilation) are never judged."""
+
+    def __init__(self) -> None:
+        self.steps, self.typical = 0, 0.0
+
+    def training_seconds(self, dt: float, history: dict) -> float:
+        self.steps += 1
+        if self.steps > 3 and dt > max(60.0, 20 * self.typical):
+            history["paused_s"] = history.get("paused_s", 0.0) + dt - self.typical
+            return self.typical
+        if self.steps >= 3:
+            self.typical = dt if self.steps == 3 else 0.95 * self.typical + 0.05 * dt
+        return dt
+
+
 def _save_atomic(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -523,6 +543,7 @@ def write_progress(run_dir: Path, cfg: TrainConfig, step: int, history: dict) ->
         "recipe": cfg.recipe or cfg.name, "step": step, "max_steps": cfg.max_steps,
         "tokens": history["tokens"], "target_tokens": cfg.max_steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum,
         "wall_s": round(history["wall_s"], 1),
+        "paused_s": round(history.get("paused_s", 0.0), 1),
         "tok_s": round(history["tokens"] / max(history["wall_s"], 1e-9)),
         "train_loss_recent": round(float(np.mean(recent)), 4) if recent else None,
         "val": history["val"][-1] if history["val"] else None,
