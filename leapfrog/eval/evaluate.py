@@ -6,13 +6,14 @@
                                           # its leapfrog.json makes `diffusion` the method
 
 stories:  validation loss / perplexity (teacher-forced on held-out stories); continuations of
-          held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4, distinct-1/2, coherence
-          (prompt vs continuation embeddings; normalised: 1 = as coherent as the stories' own
-          continuations, 0 = as another story's, both cut to the model's length) and perplexity
-          under a judge model.
+          held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4 (and rep-4 of the stories'
+          own continuations), distinct-1/2, coherence (prompt vs continuation embeddings;
+          normalised: 1 = as coherent as the stories' own continuations, 0 = as another story's,
+          both cut to the model's length) and perplexity under a judge model.
           A `diffusion` model gets no validation loss (it is no next-token predictor).
 couplets: validation loss / perplexity on held-out ``<s>上联<sep>下联</s>``; greedy 下联 for held-out
-          上联 sent raw: share with the 上联's length and character BLEU-4 against the reference.
+          上联 sent raw: share with the 上联's length (all, and those of 16+ characters) and
+          character BLEU-4 against the reference.
 Both:     tokens per forward, acceptance length and output tokens/s of the generation run.
 
 The table goes to stdout, progress to stderr, everything (plus samples) to --json.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 STORY_METRICS = ("val_loss", "val_ppl", "val_tokens", "rep_2", "rep_4", "rep_4_tokens",
                  "distinct_1", "distinct_2", "coherence", "coherence_human", "coherence_unrelated",
-                 "coherence_normalised", "judge_ppl", "mean_output_words")
+                 "coherence_normalised", "rep_4_human", "judge_ppl", "mean_output_words")
 COUPLET_METRICS = ("val_loss", "val_ppl", "val_tokens", "length_match", "length_match_16plus",
                    "num_16plus", "bleu4_char", "bleu4_char_sentence", "distinct_1", "distinct_2",
                    "exact_match")
@@ -211,6 +212,7 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
     # own continuation, and the next story's (a text about something else).
     lengths = [len(w) for w in word_lists]
     human = [mt.story_rest(s, p, n) for s, p, n in zip(stories, prompts, lengths)]
+    res.metrics["rep_4_human"] = round(mt.mean_rep_n([mt.words(h) for h in human], 4), 4)
     if len(prompts) > 1:
         other = [mt.story_rest(stories[(i + 1) % len(prompts)], prompts[(i + 1) % len(prompts)], n)
                  for i, n in enumerate(lengths)]
