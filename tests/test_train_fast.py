@@ -248,3 +248,33 @@ def test_a_stopped_process_counts_as_paused_not_as_training():
     assert seconds[:5] == [90.0, 1.0, 1.0, 1.0, 1.0]
     assert seconds[5] == pytest.approx(1.0) and history["paused_s"] == pytest.approx(599.0)
     assert seconds[6] == 1.0 and seconds[7] == 30.0      # a slow step under a minute is training
+
+
+def test_coupled_positions_restart_after_the_first_anchor_of_each_example():
+    bos, sep, eos = 1, 5, 2
+    x = torch.tensor([[9, 9, bos, 10, 11, 12, sep, 20, 21, 22, eos, bos, 30, sep, 40, sep, 41]])
+    want = [0, 1, 0, 1, 2, 3, 4, 1, 2, 3, 4, 0, 1, 2, 1, 2, 3]
+    assert fast.coupled_positions(x, bos, sep).tolist() == [want]
+    # the fast forward at those positions is transformers' forward given them as position_ids
+    torch.manual_seed(0)
+    model = build_model(ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   intermediate_size=96, max_position=64), vocab_size=101)
+    x = torch.randint(6, 101, (2, 30))
+    x[:, [0, 12]], x[:, [5, 20]] = bos, sep
+    y = torch.randint(0, 101, (2, 30))
+    pos = fast.coupled_positions(x, bos, sep)
+    logits = model(input_ids=x, position_ids=pos).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 101), y.reshape(-1))
+    cos, sin = fast.rope_table(model, 64)
+    assert torch.allclose(fast.causal_lm_loss(model, x, y, cos, sin, 0.0, pos), want, atol=1e-5)
+    coupled = model.lm_head(fast.hidden_states(model, x, cos, sin, 0.0, pos))
+    plain = model.lm_head(fast.hidden_states(model, x, cos, sin))
+    assert torch.allclose(coupled, logits, atol=1e-5)
+    assert not torch.allclose(plain[:, 13:], logits[:, 13:], atol=1e-3)     # where they differ
+
+
+def test_a_coupled_run_trains_and_declares_its_positions(data_dir, tmp_path):
+    cfg = _fast_config(data_dir, tmp_path / "cp", 2)
+    cfg.coupled_positions, cfg.mix = "<mask>", ()
+    train(cfg)
+    assert json.loads((tmp_path / "cp" / "out" / "leapfrog.json").read_text()) == {"coupled_positions": "<mask>"}

@@ -48,8 +48,13 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
     else:
         tok.save_pretrained(out)
         shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
+    decoding = {}
     if cfg.diffusion is not None:
-        (out / "leapfrog.json").write_text(json.dumps({"default_method": "diffusion"}, indent=2) + "\n")
+        decoding["default_method"] = "diffusion"
+    if cfg.coupled_positions:       # the rotary positions restart after this token (train.fast)
+        decoding["coupled_positions"] = cfg.coupled_positions
+    if decoding:
+        (out / "leapfrog.json").write_text(json.dumps(decoding, indent=2) + "\n")
     summary = summarize(model, cfg, history, prep)
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str))
     plot_loss(history, out / "loss.png", cfg.recipe or cfg.name)

@@ -43,9 +43,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def coupled_positions(input_ids: torch.Tensor, bos_id: int, anchor_id: int) -> torch.Tensor:
+    """Rotary positions [B, T] that restart after the first ``anchor_id`` of each example (an
+    example starts at ``bos_id``): a couplet's 下联 character j gets the position of its 上联's
+    character j, and </s> that of the <sep> (position coupling, Cho et al. 2024). Before the
+    anchor, positions count from the example's start."""
+    b, t = input_ids.shape
+    idx = torch.arange(t, device=input_ids.device).expand(b, t)
+    start = torch.where(input_ids == bos_id, idx, 0).cummax(dim=1).values
+    anchor = input_ids == anchor_id
+    count = anchor.long().cumsum(dim=1)
+    first = anchor & (count - count.gather(1, start) == 1)       # the first anchor of its example
+    last_first = torch.where(first, idx, -1).cummax(dim=1).values
+    base = torch.where((last_first >= start) & (last_first < idx), last_first, start)
+    return idx - base
+
+
 def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  dropout: float = 0.0) -> torch.Tensor:
-    """The final-normed hidden states [B, T, H] of a Llama ``model`` for ``input_ids`` [B, T]."""
+                  dropout: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The final-normed hidden states [B, T, H] of a Llama ``model`` for ``input_ids`` [B, T]
+    (rotary positions 0..T-1, or ``positions`` [B, T])."""
     c = model.config
     inner = model.model
     b, t = input_ids.shape
@@ -53,7 +70,10 @@ def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads
     eps = c.rms_norm_eps
     train = model.training and dropout > 0
-    cos, sin = cos[:t], sin[:t]
+    if positions is None:
+        cos, sin = cos[:t], sin[:t]
+    else:
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     x = inner.embed_tokens(input_ids)
     if train:
         x = F.dropout(x, dropout, True)
@@ -76,9 +96,9 @@ def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+                   sin: torch.Tensor, dropout: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of ``targets`` (float32 logits, as the reference loop)."""
-    h = hidden_states(model, input_ids, cos, sin, dropout)
+    h = hidden_states(model, input_ids, cos, sin, dropout, positions)
     logits = model.lm_head(h).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -102,6 +102,9 @@ class TrainConfig:
     # > 0: add this weight times the token-level unlikelihood of the window's earlier tokens
     # (Welleck et al. 2019; fast forward only); validation still reports the cross-entropy.
     unlikelihood: float = 0.0
+    # A token (e.g. "<sep>") after whose first occurrence in each example the rotary positions
+    # restart (position coupling; fast forward only). The export declares it in leapfrog.json.
+    coupled_positions: str | None = None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -210,10 +213,13 @@ class NextToken:
 class FastNextToken(NextToken):
     """NextToken through ``train.fast`` (optionally compiled): the same loss, less overhead."""
 
-    def __init__(self, model, cfg: TrainConfig) -> None:
+    def __init__(self, model, cfg: TrainConfig, tok=None) -> None:
         from leapfrog.train import fast
         self.cos, self.sin = fast.rope_table(model, cfg.model.max_position)
         self.dropout, self.ul = cfg.dropout, cfg.unlikelihood
+        self.anchor = None
+        if cfg.coupled_positions:
+            self.anchor = (tok.bos_token_id, tok.convert_tokens_to_ids(cfg.coupled_positions))
 
         def build(fn):
             return torch.compile(fn, fullgraph=True, dynamic=False) if cfg.compile else fn
@@ -221,6 +227,11 @@ class FastNextToken(NextToken):
         self.fn_ul = build(fast.causal_lm_loss_ul) if self.ul > 0 else None
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.anchor is not None:
+            from leapfrog.train.fast import coupled_positions
+            positions = coupled_positions(batch[0], *self.anchor)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                return self.fn(model, *batch, self.cos, self.sin, self.dropout, positions), {}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             if self.fn_ul is not None and model.training:
                 total, ce, ul = self.fn_ul(model, *batch, self.cos, self.sin, self.dropout, self.ul)
@@ -232,9 +243,10 @@ def make_objective(cfg: TrainConfig, tok, model=None):
     if cfg.diffusion is None:
         from leapfrog.train import fast
         if cfg.fast and model is not None and fast.supported(model):
-            return FastNextToken(model, cfg)
-        if cfg.dropout or cfg.compile or cfg.unlikelihood:
-            raise ValueError("dropout, compile and unlikelihood need the fast forward (fast=True, a dense Llama)")
+            return FastNextToken(model, cfg, tok)
+        if cfg.dropout or cfg.compile or cfg.unlikelihood or cfg.coupled_positions:
+            raise ValueError("dropout, compile, unlikelihood and coupled positions need the fast forward "
+                             "(fast=True, a dense Llama)")
         return NextToken()
     from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
