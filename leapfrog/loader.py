@@ -169,7 +169,24 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
     load_weights(model, weight_files(folder))
+    model.coupled_anchor = coupled_anchor(folder)
     return model.eval()
+
+
+def coupled_anchor(folder: Path) -> tuple[int, int] | None:
+    """(bos id, anchor id) when the folder's leapfrog.json declares coupled positions (the
+    rotary positions restart after the first such token of a sequence, as it was trained)."""
+    meta = folder / "leapfrog.json"
+    name = json.loads(meta.read_text()).get("coupled_positions") if meta.is_file() else None
+    if not name:
+        return None
+    from leapfrog.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(folder)
+    anchor = tok.token_to_id(name)
+    if anchor is None or tok.bos_token_id is None:
+        raise CheckpointError(f"{meta}: coupled_positions names {name!r}, which its tokenizer does not have "
+                              "(or it has no <s>)")
+    return tok.bos_token_id, anchor
 
 
 # Frozen copies of the target's tables that DeepSpec checkpoints carry: the target's own

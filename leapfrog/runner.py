@@ -52,10 +52,11 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor]:
         ids, pos, slots, logit_rows = [], [], [], []
         row = 0
+        coupled = getattr(self.model, "coupled_anchor", None)
         for s in batch.seqs:
             n = s.num_query
             ids.extend(s.query_ids)
-            pos.extend(range(s.start_pos, s.start_pos + n))
+            pos.extend(self._rotary(s.seq, s.start_pos, n, coupled) if coupled else range(s.start_pos, s.start_pos + n))
             slots.extend(self._slots(s.seq.block_table, s.start_pos, s.start_pos + n))
             logit_rows.extend(range(row + n - s.num_logits, row + n))
             row += n
@@ -63,6 +64,16 @@ class ModelRunner:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         meta = AttnMetadata(t(slots), self._groups(batch))
         return t(ids), t(pos), meta, t(logit_rows)
+
+    @staticmethod
+    def _rotary(seq, start: int, n: int, coupled: tuple[int, int]) -> list[int]:
+        """Rotary positions of tokens start..start+n-1 of ``seq`` for a model trained with coupled
+        positions: past the first anchor token they count from it (its cache slots do not)."""
+        if seq.rotary_anchor is None or seq.rotary_anchor < 0:     # not found yet: it may be generated
+            known = seq.token_ids[:start + n]
+            seq.rotary_anchor = known.index(coupled[1]) if coupled[1] in known else -1
+        a = seq.rotary_anchor
+        return [p - a if 0 <= a < p else p for p in range(start, start + n)]
 
     def _groups(self, batch: Batch) -> list[AttnGroup]:
         small, groups, row = [], [], 0

@@ -55,6 +55,9 @@ class Sequence:
     # seed) and the number of draws so far (sampling.py).
     sample_key: int | None = None
     num_draws: int = 0
+    # A model with coupled positions: the index of the first anchor token (-1: none; None: not
+    # looked for yet). Rotary positions past it count from it.
+    rotary_anchor: int | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

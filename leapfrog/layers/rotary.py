@@ -92,6 +92,22 @@ def inv_frequencies(config: dict, head_dim: int, max_pos: int) -> tuple[torch.Te
                      "(supported: default, linear, dynamic, llama3, yarn)")
 
 
+def coupled_positions(input_ids: torch.Tensor, bos_id: int, anchor_id: int) -> torch.Tensor:
+    """Rotary positions [B, T] that restart after the first ``anchor_id`` of each example (an
+    example starts at ``bos_id``): a couplet's 下联 character j gets the position of its 上联's
+    character j, and </s> that of the <sep> (position coupling, Cho et al. 2024). Before the
+    anchor, positions count from the example's start."""
+    b, t = input_ids.shape
+    idx = torch.arange(t, device=input_ids.device).expand(b, t)
+    start = torch.where(input_ids == bos_id, idx, 0).cummax(dim=1).values
+    anchor = input_ids == anchor_id
+    count = anchor.long().cumsum(dim=1)
+    first = anchor & (count - count.gather(1, start) == 1)       # the first anchor of its example
+    last_first = torch.where(first, idx, -1).cummax(dim=1).values
+    base = torch.where((last_first >= start) & (last_first < idx), last_first, start)
+    return idx - base
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position."""
 

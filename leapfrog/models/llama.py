@@ -20,7 +20,7 @@ from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_pa
                                     skinny_rows_max)
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
-from leapfrog.layers.rotary import RotaryEmbedding
+from leapfrog.layers.rotary import RotaryEmbedding, coupled_positions
 
 
 class DecoderAttention(nn.Module):
@@ -193,6 +193,9 @@ class Rope:
 
 class LlamaForCausalLM(nn.Module):
     flavour = "llama"
+    # (bos id, anchor id) when the checkpoint was trained with coupled positions (its
+    # leapfrog.json): rotary positions restart after the first anchor of a sequence.
+    coupled_anchor: tuple[int, int] | None = None
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "0"), "up_proj": ("gate_up_proj", "1"),
@@ -326,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
         or a cache is replaced or modified in place, as the fused layers' weight lists are."""
         if tp.world_size() > 1:          # the loop runs every layer of a whole model in one call
             return None
+        if self.coupled_anchor is not None:    # its rotary positions are the cache index
+            return None
         layers = self.model.layers
         attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
@@ -362,6 +367,8 @@ class LlamaForCausalLM(nn.Module):
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> logits [B, T, V]: plain causal forward without a cache (tests, eval)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if self.coupled_anchor is not None:
+            positions = coupled_positions(input_ids, *self.coupled_anchor)
         hidden, _ = self.forward(input_ids, positions, None)
         return self.compute_logits(hidden)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from leapfrog.layers.rotary import coupled_positions  # noqa: F401  (the training side uses it from here)
+
 
 def supported(model) -> bool:
     """The lean forward covers dense Llama models with RoPE of the default kind."""
@@ -41,22 +43,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-def coupled_positions(input_ids: torch.Tensor, bos_id: int, anchor_id: int) -> torch.Tensor:
-    """Rotary positions [B, T] that restart after the first ``anchor_id`` of each example (an
-    example starts at ``bos_id``): a couplet's 下联 character j gets the position of its 上联's
-    character j, and </s> that of the <sep> (position coupling, Cho et al. 2024). Before the
-    anchor, positions count from the example's start."""
-    b, t = input_ids.shape
-    idx = torch.arange(t, device=input_ids.device).expand(b, t)
-    start = torch.where(input_ids == bos_id, idx, 0).cummax(dim=1).values
-    anchor = input_ids == anchor_id
-    count = anchor.long().cumsum(dim=1)
-    first = anchor & (count - count.gather(1, start) == 1)       # the first anchor of its example
-    last_first = torch.where(first, idx, -1).cummax(dim=1).values
-    base = torch.where((last_first >= start) & (last_first < idx), last_first, start)
-    return idx - base
 
 
 def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

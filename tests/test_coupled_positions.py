@@ -1,0 +1,52 @@
+"""A checkpoint trained with coupled positions (leapfrog.json "coupled_positions": a token
+after whose first occurrence the rotary positions restart) decodes with those positions in the
+engine. Oracle: transformers' forward given the same position ids, greedy, token by token."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.layers.rotary import coupled_positions
+
+
+def _coupled_copy(llama_dir, tmp_path):
+    from leapfrog.tokenizer import Tokenizer
+    folder = tmp_path / "coupled"
+    shutil.copytree(llama_dir, folder)
+    tok = Tokenizer.from_folder(folder)
+    anchor_text = ","
+    anchor = tok.token_to_id(anchor_text)
+    assert anchor is not None
+    (folder / "leapfrog.json").write_text(json.dumps({"coupled_positions": anchor_text}))
+    return folder, tok, anchor
+
+
+@torch.no_grad()
+def _reference(folder, ids: list[int], bos: int, anchor: int, n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    seq = list(ids)
+    for _ in range(n):
+        x = torch.tensor([seq])
+        logits = model(input_ids=x, position_ids=coupled_positions(x, bos, anchor)).logits
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def test_engine_decodes_with_the_declared_positions(llama_dir, tmp_path):
+    folder, tok, anchor = _coupled_copy(llama_dir, tmp_path)
+    prompts = ["Once upon a time, there was", "The cat, the dog and the bird, all"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(folder))
+    assert llm.engine.model.coupled_anchor == (tok.bos_token_id, anchor)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        assert anchor in ids
+        assert out.token_ids == _reference(folder, ids, tok.bos_token_id, anchor, 12)
+    # the same checkpoint without the declaration decodes differently (the positions matter)
+    plain = LLM(str(llama_dir)).generate(prompts, params)
+    assert [o.token_ids for o in plain] != [o.token_ids for o in outs]
