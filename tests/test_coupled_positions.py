@@ -50,3 +50,33 @@ def test_engine_decodes_with_the_declared_positions(llama_dir, tmp_path):
     # the same checkpoint without the declaration decodes differently (the positions matter)
     plain = LLM(str(llama_dir)).generate(prompts, params)
     assert [o.token_ids for o in plain] != [o.token_ids for o in outs]
+
+
+def test_the_transformers_check_decodes_coupled_checkpoints_alike(llama_dir, tmp_path):
+    """train.check (the README's numbers, scripts/couplets_lengths.py) uses transformers: for a
+    coupled checkpoint it must give the engine's greedy tokens."""
+    from leapfrog.train.check import generate, load
+    folder, tok, anchor = _coupled_copy(llama_dir, tmp_path)
+    prompts = ["Once upon a time, there was", "The cat, the dog and the bird, all"]
+    model, hf_tok = load(str(folder))
+    got = generate(model, hf_tok, prompts, do_sample=False, max_new_tokens=10)
+    want = LLM(str(folder)).generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for g, w in zip(got, want):
+        eos = hf_tok.eos_token_id
+        cut = w.token_ids[:w.token_ids.index(eos) + 1] if eos in w.token_ids else w.token_ids
+        assert g == cut
+
+
+@torch.no_grad()
+def test_the_scorer_forward_uses_the_declared_positions(llama_dir, tmp_path):
+    """forward_dense scores `leapfrog eval`'s validation loss: transformers' logits at the
+    coupled position ids."""
+    from transformers import AutoModelForCausalLM
+
+    from leapfrog.loader import load_model
+    folder, tok, anchor = _coupled_copy(llama_dir, tmp_path)
+    ids = torch.tensor([tok.encode("The cat, the dog and the bird, all ran home")])
+    got = load_model(folder).forward_dense(ids)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = hf(input_ids=ids, position_ids=coupled_positions(ids, tok.bos_token_id, anchor)).logits
+    assert torch.allclose(got, want, atol=1e-4)

@@ -43,11 +43,18 @@ def load(folder: str):
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"  # batched generation continues from the right edge
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    meta = Path(folder) / "leapfrog.json"
+    anchor = json.loads(meta.read_text()).get("coupled_positions") if meta.is_file() else None
+    # transformers' generate numbers positions 0..n-1; a model trained with coupled positions
+    # is decoded by the loop below instead (generate)
+    model.coupled_anchor = (tok.bos_token_id, tok.convert_tokens_to_ids(anchor)) if anchor else None
     return model, tok
 
 
 def generate(model, tok, prompts: list[str], batch_size: int = 16, **kwargs) -> list[list[int]]:
     """New token ids per prompt (prompt and padding removed)."""
+    if getattr(model, "coupled_anchor", None):
+        return [_coupled_greedy(model, tok, p, **kwargs) for p in prompts]
     outs = []
     for i in range(0, len(prompts), batch_size):
         enc = tok(prompts[i:i + batch_size], return_tensors="pt", padding=True)
@@ -55,6 +62,32 @@ def generate(model, tok, prompts: list[str], batch_size: int = 16, **kwargs) -> 
             ids = model.generate(**enc, pad_token_id=tok.pad_token_id, **kwargs)
         outs += [row[enc.input_ids.shape[1]:].tolist() for row in ids]
     return outs
+
+
+@torch.no_grad()
+def _coupled_greedy(model, tok, prompt: str, max_new_tokens: int = 64, do_sample: bool = False) -> list[int]:
+    """Greedy decoding of a model trained with coupled positions (leapfrog.json), one prompt at a
+    time with transformers' cache and explicit position ids (leapfrog.layers.rotary)."""
+    from leapfrog.layers.rotary import coupled_positions
+    if do_sample:
+        raise ValueError("a model with coupled positions is checked greedily")
+    prompt_ids = tok(prompt).input_ids
+    anchor = model.coupled_anchor[1]
+    a = prompt_ids.index(anchor) if anchor in prompt_ids else -1     # restart after it
+    ids = torch.tensor([prompt_ids])
+    out = model(input_ids=ids, position_ids=coupled_positions(ids, *model.coupled_anchor), use_cache=True)
+    new = []
+    while len(new) < max_new_tokens:
+        nxt = int(out.logits[0, -1].argmax())
+        new.append(nxt)
+        if nxt == tok.eos_token_id:
+            break
+        i = len(prompt_ids) + len(new) - 1              # the index of nxt in the sequence
+        out = model(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[i - a if 0 <= a < i else i]]),
+                    past_key_values=out.past_key_values, use_cache=True)
+        if a < 0 and nxt == anchor:
+            a = i
+    return new
 
 
 def _strip_eos(ids: list[int], eos: int) -> list[int]:

@@ -90,9 +90,10 @@ def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: t
 
 
 def causal_lm_loss_ul(model, input_ids: torch.Tensor, targets: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, dropout: float, weight: float) -> tuple[torch.Tensor, ...]:
+                      sin: torch.Tensor, dropout: float, weight: float,
+                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(cross-entropy + weight * unlikelihood, cross-entropy, unlikelihood)."""
-    h = hidden_states(model, input_ids, cos, sin, dropout)
+    h = hidden_states(model, input_ids, cos, sin, dropout, positions)
     logits = model.lm_head(h).float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     ul = unlikelihood(logits, input_ids, targets)

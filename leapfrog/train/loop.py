@@ -227,16 +227,13 @@ class FastNextToken(NextToken):
         self.fn_ul = build(fast.causal_lm_loss_ul) if self.ul > 0 else None
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        if self.anchor is not None:
-            from leapfrog.train.fast import coupled_positions
-            positions = coupled_positions(batch[0], *self.anchor)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                return self.fn(model, *batch, self.cos, self.sin, self.dropout, positions), {}
+        from leapfrog.train.fast import coupled_positions
+        positions = coupled_positions(batch[0], *self.anchor) if self.anchor is not None else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             if self.fn_ul is not None and model.training:
-                total, ce, ul = self.fn_ul(model, *batch, self.cos, self.sin, self.dropout, self.ul)
+                total, ce, ul = self.fn_ul(model, *batch, self.cos, self.sin, self.dropout, self.ul, positions)
                 return total, {"ce": ce.item(), "unlikelihood": ul.item()}
-            return self.fn(model, *batch, self.cos, self.sin, self.dropout), {}
+            return self.fn(model, *batch, self.cos, self.sin, self.dropout, positions), {}
 
 
 def make_objective(cfg: TrainConfig, tok, model=None):

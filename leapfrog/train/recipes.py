@@ -158,7 +158,9 @@ def couplets() -> TrainConfig:
     characters seen 3x, 10,000 pairs with 1-2 out-of-vocabulary characters. 15,000 steps x 2,048
     tokens with residual dropout 0.1 (the 4.0M-token stream about 8 times over), the best validation
     weights exported; the lean forward, compiled, on every core; state.pt every 5 minutes.
-    Writes checkpoints/couplets."""
+    Coupled positions: the rotary positions restart after an example's first <sep>, so the
+    下联's j-th character sits at the position of the 上联's j-th (Cho et al. 2024); the export
+    declares it in leapfrog.json and the engine decodes with it. Writes checkpoints/couplets."""
     cfg = _couplets_base()
     cfg.model = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
                            intermediate_size=704, max_position=256)
@@ -168,6 +170,7 @@ def couplets() -> TrainConfig:
     cfg.eval_interval, cfg.ckpt_interval, cfg.ckpt_minutes = 500, 500, 5.0
     cfg.dropout, cfg.keep_best = 0.1, True
     cfg.fast, cfg.compile, cfg.threads = True, True, os.cpu_count() or 1
+    cfg.coupled_positions = "<sep>"
     return cfg
 
 
