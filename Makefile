@@ -27,7 +27,7 @@ DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
 .SECONDARY:                   # the markers are the record of what is done: never deleted as intermediates
 DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
 
-# couplets last: its recipe is to move to coupled positions first (docs/models.md, couplets)
+# couplets last: nothing derives from it, and the models #20 measures come first
 models: $(DONE)/stories-large $(DONE)/stories-moe $(DONE)/couplets   ## retrain the built-in models (resumable)
 
 $(DONE)/stories-run: | setup
