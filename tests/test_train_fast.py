@@ -276,5 +276,9 @@ def test_coupled_positions_restart_after_the_first_anchor_of_each_example():
 def test_a_coupled_run_trains_and_declares_its_positions(data_dir, tmp_path):
     cfg = _fast_config(data_dir, tmp_path / "cp", 2)
     cfg.coupled_positions, cfg.mix = "<mask>", ()
-    train(cfg)
+    summary = train(cfg)
     assert json.loads((tmp_path / "cp" / "out" / "leapfrog.json").read_text()) == {"coupled_positions": "<mask>"}
+    from leapfrog.train.check import CheckResult
+    from leapfrog.train.readme import render
+    text = render(summary, CheckResult("stories"), tmp_path / "cp" / "out")
+    assert "## Positions" in text and "restart after the first `<mask>`" in text

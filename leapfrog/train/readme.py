@@ -94,6 +94,7 @@ def render(summary: dict, check: CheckResult, folder: Path) -> str:
         "![loss](loss.png)",
         "",
         *(_diffusion_section(summary, folder) if cfg.get("diffusion") else []),
+        *(_coupled_section(cfg["coupled_positions"]) if cfg.get("coupled_positions") else []),
         "## Measured (" + ("slow reference decoder" if cfg.get("diffusion") else "transformers `generate`")
         + ", `python -m leapfrog.train.check`)",
         "",
@@ -164,6 +165,16 @@ def _initial_model_row(summary: dict) -> list[str]:
         return []
     return [f"| initial model | `{init['folder']}`: recipe {init.get('recipe')}, {init['steps']:,} "
             f"steps, {init.get('wall_s', 0) / 60:.1f} min, validation loss {init.get('val_loss')} |"]
+
+
+def _coupled_section(anchor: str) -> list[str]:
+    return ["## Positions", "",
+            f"Trained with coupled positions: the rotary positions restart after the first `{anchor}` "
+            "of each example, so the answer's j-th token sits at the position of the prompt's j-th "
+            f"(`leapfrog.json`: `\"coupled_positions\": \"{anchor}\"`). leapfrog reads that and decodes "
+            "it so. transformers' `generate` and llama.cpp number positions 0..n-1 and decode this "
+            "checkpoint wrongly; with transformers, pass `position_ids` (as `leapfrog.train.check` does).",
+            ""]
 
 
 def _diffusion_section(summary: dict, folder: Path) -> list[str]:
