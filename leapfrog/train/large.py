@@ -62,7 +62,7 @@ def grown_model(spec: LoraSpec):
 
     folder = Path(spec.recipe)
     recipe = json.loads((folder / BUILD_FILE).read_text())
-    base = folder.parent / recipe["base"]
+    base = base_folder(spec)
     if not (base / "model.safetensors").is_file():
         raise BuildError(f"{folder / BUILD_FILE}: base model {recipe['base']!r} not found at {base}")
     cfg = json.loads((base / "config.json").read_text())
