@@ -89,13 +89,15 @@ class MultiStep:
         width = max(-(-(s.num_computed + n) // bs) for s, n in zip(seqs, plan.budgets))
         tables = t([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
         tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
+        coupled = getattr(self.runner.model, "coupled_anchor", None)
+        anchors = t([_anchor(s, coupled[1]) for s in seqs]) if coupled else _NO_ANCHORS
         self.num_calls += 1
         if plan.logits_only:
             empty = torch.full((len(seqs), 1), -1, dtype=torch.long)
             zeros = torch.zeros(len(seqs), dtype=torch.long)
             _, _, logits, _ = loop.run(tokens, positions, tables, t(plan.budgets), 1,
                                     torch.zeros(len(seqs)), zeros, torch.ones(len(seqs)), torch.zeros(len(seqs)),
-                                    zeros, zeros, empty, empty, zeros, True, [])
+                                    zeros, zeros, empty, empty, zeros, True, [], anchors)
             self.num_loop_steps += 1
             self.method.prepare(batch)
             return self.method.commit(batch, StepOutput(logits))
@@ -108,7 +110,7 @@ class MultiStep:
         min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
         out, counts, _, captured = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
                                             _padded(stops, dev), _padded(bans, dev), min_left, False,
-                                            list(self.method.loop_capture_layers(batch)))
+                                            list(self.method.loop_capture_layers(batch)), anchors)
         self.num_loop_steps += plan.steps
         commits = []
         for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):
@@ -116,6 +118,17 @@ class MultiStep:
             commits.append(Commit(row[:n], n, forwards=n))
         self.method.after_loop(batch, commits, captured)
         return commits
+
+
+_NO_ANCHORS = torch.empty(0, dtype=torch.long)
+
+
+def _anchor(seq: Sequence, anchor_id: int) -> int:
+    """The index of a sequence's first anchor token for a model trained with coupled positions,
+    -1 while it has none (the loop anchors a row that produces one)."""
+    if seq.rotary_anchor is None or seq.rotary_anchor < 0:
+        seq.rotary_anchor = seq.token_ids.index(anchor_id) if anchor_id in seq.token_ids else -1
+    return seq.rotary_anchor
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:

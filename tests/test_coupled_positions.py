@@ -80,3 +80,36 @@ def test_the_scorer_forward_uses_the_declared_positions(llama_dir, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     want = hf(input_ids=ids, position_ids=coupled_positions(ids, tok.bos_token_id, anchor)).logits
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_the_decode_loop_gives_the_layer_paths_tokens(llama_dir, tmp_path, monkeypatch):
+    """The C++ decode loop (several steps per call) takes each row's anchor: one in the prompt,
+    one produced inside the loop, and one never produced. Oracle: the layer-by-layer path and
+    transformers at the coupled positions."""
+    from leapfrog import multistep
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    from leapfrog.tokenizer import Tokenizer
+    if cpu_kernels() is None:
+        return
+    tok = Tokenizer.from_folder(llama_dir)
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    plain = LLM(str(llama_dir)).generate(["A big red ball"], params)[0].token_ids
+    # anchor on the plain model's 4th greedy token: produced inside the loop, after which the
+    # coupled decode departs from the plain one
+    anchor = plain[3]
+    assert anchor not in tok.encode("A big red ball") and anchor not in plain[:3]
+    folder = tmp_path / "coupled-gen"
+    shutil.copytree(llama_dir, folder)
+    (folder / "leapfrog.json").write_text(json.dumps({"coupled_positions": tok.id_to_token(anchor)}))
+    prompts = ["A big red ball", "Once upon a time, there was", "Zzz"]
+    prompt_ids = [tok.encode(p) for p in prompts]
+    prompt_ids[1] = prompt_ids[1][:1] + [anchor] + prompt_ids[1][1:]      # an anchor in the prompt
+    loop_llm = LLM(str(folder), num_scheduler_steps=5)
+    loop_out = [o.token_ids for o in loop_llm.generate(prompt_ids, params)]
+    assert loop_llm.engine.multistep.num_loop_steps > 0
+    monkeypatch.setattr(multistep, "ENABLED", False)
+    layer_out = [o.token_ids for o in LLM(str(folder)).generate(prompt_ids, params)]
+    assert loop_out == layer_out
+    assert loop_out[0][:4] == plain[:4] and loop_out[0] != plain
+    for ids, got in zip(prompt_ids, loop_out):
+        assert got == _reference(folder, ids, tok.bos_token_id, anchor, 14)

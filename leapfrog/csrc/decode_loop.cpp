@@ -169,14 +169,24 @@ class DecodeLoop {
   // to produce; sampling per row (temps, top_k, top_p, min_p, keys, counters); stop_ids
   // [B, S] and ban_ids [B, S2] (-1 padded): tokens that end a row, and tokens banned while
   // fewer than min_left[b] tokens have been produced in this call. return_logits (steps == 1):
-  // no sampling, the logits are returned. Returns {tokens [B, steps], counts [B], logits}.
+  // no sampling, the logits are returned. anchors [B] or empty: for a model trained with
+  // coupled positions (set_anchor_token), the index of each row's first anchor token, -1 when
+  // it has none yet; past it the rotary position counts from it, and a row that produces the
+  // anchor in this call anchors there. Returns {tokens [B, steps], counts [B], logits}.
   std::vector<torch::Tensor> run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor tables,
                                  torch::Tensor budgets, int64_t steps, torch::Tensor temps,
                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
                                  torch::Tensor keys, torch::Tensor counters, torch::Tensor stop_ids,
                                  torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits,
-                                 std::vector<int64_t> capture_layers) {
+                                 std::vector<int64_t> capture_layers, torch::Tensor anchors) {
     const int64_t B = tokens.size(0);
+    TORCH_CHECK(anchors.numel() == 0 || (anchors.numel() == B && anchor_tok_ >= 0),
+                "DecodeLoop.run: anchors need one index per row and an anchor token (set_anchor_token)");
+    std::vector<int64_t> anchor(anchors.numel() ? B : 0);
+    if (anchors.numel()) {
+      auto a = anchors.to(torch::kInt64).contiguous();
+      std::copy(a.data_ptr<int64_t>(), a.data_ptr<int64_t>() + B, anchor.begin());
+    }
     TORCH_CHECK(steps >= 1 && (!return_logits || steps == 1), "DecodeLoop.run: steps >= 1 (1 with return_logits)");
     TORCH_CHECK(supports_rows(B), "DecodeLoop.run: this many rows need packed panels");
     auto tok = tokens.to(torch::kInt64).contiguous();
@@ -230,6 +240,7 @@ class DecodeLoop {
     st.capture.assign(layers_.size(), -1);
     for (int64_t c = 0; c < C; ++c) st.capture[capture_layers[c]] = c;
     st.C = C;
+    st.anchor = anchor.empty() ? nullptr : anchor.data();
     st.captured = C ? captured.data_ptr<float>() : nullptr;
     if (half_) {
       if (kv_half_) loop<at::Half, at::Half>(st); else loop<at::Half, float>(st);
@@ -238,6 +249,10 @@ class DecodeLoop {
     }
     return {out, counts, return_logits ? logits_out : torch::empty({0}), captured};
   }
+
+  // The token after whose first occurrence a model trained with coupled positions restarts
+  // its rotary positions (-1: none).
+  void set_anchor_token(int64_t id) { anchor_tok_ = id; }
 
   // Whether a forward of `rows` rows runs here with the arithmetic decode_layer gives them:
   // with every projection packed, up to kPanelRows rows; without, the few rows the row-major
@@ -312,6 +327,7 @@ class DecodeLoop {
     std::vector<int64_t> capture;      // per layer: its index among the captured layers, or -1
     int64_t C = 0;
     float* captured = nullptr;         // [B, steps, C, d]: the residual stream after those layers
+    int64_t* anchor = nullptr;         // [B] or null: each row's first anchor token (coupled positions)
   };
 
   template <typename wt>
@@ -528,6 +544,11 @@ class DecodeLoop {
             slot[T] = st.tab[b * st.MB + p / block_size_] * block_size_ + p % block_size_;
             ctx[T] = p + 1;
             rpos[T] = p;
+            if (st.anchor) {                 // coupled positions: count from the row's first anchor
+              int64_t& a = st.anchor[b];
+              if (a < 0 && next[b] == anchor_tok_) a = p;
+              if (a >= 0 && a < p) rpos[T] = p - a;
+            }
             rtab[T] = st.tab + b * st.MB;
             std::copy(embed + next[b] * d, embed + (next[b] + 1) * d, x.data() + T * d);
             ++T;
@@ -577,6 +598,7 @@ class DecodeLoop {
   }
 
   std::vector<LayerWeights> layers_;
+  int64_t anchor_tok_ = -1;
   torch::Tensor embed_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
   int64_t H_, KVH_, D_, block_size_;
   float scale_, eps_, qk_eps_, final_eps_;
@@ -626,6 +648,7 @@ void register_decode_loop(pybind11::module& m) {
                           torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double, double, double, int64_t>())
       .def("supports_rows", &DecodeLoop::supports_rows)
+      .def("set_anchor_token", &DecodeLoop::set_anchor_token)
       .def("forward_supports", &DecodeLoop::forward_supports)
       .def("forward", &DecodeLoop::forward, "one forward of query rows through every layer (CPU, float32)", nogil)
       .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);

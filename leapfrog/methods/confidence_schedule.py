@@ -299,7 +299,7 @@ def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
         one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         none = torch.full((1, 1), -1, dtype=torch.long)
         args = (ids.cpu(), pos.cpu(), tables.cpu(), one, 1, torch.zeros(1), zero, torch.ones(1), torch.zeros(1),
-                zero, zero, none, none, zero, False, [])
+                zero, zero, none, none, zero, False, [], torch.empty(0, dtype=torch.long))
         return lambda: loop.run(*args)
 
     def step() -> None:

@@ -329,8 +329,6 @@ class LlamaForCausalLM(nn.Module):
         or a cache is replaced or modified in place, as the fused layers' weight lists are."""
         if tp.world_size() > 1:          # the loop runs every layer of a whole model in one call
             return None
-        if self.coupled_anchor is not None:    # its rotary positions are the cache index
-            return None
         layers = self.model.layers
         attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
@@ -358,6 +356,8 @@ class LlamaForCausalLM(nn.Module):
             a.num_kv_heads, a.head_dim, block_size,
             a.attn.scale, layers[0].input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0,
             self.model.norm.eps, skinny_rows_max())
+        if self.coupled_anchor is not None:    # run() takes each row's anchor index
+            loop.set_anchor_token(self.coupled_anchor[1])
         watch = [(mod, name, p, p._version) for mod in self.modules()
                  for name, p in mod._parameters.items() if p is not None]
         self.__dict__["_decode_loop"] = (key, loop, watch)
