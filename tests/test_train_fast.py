@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from leapfrog.train import fast
+from leapfrog.train import fast, loop
 from leapfrog.train.loop import ModelShape, build_model, draw_windows, loss_on, train
 from leapfrog.train.prepare import prepare
 from leapfrog.train.recipes import tiny
@@ -106,6 +106,40 @@ def test_fast_run_with_dropout_and_mix_resumes_exactly_and_exports_the_best(data
     progress = json.loads((tmp_path / "a" / "run" / "progress.json").read_text())
     assert progress["step"] == 8 and progress["tokens"] == 8 * 4 * 32
     assert (tmp_path / "a" / "run" / "loss.png").stat().st_size > 1000
+
+
+def test_a_run_killed_while_averaging_resumes_onto_the_same_mean(data_dir, tmp_path, monkeypatch):
+    """average_from with keep_best: a run killed after the averaging began (its state saved at
+    step 6, the mean from step 4 on) resumes with the mean it had, and ends with the weights,
+    validation and export of the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    def config(root):
+        cfg = _fast_config(data_dir, root, 8)
+        cfg.average_from = 0.5
+        return cfg
+
+    train(config(tmp_path / "a"))
+    want = torch.load(tmp_path / "a" / "run" / "state.pt", weights_only=False)
+    assert want["history"]["averaged_steps"] == 5 and want["average"]["count"] == 5
+    save = loop.save_state
+
+    def killed_after_six(run_dir, model, opt, step, history, average=None):
+        save(run_dir, model, opt, step, history, average)
+        if step == 6:
+            raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(loop, "save_state", killed_after_six)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "b"))
+    assert torch.load(tmp_path / "b" / "run" / "state.pt", weights_only=False)["average"]["count"] == 3
+    monkeypatch.setattr(loop, "save_state", save)
+    train(config(tmp_path / "b"), resume=True)
+    got = torch.load(tmp_path / "b" / "run" / "state.pt", weights_only=False)
+    assert got["history"]["val"] == want["history"]["val"]
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    a, b = (load_file(str(tmp_path / x / "out" / "model.safetensors")) for x in "ab")
+    assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_unlikelihood_matches_its_definition():

@@ -41,15 +41,17 @@ def stories() -> TrainConfig:
     classics (training only; the tokenizer and the validation split are TinyStories'). 24,000
     steps x 4,096 tokens (40x the first stories run's 2.46M), which repeats TinyStories' 1.0M
     training tokens about 48 times and the classics' about 10: residual dropout 0.1 and weight
-    decay against overfitting, and the exported weights are those of the best validation loss.
-    The lean forward (train.fast), compiled, on every core. Runs for hours: state.pt every 5
-    minutes, `--resume` continues the exact schedule. Writes runs/stories/model, which
+    decay against overfitting. From step 21,000 on (the last eighth) the weights after every
+    step are averaged (SWA over the cosine tail); the mean is a candidate for the export, which
+    takes the best validation loss. The lean forward (train.fast), compiled, on every core.
+    Runs for hours: state.pt every 5 minutes, `--resume` continues the exact schedule. Writes runs/stories/model, which
     `stories-polish` finishes into checkpoints/stories."""
     cfg = _stories_base()
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories" / "model")
     cfg.batch_size, cfg.max_steps, cfg.warmup_steps = 16, 24000, 500
     cfg.eval_interval, cfg.ckpt_interval, cfg.ckpt_minutes = 500, 500, 5.0
     cfg.mix, cfg.dropout, cfg.keep_best = (("classics", 0.5),), 0.1, True
+    cfg.average_from = 0.875
     cfg.fast, cfg.compile, cfg.threads = True, True, os.cpu_count() or 1
     return cfg
 
@@ -69,7 +71,7 @@ def stories_polish() -> TrainConfig:
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-polish")
     cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr = 600, 10, 1e-4, 1e-5
     cfg.eval_interval, cfg.ckpt_interval = 100, 100
-    cfg.keep_best, cfg.compile, cfg.unlikelihood = False, False, 1.0
+    cfg.keep_best, cfg.compile, cfg.unlikelihood, cfg.average_from = False, False, 1.0, 0.0
     return cfg
 
 
@@ -92,7 +94,7 @@ def stories_large() -> TrainConfig:
     cfg.lora = LoraSpec(recipe=str(folder), rank=16)
     cfg.batch_size, cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 8, 600, 1e-3, 1e-4, 30
     cfg.eval_interval, cfg.eval_batches, cfg.ckpt_interval = 50, 8, 25
-    cfg.dropout, cfg.compile = 0.0, False
+    cfg.dropout, cfg.compile, cfg.average_from = 0.0, False, 0.0
     return cfg
 
 
