@@ -22,7 +22,7 @@ import torch
 
 from leapfrog.block_manager import BlockManager
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
-from leapfrog.runner import ModelRunner
+from leapfrog.runner import ModelRunner, rotary_anchor
 from leapfrog.sampling import Sampler
 from leapfrog.sequence import Sequence
 
@@ -90,7 +90,7 @@ class MultiStep:
         tables = t([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
         tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
         coupled = getattr(self.runner.model, "coupled_anchor", None)
-        anchors = t([_anchor(s, coupled[1]) for s in seqs]) if coupled else _NO_ANCHORS
+        anchors = t([rotary_anchor(s, coupled[1], len(s.token_ids)) for s in seqs]) if coupled else _NO_ANCHORS
         self.num_calls += 1
         if plan.logits_only:
             empty = torch.full((len(seqs), 1), -1, dtype=torch.long)
@@ -121,14 +121,6 @@ class MultiStep:
 
 
 _NO_ANCHORS = torch.empty(0, dtype=torch.long)
-
-
-def _anchor(seq: Sequence, anchor_id: int) -> int:
-    """The index of a sequence's first anchor token for a model trained with coupled positions,
-    -1 while it has none (the loop anchors a row that produces one)."""
-    if seq.rotary_anchor is None or seq.rotary_anchor < 0:
-        seq.rotary_anchor = seq.token_ids.index(anchor_id) if anchor_id in seq.token_ids else -1
-    return seq.rotary_anchor
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -69,10 +69,7 @@ class ModelRunner:
     def _rotary(seq, start: int, n: int, coupled: tuple[int, int]) -> list[int]:
         """Rotary positions of tokens start..start+n-1 of ``seq`` for a model trained with coupled
         positions: past the first anchor token they count from it (its cache slots do not)."""
-        if seq.rotary_anchor is None or seq.rotary_anchor < 0:     # not found yet: it may be generated
-            known = seq.token_ids[:start + n]
-            seq.rotary_anchor = known.index(coupled[1]) if coupled[1] in known else -1
-        a = seq.rotary_anchor
+        a = rotary_anchor(seq, coupled[1], start + n)
         return [p - a if 0 <= a < p else p for p in range(start, start + n)]
 
     def _groups(self, batch: Batch) -> list[AttnGroup]:
@@ -217,3 +214,13 @@ def micro_batches(batch: Batch, n: int) -> list[Batch]:
     if cur:
         parts.append(cur)
     return [Batch(p, batch.attn_block_size, batch.capture_layers) for p in parts]
+
+
+def rotary_anchor(seq, anchor_id: int, known: int) -> int:
+    """For a model trained with coupled positions: the index of ``seq``'s first anchor token
+    among its first ``known`` tokens, -1 while there is none (it may yet be generated). Kept in
+    ``seq.rotary_anchor`` once found."""
+    if seq.rotary_anchor is None or seq.rotary_anchor < 0:
+        head = seq.token_ids[:known]
+        seq.rotary_anchor = head.index(anchor_id) if anchor_id in head else -1
+    return seq.rotary_anchor

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from leapfrog.layers.rotary import coupled_positions
 from leapfrog.train import fast, loop
 from leapfrog.train.loop import ModelShape, build_model, draw_windows, loss_on, train
 from leapfrog.train.prepare import prepare
@@ -288,7 +289,7 @@ def test_coupled_positions_restart_after_the_first_anchor_of_each_example():
     bos, sep, eos = 1, 5, 2
     x = torch.tensor([[9, 9, bos, 10, 11, 12, sep, 20, 21, 22, eos, bos, 30, sep, 40, sep, 41]])
     want = [0, 1, 0, 1, 2, 3, 4, 1, 2, 3, 4, 0, 1, 2, 1, 2, 3]
-    assert fast.coupled_positions(x, bos, sep).tolist() == [want]
+    assert coupled_positions(x, bos, sep).tolist() == [want]
     # the fast forward at those positions is transformers' forward given them as position_ids
     torch.manual_seed(0)
     model = build_model(ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -296,7 +297,7 @@ def test_coupled_positions_restart_after_the_first_anchor_of_each_example():
     x = torch.randint(6, 101, (2, 30))
     x[:, [0, 12]], x[:, [5, 20]] = bos, sep
     y = torch.randint(0, 101, (2, 30))
-    pos = fast.coupled_positions(x, bos, sep)
+    pos = coupled_positions(x, bos, sep)
     logits = model(input_ids=x, position_ids=pos).logits
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 101), y.reshape(-1))
     cos, sin = fast.rope_table(model, 64)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from leapfrog.layers.rotary import coupled_positions  # noqa: F401  (the training side uses it from here)
-
 
 def supported(model) -> bool:
     """The lean forward covers dense Llama models with RoPE of the default kind."""

@@ -227,7 +227,7 @@ class FastNextToken(NextToken):
         self.fn_ul = build(fast.causal_lm_loss_ul) if self.ul > 0 else None
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        from leapfrog.train.fast import coupled_positions
+        from leapfrog.layers.rotary import coupled_positions
         positions = coupled_positions(batch[0], *self.anchor) if self.anchor is not None else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             if self.fn_ul is not None and model.training:
