@@ -35,8 +35,12 @@ $(DONE)/stories-run: | setup
 	$(LF) train stories --resume
 	@mkdir -p $(DONE) && touch $@
 
-$(DONE)/stories: $(DONE)/stories-run
+$(DONE)/stories-polish: $(DONE)/stories-run
 	$(LF) train stories-polish --resume
+	@touch $@
+
+$(DONE)/stories: $(DONE)/stories-polish
+	$(LF) train stories-unrepeat --resume
 	@touch $@
 
 $(DONE)/stories-moe: | $(DONE)/stories
