@@ -98,7 +98,7 @@ def stories_large() -> TrainConfig:
     The model of checkpoints/stories-large (stories grown 4x wider and 2x deeper, 146M
     parameters) rebuilt in memory, frozen, with a trainable W + B @ A on every attention and MLP
     projection (3.6M parameters, 7 MB as float16); B starts as small noise so the grown copies
-    drift apart (leapfrog.train.large). The stories data and mix; 600 steps x 2,048 tokens at
+    drift apart (leapfrog.train.large). The stories data and mix; 200 steps x 2,048 tokens at
     1e-3; validation from step 0, and the delta of the best validation loss is exported, so the
     model is never worse than stories on held-out text. Writes delta.safetensors, training.json
     and loss.png into checkpoints/stories-large, points its build.json at the delta and
@@ -109,7 +109,7 @@ def stories_large() -> TrainConfig:
     folder = REPO_ROOT / "checkpoints" / "stories-large"
     cfg.recipe, cfg.out_dir, cfg.run_dir = "stories-large", str(folder), str(REPO_ROOT / "runs" / "stories-large")
     cfg.lora = LoraSpec(recipe=str(folder), rank=16)
-    cfg.batch_size, cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 8, 600, 1e-3, 1e-4, 30
+    cfg.batch_size, cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 8, 200, 1e-3, 1e-4, 30
     cfg.eval_interval, cfg.eval_batches, cfg.ckpt_interval = 50, 8, 25
     cfg.dropout, cfg.compile, cfg.average_from = 0.0, False, 0.0
     return cfg
