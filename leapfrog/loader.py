@@ -170,7 +170,48 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     model.to(dtype)
     load_weights(model, weight_files(folder))
     model.coupled_anchor = coupled_anchor(folder)
+    ban_tokens(model, suppressed_tokens(folder, int(cfg.get("vocab_size") or 0)))
     return model.eval()
+
+
+def suppressed_tokens(folder: Path, vocab_size: int) -> list[int]:
+    """The ids the folder's generation_config.json lists under `suppress_tokens` (transformers'
+    key): tokens the model must never generate, whatever a request asks."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        ids = json.loads(path.read_text()).get("suppress_tokens")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a valid JSON object ({e})") from None
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            and 0 <= i < (vocab_size or 1 << 62) for i in ids):
+        raise CheckpointError(f"{path}: suppress_tokens={ids!r}: expected a list of token ids "
+                              f"below the vocabulary size {vocab_size}")
+    return ids
+
+
+def ban_tokens(model: nn.Module, ids: list[int]) -> None:
+    """Make the LM head's logits of `ids` a large negative number through its bias, so that
+    every decoding path (the C++ decode loop, speculative verification, diffusion, sampling)
+    sees them as impossible. A pipeline stage without the head has nothing to do."""
+    head = getattr(model, "lm_head", None)
+    if not ids or head is None:
+        return
+    from leapfrog.layers import parallel as tp
+    dtype = head.weight.dtype
+    ban = torch.zeros(head.out_features * tp.tp_size(), dtype=dtype)
+    ban[ids] = -min(1e9, torch.finfo(dtype).max / 2)       # finite: no inf * 0 downstream
+    local = nn.Parameter(torch.zeros(head.out_features, dtype=dtype, device=head.weight.device),
+                         requires_grad=False)
+    loader = tp.rows_loader if tp.tp_size() > 1 else default_weight_loader    # the head is column-parallel
+    loader(local, ban)
+    if head.bias is None:
+        head.bias = local
+    else:
+        head.bias.data.add_(local.data)
 
 
 def coupled_anchor(folder: Path) -> tuple[int, int] | None:

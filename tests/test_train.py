@@ -482,3 +482,27 @@ def test_kill_9_mid_run_resumes_on_the_uninterrupted_curve(data_dir, tmp_path):
     got = torch.load(state, weights_only=False)["history"]["train"]
     assert [s for s, _ in got] == list(range(1, 151))
     assert got == want and summary["val_loss"] == reference["val_loss"]
+
+
+def test_a_couplets_export_never_generates_its_end_of_prompt_marker(data_dir, tmp_path, monkeypatch):
+    """The couplets tokenizer ends every prompt with <sep> and no completion holds one: the export
+    lists it under generation_config.json's suppress_tokens, which leapfrog and transformers obey."""
+    import leapfrog.data.corpus as d
+    from transformers import AutoTokenizer
+    from leapfrog import LLM, SamplingParams
+
+    monkeypatch.setattr(d, "CACHE_DIR", tmp_path / "cache")
+    cfg = tiny("couplets", tmp_path / "couplets", tmp_path / "run")
+    cfg.data_dir, cfg.max_steps = str(data_dir), 2
+    train(cfg)
+    sep = AutoTokenizer.from_pretrained(cfg.out_dir).convert_tokens_to_ids(fmt.SEP)
+    gen = json.loads((Path(cfg.out_dir) / "generation_config.json").read_text())
+    assert gen["suppress_tokens"] == [sep]
+    out = LLM(cfg.out_dir).generate(["天地山水"], SamplingParams(max_tokens=24, temperature=1.0, seed=0,
+                                                             ignore_eos=True, logprobs=20))[0]
+    assert sep not in out.token_ids and all(sep not in dict(e["top"]) for e in out.logprobs)
+
+
+def test_a_stories_export_suppresses_nothing(trained):
+    cfg, _ = trained
+    assert "suppress_tokens" not in json.loads((Path(cfg.out_dir) / "generation_config.json").read_text())

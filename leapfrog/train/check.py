@@ -76,9 +76,12 @@ def _coupled_greedy(model, tok, prompt: str, max_new_tokens: int = 64, do_sample
     a = prompt_ids.index(anchor) if anchor in prompt_ids else -1     # restart after it
     ids = torch.tensor([prompt_ids])
     out = model(input_ids=ids, position_ids=coupled_positions(ids, *model.coupled_anchor), use_cache=True)
+    banned = list(getattr(model.generation_config, "suppress_tokens", None) or [])   # as generate() does
     new = []
     while len(new) < max_new_tokens:
-        nxt = int(out.logits[0, -1].argmax())
+        logits = out.logits[0, -1].clone()
+        logits[banned] = float("-inf")
+        nxt = int(logits.argmax())
         new.append(nxt)
         if nxt == tok.eos_token_id:
             break

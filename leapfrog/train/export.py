@@ -38,6 +38,11 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
     small.generation_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                    pad_token_id=tok.eos_token_id,
                                    **GENERATION_DEFAULTS.get(cfg.name, {}))
+    if cfg.tokenizer.end_of_prompt:
+        # The tokenizer ends every prompt with this marker and no completion holds one, so the
+        # model must never emit it (a small model's spread first-token distribution can make the
+        # marker the argmax); transformers' generate and leapfrog's loader honour the key.
+        small.generation_config.suppress_tokens = [tok.convert_tokens_to_ids(cfg.tokenizer.end_of_prompt)]
     small.save_pretrained(out, safe_serialization=True)
     if cfg.init_from:      # the tokenizer the weights were trained with, byte for byte
         for name in TOKENIZER_FILES:

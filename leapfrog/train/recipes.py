@@ -168,14 +168,14 @@ def _couplets_base() -> TrainConfig:
 
 
 def couplets() -> TrainConfig:
-    """Chinese couplets, 上联 -> 下联 and 关键词 -> 上联/下联/横批: one plain run, 6 layers, 31M tokens.
+    """Chinese couplets, 上联 -> 下联 and 关键词 -> 上联/下联/横批: one plain run, 6 layers, 16M tokens.
 
     One token per character (max piece length 1), <sep> between the sides; the tokenizer ends
     every encoded prompt with <sep> (leapfrog.data.couplets) and encodes a character outside its
     vocabulary as one <unk> (no byte fallback), so a 上联 is as many tokens as characters. The
     data options of the first chain's later stages from the start: pairs whose 上联 has 8+
-    characters seen 3x, 10,000 pairs with 1-2 out-of-vocabulary characters. 15,000 steps x 2,048
-    tokens with residual dropout 0.1 (the 4.0M-token stream about 8 times over), the best validation
+    characters seen 3x, 10,000 pairs with 1-2 out-of-vocabulary characters. 8,000 steps x 2,048
+    tokens with residual dropout 0.1 (the 4.0M-token stream about 4 times over), the best validation
     weights exported; the lean forward, compiled, on every core; state.pt every 5 minutes.
     Coupled positions: the rotary positions restart after an example's first <sep>, so the
     下联's j-th character sits at the position of the 上联's j-th (Cho et al. 2024); the export
@@ -185,7 +185,7 @@ def couplets() -> TrainConfig:
                            intermediate_size=704, max_position=256)
     cfg.tokenizer = replace(cfg.tokenizer, byte_fallback=False)
     cfg.long_repeats, cfg.rare_chars = 2, 10000
-    cfg.max_steps, cfg.warmup_steps = 15000, 300
+    cfg.max_steps, cfg.warmup_steps = 8000, 300
     cfg.eval_interval, cfg.ckpt_interval, cfg.ckpt_minutes = 500, 500, 5.0
     cfg.dropout, cfg.keep_best = 0.1, True
     cfg.fast, cfg.compile, cfg.threads = True, True, os.cpu_count() or 1
