@@ -152,7 +152,10 @@ def check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list
 
 
 def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> nn.Module:
+               dtype: torch.dtype = torch.float32, suppress: bool = True) -> nn.Module:
+    """The folder's model, ready to decode. ``suppress=False`` keeps the raw distribution
+    (no generation_config.json `suppress_tokens` ban), for scoring texts whose every token counts,
+    prompt markers included."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
@@ -170,7 +173,8 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     model.to(dtype)
     load_weights(model, weight_files(folder))
     model.coupled_anchor = coupled_anchor(folder)
-    ban_tokens(model, suppressed_tokens(folder, int(cfg.get("vocab_size") or 0)))
+    if suppress:
+        ban_tokens(model, suppressed_tokens(folder, int(cfg.get("vocab_size") or 0)))
     return model.eval()
 
 

@@ -66,3 +66,15 @@ def test_bad_suppress_tokens_names_the_file(family_dirs, tmp_path, value):
     folder = with_suppressed(family_dirs["llama"], tmp_path / "m", value)
     with pytest.raises(CheckpointError, match=r"generation_config\.json: suppress_tokens="):
         load_model(folder)
+
+
+def test_scoring_keeps_the_raw_distribution(family_dirs, tmp_path):
+    """leapfrog eval's scorer loads with suppress=False: a text's every token is scored, and the
+    couplets prompt marker it bans from generation is one of them."""
+    folder = with_suppressed(family_dirs["llama"], tmp_path / "m", [5, 9])
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        a, b, c = (m.forward_dense(ids) for m in (load_model(family_dirs["llama"]),
+                                                  load_model(folder, suppress=False), load_model(folder)))
+    assert torch.equal(a, b)
+    assert (c[..., [5, 9]] < -1e8).all() and torch.equal(c[..., :5], a[..., :5])

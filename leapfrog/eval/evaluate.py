@@ -100,7 +100,7 @@ def load_scorer(name: str, device):
     from leapfrog.loader import load_model, read_config
     from leapfrog.tokenizer import Tokenizer
     folder = resolve_model(name)
-    model = load_model(folder, device, torch.float32)
+    model = load_model(folder, device, torch.float32, suppress=False)   # scores the prompt's markers too
     max_len = int(read_config(folder).get("max_position_embeddings", 2048))
     return model, Tokenizer.from_folder(folder), max_len
 

@@ -69,7 +69,7 @@ def rare_char_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random
     Rare characters are too few in the data for the model to learn how to answer them. With
     byte fallback such a character is its three UTF-8 bytes, and a model tends to answer the
     byte count instead of the character count; with a tokenizer that encodes it as one <unk>
-    (``TokenizerSpec.byte_fallback`` False, recipe `couplets-swa`) these pairs teach one 下联
+    (``TokenizerSpec.byte_fallback`` False, recipe `couplets`) these pairs teach one 下联
     character per <unk>. Punctuation is never replaced; pairs whose sides differ in length are
     never used."""
     rare = [chr(c) for c in range(0x4E00, 0x9FA6) if chr(c) not in in_vocab]
@@ -104,31 +104,3 @@ def with_rare_chars(prep, name: str, count: int, seed: int, data_dir: str | None
 
     key = data.fingerprint(str(prep.tokenizer_dir), len(prep.train), count, seed)
     return extended(prep, data.CACHE_DIR / f"{name}-rare" / key / "train.bin", docs)
-
-
-def trim_vocab(folder: str, tokenizer_dir: str, out: str) -> int:
-    """Copy checkpoint ``folder`` to ``out`` with the tokenizer of ``tokenizer_dir``, whose
-    vocabulary must be a prefix of the folder's: embedding rows past it are dropped. How the
-    `couplets` stage-1 weights moved to the tokenizer that the current format trains
-    (runs/couplets-continue/init): the extra <sep>s shift SentencePiece's character coverage, so
-    a few rare characters leave the vocabulary. Returns the new vocabulary size."""
-    import shutil
-    from pathlib import Path
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    old, new = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(tokenizer_dir)
-    n = len(new)
-    if any(old.convert_ids_to_tokens(i) != new.convert_ids_to_tokens(i) for i in range(n)):
-        raise ValueError(f"{tokenizer_dir}: vocabulary is not a prefix of {folder}'s")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.resize_token_embeddings(n)  # keeps rows [0, n); tied lm_head follows
-    Path(out).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
-        shutil.copy(Path(tokenizer_dir) / name, Path(out) / name)
-    for name in ("generation_config.json", "training.json"):
-        if (Path(folder) / name).is_file():
-            shutil.copy(Path(folder) / name, Path(out) / name)
-    return n

@@ -8,7 +8,6 @@ of a shipped checkpoint (its training.json and README name the chain), apart fro
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -146,127 +145,36 @@ def _in_runs(cfg: TrainConfig, recipe: str) -> None:
     cfg.run_dir = str(REPO_ROOT / "runs" / recipe)
 
 
-def _couplets_base() -> TrainConfig:
-    """The first couplets chain's stage 1 (Chinese couplets, 上联 -> 下联 and 关键词 -> 上联/下联/横批),
-    the base of that chain's later stages.
-
-    One token per character (max piece length 1), <sep> between the sides; the tokenizer ends
-    every encoded prompt with <sep> (leapfrog.data.couplets). Writes checkpoints/couplets."""
-    return TrainConfig(
-        name="couplets",
-        out_dir=str(REPO_ROOT / "checkpoints" / "couplets"),
-        run_dir=str(REPO_ROOT / "runs" / "couplets"),
-        model=ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                         intermediate_size=704, max_position=256),
-        tokenizer=TokenizerSpec(vocab_size=8000, specials=["<mask>", "<sep>"], max_piece_length=1,
-                                character_coverage=0.9995, add_dummy_prefix=False,
-                                end_of_prompt="<sep>"),
-        seq_len=128, batch_size=16, max_steps=3600, lr=2e-3, min_lr=1e-4, warmup_steps=100,
-        align_to_bos=True,
-        eval_interval=250, eval_batches=16, ckpt_interval=50,
-    )
-
-
 def couplets() -> TrainConfig:
     """Chinese couplets, 上联 -> 下联 and 关键词 -> 上联/下联/横批: one plain run, 6 layers, 16M tokens.
 
     One token per character (max piece length 1), <sep> between the sides; the tokenizer ends
-    every encoded prompt with <sep> (leapfrog.data.couplets) and encodes a character outside its
-    vocabulary as one <unk> (no byte fallback), so a 上联 is as many tokens as characters. The
-    data options of the first chain's later stages from the start: pairs whose 上联 has 8+
-    characters seen 3x, 10,000 pairs with 1-2 out-of-vocabulary characters. 8,000 steps x 2,048
-    tokens with residual dropout 0.1 (the 4.0M-token stream about 4 times over), the best validation
-    weights exported; the lean forward, compiled, on every core; state.pt every 5 minutes.
+    every encoded prompt with <sep> (leapfrog.data.couplets), and the export lists <sep> under
+    generation_config.json's suppress_tokens (no completion holds one). A character outside the
+    vocabulary is one <unk> (no byte fallback), so a 上联 is as many tokens as characters.
+    Pairs whose 上联 has 8+ characters are seen 3x (``long_repeats``); 10,000 pairs get 1-2
+    characters outside the vocabulary (``rare_chars``). 8,000 steps x 2,048 tokens with residual
+    dropout 0.1 (the 4.0M-token stream about 4 times over), the last weights exported (the best-
+    validation ones, step 2,000, wrote 60% of keyword couplets well formed against 92.5%);
+    the lean forward, compiled, on every core; state.pt every 5 minutes.
     Coupled positions: the rotary positions restart after an example's first <sep>, so the
     下联's j-th character sits at the position of the 上联's j-th (Cho et al. 2024); the export
     declares it in leapfrog.json and the engine decodes with it. Writes checkpoints/couplets."""
-    cfg = _couplets_base()
-    cfg.model = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
-                           intermediate_size=704, max_position=256)
-    cfg.tokenizer = replace(cfg.tokenizer, byte_fallback=False)
-    cfg.long_repeats, cfg.rare_chars = 2, 10000
-    cfg.max_steps, cfg.warmup_steps = 8000, 300
-    cfg.eval_interval, cfg.ckpt_interval, cfg.ckpt_minutes = 500, 500, 5.0
-    cfg.dropout, cfg.keep_best = 0.1, True
-    cfg.fast, cfg.compile, cfg.threads = True, True, os.cpu_count() or 1
-    cfg.coupled_positions = "<sep>"
-    return cfg
-
-
-def couplets_continue() -> TrainConfig:
-    """couplets stage 2: the weights moved to the current prompt format (prompts end in <sep>).
-
-    Continues at a modest learning rate from runs/couplets-continue/init, the stage-1 weights
-    cut to the current tokenizer by ``leapfrog.train.couplets.trim_vocab`` (the first stage had
-    the model emit <sep> itself). Same data, tokenizer spec and seed as `couplets`; writes
-    runs/couplets-continue/model, which is copied over checkpoints/couplets."""
-    cfg = _couplets_base()
-    cfg.recipe = "couplets-continue"
-    cfg.init_from = str(REPO_ROOT / "runs" / "couplets-continue" / "init")
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-continue" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-continue")
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 2200, 5e-4, 5e-5, 50
-    return cfg
-
-
-def couplets_long() -> TrainConfig:
-    """couplets stage 3: continued with pairs whose 上联 has 8+ characters seen 3x.
-
-    The model matches the 上联's length on short 上联 but loses count on long ones, so those
-    pairs get 2 extra copies (``long_repeats``). Starts from checkpoints/couplets; same tokenizer
-    (trained on the plain examples), data and seed as `couplets`; writes runs/couplets-long/model,
-    which is copied over checkpoints/couplets."""
-    cfg = _couplets_base()
-    cfg.recipe = "couplets-long"
-    cfg.init_from = str(REPO_ROOT / "checkpoints" / "couplets")
-    cfg.out_dir = str(REPO_ROOT / "runs" / "couplets-long" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "couplets-long")
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1400, 3e-4, 3e-5, 50
-    cfg.long_repeats = 2
-    return cfg
-
-
-def couplets_rft() -> TrainConfig:
-    """couplets stage 4: couplets-long plus the model's own right-length 下联 (rejection sampling).
-
-    The couplets-long stream plus, for every training 上联 of 12+ characters, one distinct
-    right-length 下联 out of 4 candidates the current checkpoints/couplets samples at T=0.8
-    (rejection-sampling fine-tuning on the length rule, ``leapfrog.train.distill.rejection_sampled``).
-    Writes runs/couplets-rft/model, which is copied over checkpoints/couplets; it is one of the
-    two ingredients of the shipped soup."""
-    from leapfrog.train.distill import RejectionSpec
-
-    cfg = couplets_long()
-    _in_runs(cfg, "couplets-rft")
-    cfg.rejection = RejectionSpec(parent=str(REPO_ROOT / "checkpoints" / "couplets"))
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 2e-4, 2e-5, 50
-    return cfg
-
-
-def couplets_swa() -> TrainConfig:
-    """couplets stage 5: length-forced self-training, rare characters as <unk>, weights averaged.
-
-    From stage 4's weights (checkpoints/couplets), on the couplets-long stream plus:
-    - length-forced candidates: for every training 上联 of 8+ characters two samples (T=0.8) by
-      that model with end-of-text banned until the 上联's length and the 下联 cut there, one kept
-      whose punctuation mirrors the 上联's (``RejectionSpec.force_length``); unlike plain
-      rejection sampling this covers the 上联 the model never gets right on its own;
-    - 10,000 pairs whose 上联 has 1-2 characters outside the vocabulary
-      (``leapfrog.train.couplets.rare_char_pairs``), with a tokenizer that encodes such a
-      character as one <unk> instead of its UTF-8 bytes (``TokenizerSpec.byte_fallback`` False;
-      same vocabulary and ids), so a 上联 is as many tokens as characters;
-    - the exported weights are the mean of the weights after each of the last 500 steps
-      (``TrainConfig.average_from``), which takes out some of the run-to-run noise of such
-      fine-tunes.
-    Writes runs/couplets-swa/model; the shipped couplets is the equal-weight soup of stage 4 and
-    this (``python -m leapfrog.train.soup``; WiSE-FT / model soups, Wortsman et al. 2022)."""
-    cfg = couplets_rft()
-    _in_runs(cfg, "couplets-swa")
-    cfg.rejection.min_chars, cfg.rejection.samples, cfg.rejection.force_length = 8, 2, True
-    cfg.tokenizer = replace(cfg.tokenizer, byte_fallback=False)
-    cfg.rare_chars = 10000
-    cfg.average_from = 0.5
-    return cfg
+    return TrainConfig(
+        name="couplets",
+        out_dir=str(REPO_ROOT / "checkpoints" / "couplets"),
+        run_dir=str(REPO_ROOT / "runs" / "couplets"),
+        model=ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
+                         intermediate_size=704, max_position=256),
+        tokenizer=TokenizerSpec(vocab_size=8000, specials=["<mask>", "<sep>"], max_piece_length=1,
+                                character_coverage=0.9995, add_dummy_prefix=False,
+                                end_of_prompt="<sep>", byte_fallback=False),
+        seq_len=128, batch_size=16, max_steps=8000, lr=2e-3, min_lr=1e-4, warmup_steps=300,
+        align_to_bos=True, long_repeats=2, rare_chars=10000,
+        eval_interval=500, eval_batches=16, ckpt_interval=500, ckpt_minutes=5.0,
+        dropout=0.1, keep_best=False, fast=True, compile=True, threads=os.cpu_count() or 1,
+        coupled_positions="<sep>",
+    )
 
 
 def stories_diffusion() -> TrainConfig:
@@ -368,8 +276,7 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories": stories, "stories-polish": stories_polish, "stories-unrepeat": stories_unrepeat, "stories-moe": stories_moe, "stories-large": stories_large, "tiny": tiny,
-    "couplets": couplets, "couplets-continue": couplets_continue, "couplets-long": couplets_long,
-    "couplets-rft": couplets_rft, "couplets-swa": couplets_swa,
+    "couplets": couplets,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,

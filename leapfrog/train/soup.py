@@ -8,8 +8,7 @@ partly cancels. The result is an ordinary Hugging Face folder (the last ingredie
 config and generation config; the weights in its dtype), with training.json, README.md and
 SHA256SUMS rewritten.
 
-    python -m leapfrog.train.soup checkpoints/couplets runs/couplets-swa/model \\
-        --weights 0.5 0.5 --out runs/couplets-soup/model
+    python -m leapfrog.train.soup runs/a/model runs/b/model --weights 0.5 0.5 --out runs/soup/model
 """
 from __future__ import annotations
 
