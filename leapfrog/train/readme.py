@@ -39,7 +39,8 @@ COUPLET_FORMATS = """## Prompt formats
 - **Pair mode** (no template): the prompt is the raw 上联, the completion is the 下联.
   Trained as `<s>上联<sep>下联</s>`. Greedy decoding is the default (generation_config.json).
   A prompt that already ends with the text `<sep>` (the format before the tokenizer added it)
-  encodes as `上联<sep><sep>`; 3% of the pair examples are written that way so it still works.
+  encodes as `上联<sep><sep>`; 3% of the pair examples are written that way (how well that case
+  does is `length_match_explicit_sep` above).
 - **Keyword mode**: prompt `关键词：春 福\\n` (1-3 keywords of 1-2 characters, separated by spaces,
   ending with a newline); completion `上联：…\\n下联：…\\n横批：…` then `</s>`, trained as
   `<s>关键词：春 福\\n<sep>上联：…</s>`.
