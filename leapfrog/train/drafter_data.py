@@ -43,10 +43,11 @@ def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict
     from leapfrog.data.corpus import fingerprint, heldout, train_items
     from leapfrog.data.stories import story_opening
 
-    # Next to the run folders (runs/drafter-data/), shared by every variant of one target.
-    key = fingerprint(str(Path(target_dir).resolve()), weights_digest(target_dir), r.num_regen, r.num_val, r.regen_tokens,
-                      r.seed, r.data_dir)
-    path = Path(r.run_dir).parent / "drafter-data" / f"{Path(target_dir).name}-{key}.pt"
+    # Next to the run folders (runs/drafter-data/), shared by every variant of one target. Keyed by
+    # the target's weights, not its folder: a built model's folder is named by its whole recipe
+    # (drafters included), so shipping one drafter must not make the next regenerate the same text.
+    key = fingerprint(weights_digest(target_dir), r.num_regen, r.num_val, r.regen_tokens, r.seed, r.data_dir)
+    path = Path(r.run_dir).parent / "drafter-data" / f"{r.target}-{key}.pt"
     if path.is_file():
         return tuple(torch.load(path))
     g = torch.Generator().manual_seed(r.seed)
