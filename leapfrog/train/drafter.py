@@ -246,8 +246,10 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     target = load_model(target_dir).requires_grad_(False)
     tcfg = read_config(target_dir)
     mask_id = mask_token_id(target_dir)
-    if r.init_from:                      # continue on the taps the saved drafter reads
-        r.taps = saved_taps(r.init_from) or r.taps
+    taps = saved_taps(r.init_from) if r.init_from else None
+    if taps and taps != r.taps:          # continue on the taps the saved drafter reads; the
+        r.taps = taps                    # recorded command names them (it must rebuild this recipe)
+        r.command += " --taps " + ",".join(map(str, taps))
     train, val = load_data(r, target_dir)
     drafter = init_drafter(narrow_shape(drafter_config(r, tcfg, mask_id), r.init_from), r.seed, target)
     if r.init_from:
