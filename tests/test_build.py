@@ -206,11 +206,16 @@ def test_a_narrow_drafter_distils_against_the_grown_target_and_ships_in_the_reci
     start = built / "drafters" / "dspark"
     out = recipe / "drafters" / "dspark"                  # trained into the recipe folder itself
     r = DrafterRecipe(name="dspark-markov", target=str(built), kind="dspark", num_layers=1, markov_rank=8,
-                      num_draft=4, taps=[0, 2], steps=4, seqs_per_step=2, anchors=8, lr=3e-3, warmup=1,
+                      num_draft=4, taps=[9], steps=4, seqs_per_step=2, anchors=8, lr=3e-3, warmup=1,
                       eval_interval=2, ckpt_interval=2, num_regen=6, num_val=3, regen_tokens=20,
-                      init_from=str(start), out_dir=str(out), run_dir=str(tmp_path / "run"))
+                      init_from=str(start), out_dir=str(out), run_dir=str(tmp_path / "run"),
+                      command="leapfrog train drafter dspark-markov")
     summary = train_drafter(r)
-    assert summary["narrow"] and r.taps == json.loads((start / "config.json").read_text())["target_layer_ids"]
+    taps = json.loads((start / "config.json").read_text())["target_layer_ids"]
+    assert summary["narrow"] and r.taps == taps != [9]
+    # the taps came from --init-from: the recorded command names them, so it rebuilds this recipe
+    recorded = json.loads((out / "training.json").read_text())["recipe"]
+    assert recorded["taps"] == taps and recorded["command"].endswith("--taps " + ",".join(map(str, taps)))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["target_hidden_size"] == 2 * cfg["hidden_size"]
     before, after = load_file(str(start / "model.safetensors")), load_file(str(out / "model.safetensors"))
