@@ -10,8 +10,6 @@ the data-side half of self-distillation recipes for parallel decoding (dParallel
 al. 2024): the objective is unchanged (block-wise masked diffusion, MultiTF). Validation stays
 on held-out human text, so the reported validation loss is comparable with the other stages.
 
-Also here: rejection-sampled self-training for the couplets recipes (``rejection_sampled``).
-
 The stream is cached under data_cache/<name>-distill/<key>/ (key: parent folder and its weights'
 size and mtime, counts, seed), so a resumed run regenerates nothing.
 """
@@ -86,79 +84,3 @@ def distilled(prep, name: str, spec: DistillSpec, seed: int, data_dir: str | Non
         data.write_stream(path, docs)
     stream = data.load_stream(path)
     return replace(prep, train=stream, num_train_items=int((np.asarray(stream) == 1).sum()))
-
-
-@dataclass(slots=True)
-class RejectionSpec:
-    """Rejection-sampled self-training for `couplets` (expert iteration on the length rule)."""
-    parent: str                      # the couplets model that writes the candidates
-    min_chars: int = 12              # training 上联 at least this long (where length slips)
-    samples: int = 4                 # candidates per 上联 (sampled at `temperature`)
-    temperature: float = 0.8
-    keep: int = 1                    # distinct right-length candidates kept per 上联
-    # Length-forced candidates: end-of-text banned before the 上联's length and the 下联 cut
-    # there, kept when its punctuation sits where the 上联's does. Covers the 上联 for which no
-    # free sample came out right (the hard ones rejection sampling leaves out).
-    force_length: bool = False
-
-
-def same_punctuation(up: str, down: str) -> bool:
-    """Punctuation at the same places on both sides (the clause structure of a couplet)."""
-    from leapfrog.data.couplets import PUNCT
-
-    return len(up) == len(down) and all((a in PUNCT) == (b in PUNCT) for a, b in zip(up, down))
-
-
-def rejection_sampled(prep, name: str, spec: RejectionSpec, seed: int, data_dir: str | None):
-    """`prep` with its training stream extended by the parent's own 下联 for training 上联 of
-    `min_chars`+ characters, `samples` candidates each, keeping up to `keep` distinct ones that
-    end (</s>) with exactly the 上联's length. The model then trains on its own outputs that obey
-    the rule it breaks on long 上联 (rejection-sampling fine-tuning / expert iteration), next to
-    the original data. Cached like `distilled`."""
-    parent = _parent(spec.parent, prep, name)
-    key = data.fingerprint(str(parent.resolve()), _stamp(parent), spec.min_chars, spec.samples,
-                           spec.temperature, spec.keep, seed, len(prep.train),
-                           *(["forced"] if spec.force_length else []),
-                           _stamp(Path(prep.tokenizer_dir)))
-    return extended(prep, data.CACHE_DIR / f"{name}-rejection" / key / "train.bin",
-                    lambda: _candidates(parent, name, spec, seed, data_dir, prep.tokenizer_dir))
-
-
-def _candidates(parent: Path, name: str, spec: RejectionSpec, seed: int, data_dir: str | None,
-                tokenizer_dir) -> list:
-    """The kept candidates of `rejection_sampled`, as <s>上联<sep>下联</s> token ids, encoded by
-    the stream's tokenizer (``tokenizer_dir``: same vocabulary as the parent's, but it may encode
-    a rare character differently, see ``TokenizerSpec.byte_fallback``)."""
-    from transformers import AutoTokenizer
-
-    from leapfrog import LLM, SamplingParams
-    from leapfrog.data.couplets import pair_text
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    ups = sorted({u for u, _ in data.train_items(name, data_dir)["pairs"] if len(u) >= spec.min_chars})
-    print(f"rejection sampling: {len(ups)} 上联 x {spec.samples} candidates by {parent}",
-          file=sys.stderr, flush=True)
-    llm = LLM(str(parent), method="ar", max_batch_size=64)
-    prompts = [u for u in ups for _ in range(spec.samples)]
-    if spec.force_length:
-        params = [SamplingParams(min_tokens=len(u), max_tokens=len(u), temperature=spec.temperature,
-                                 seed=seed + i) for i, u in enumerate(prompts)]
-    else:
-        params = [SamplingParams(max_tokens=len(u) + 8, temperature=spec.temperature, seed=seed + i)
-                  for i, u in enumerate(prompts)]
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    kept: dict[str, list] = {}
-    for u, o in zip(prompts, outs):
-        mine = kept.setdefault(u, [])
-        if spec.force_length:
-            ok = len(o.text) == len(u) and same_punctuation(u, o.text)
-        else:
-            ok = o.finish_reason == "stop" and len(o.text) == len(u)
-        if ok and len(mine) < spec.keep and all(o.text != t for t in mine):
-            mine.append(o.text)
-    body = [pair_text(u, t) for u, m in kept.items() for t in m]
-    docs = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in tok(body, add_special_tokens=False).input_ids]
-    print(f"rejection sampling: kept {len(docs)} 下联 for {sum(bool(m) for m in kept.values())} "
-          f"of {len(ups)} 上联", file=sys.stderr, flush=True)
-    return docs

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from leapfrog.train.diffusion import DiffusionSpec
-from leapfrog.train.distill import DistillSpec, RejectionSpec
+from leapfrog.train.distill import DistillSpec
 from leapfrog.train.large import LoraSpec
 from leapfrog.train.tokenizer import TokenizerSpec
 
@@ -86,7 +86,6 @@ class TrainConfig:
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
     rare_chars: int = 0                         # couplets: pairs with out-of-vocabulary 上联 characters
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
-    rejection: RejectionSpec | None = None      # couplets: add the parent's right-length 下联 (train.distill)
     # > 0: the exported weights are the mean of the weights after every step from this fraction
     # of max_steps on (stochastic weight averaging over the cosine tail), not the last step's.
     average_from: float = 0.0
@@ -394,8 +393,8 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
 
 def training_data(cfg: TrainConfig):
     """The tokenizer and token streams of cfg's dataset (train.prepare), with the training
-    stream replaced by a parent's text (``distill``) or extended by rejection-sampled pairs
-    (``rejection``) and rare-character pairs (``rare_chars``) where the recipe asks."""
+    stream replaced by a parent's text (``distill``) or extended by rare-character pairs
+    (``rare_chars``) where the recipe asks."""
     from leapfrog.train.prepare import prepare
 
     prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
@@ -403,9 +402,6 @@ def training_data(cfg: TrainConfig):
     if cfg.distill is not None:
         from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
-    if cfg.rejection is not None:
-        from leapfrog.train.distill import rejection_sampled
-        prep = rejection_sampled(prep, cfg.name, cfg.rejection, cfg.seed, cfg.data_dir)
     if cfg.rare_chars:
         from leapfrog.train.couplets import with_rare_chars
         prep = with_rare_chars(prep, cfg.name, cfg.rare_chars, cfg.seed, cfg.data_dir)
