@@ -84,6 +84,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def is_stop_token(self, token: int) -> bool:
+        """Whether `token` ends this request: one of its stop token ids, or an end-of-text token
+        unless it ignores them."""
+        p = self.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+
+    def finishes_with(self, token_ids: list[int]) -> bool:
+        """Whether committing `token_ids` ends this request (a stop token, or max_tokens)."""
+        return (self.num_output_tokens + len(token_ids) >= self.params.max_tokens
+                or any(self.is_stop_token(t) for t in token_ids))
+
     @property
     def sort_key(self) -> tuple[int, float, int]:
         """Lower runs first: priority class, then arrival (FIFO)."""

@@ -210,7 +210,7 @@ def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(l
         def __init__(self) -> None:
             self.n = 0
 
-        def should_draft(self, records) -> bool:
+        def should_draft(self, records, batch=None) -> bool:
             self.n += 1
             return self.n % 6 == 0
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="concurrent requests (default: 1 4 16 64 for peers, 1 8 32 for speculative)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting; the best is kept (speculative throughput: the median, see its docstring)")
     p.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"),
                    help="a llama.cpp source tree with a build/ (e.g. built from the llama-cpp-python sdist, "
                    "see docs/benchmarks.md): its converter makes float16 and float32 GGUFs of the same "

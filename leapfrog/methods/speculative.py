@@ -212,15 +212,25 @@ class SpeculativeMethod(Method):
         return commits
 
     def _plan_next(self, batch: Batch, commits: list[Commit]) -> None:
-        """Draft (or decide not to) after each request's last committed token."""
-        anchors = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
-                   for s, c in zip(batch.seqs, commits) if c.token_ids and self._wants_drafts(s.seq, c)]
+        """Draft (or decide not to) after each request's last committed token, for the
+        requests this commit does not finish."""
+        going = [(s, c) for s, c in zip(batch.seqs, commits) if not s.seq.finishes_with(c.token_ids)]
+        wanting = [Anchor(s.seq, c.token_ids[-1], len(s.seq.token_ids) + len(c.token_ids) - 1, c.token_ids)
+                   for s, c in going if c.token_ids and self._wants_drafts(s.seq, c)]
         # A request whose drafter context stops short of its anchor (the decode loop captured no
         # features while drafting could not pay) decodes one more step plainly: its features are
         # captured again, into a fresh context, before its next draft.
-        anchors = [a for a in anchors if self._context_reaches(a.seq, a.pos)]
-        for a, prop in zip(anchors, self._proposals(anchors) if anchors else []):
-            self.state(a.seq).proposal = prop
+        anchors = [a for a in wanting if self._context_reaches(a.seq, a.pos)]
+        # The decision is for the next step's batch, `going` (a request with one token left
+        # stays in it undrafted): keyed by another size, the loop would not take that step.
+        if anchors:
+            for a, prop in zip(anchors, self._proposals(anchors, len(going))):
+                self.state(a.seq).proposal = prop
+        elif wanting and self.policy.stays_dormant(len(going)):
+            # No context reaches because drafting could not pay, and at this size it still
+            # cannot: that is the decision, and the loop goes on (else a plain step first).
+            self.counters.num_skipped_drafts += len(wanting)
+            self.policy.next_step()
 
     def loop_steps(self, batch: Batch) -> int:
         """Steps the policy has decided not to draft in run in the C++ decode loop, for greedy
@@ -246,9 +256,10 @@ class SpeculativeMethod(Method):
     def extend_contexts(self, batch: Batch, commits: list[Commit], captured: torch.Tensor) -> None:
         """Feed the drafter the captured rows of the positions the loop committed (subclasses)."""
 
-    def _proposals(self, anchors: list[Anchor]) -> list[Proposal]:
-        """propose(), unless the verify policy finds drafting not worth it this step."""
-        if self.policy.should_draft([self.state(a.seq).verify for a in anchors]):
+    def _proposals(self, anchors: list[Anchor], batch: int) -> list[Proposal]:
+        """propose(), unless the verify policy finds drafting not worth it for the next step
+        (of `batch` requests)."""
+        if self.policy.should_draft([self.state(a.seq).verify for a in anchors], batch):
             props = self.propose(anchors)
         else:
             self.counters.num_skipped_drafts += len(anchors)
@@ -262,7 +273,8 @@ class SpeculativeMethod(Method):
         return True
 
     def _wants_drafts(self, seq: Sequence, commit: Commit) -> bool:
-        """Skip drafting for a request this commit finishes by length or whose drafts stopped paying."""
+        """Skip drafting for a request with one token left (the bonus is free) or whose drafts
+        stopped paying."""
         left = seq.params.max_tokens - seq.num_output_tokens - len(commit.token_ids)
         st: SpecState | None = seq.method_state
         return left >= 2 and self.num_speculative_tokens > 0 and not (st and st.drafting_off)

@@ -15,7 +15,7 @@ A policy sees a request through its VerifyRecord (kept in the request's SpecStat
 through these calls, in this order:
     observe(record, ...)       each verified request: its confidences, what was accepted
     observe_step(num_tokens, decode_only)   the step's forward and verification are done
-    should_draft(records)      drafting for the next step, or not
+    should_draft(records, batch)   drafting for the next step (of `batch` requests), or not
     begin_drafting()           after the drafter's context projection, before its forward
     num_to_verify(...)         the drafts are sampled: how many of each to verify
     end_drafting(num_requests)
@@ -53,9 +53,9 @@ class VerifyPolicy:
     name = "fixed"
     needs_confidence = False          # whether num_to_verify reads the drafter's confidences
 
-    def should_draft(self, records: list[VerifyRecord]) -> bool:
-        """Whether the next step drafts for these requests (drafting costs time even when
-        none of its drafts is verified)."""
+    def should_draft(self, records: list[VerifyRecord], batch: int | None = None) -> bool:
+        """Whether the next step, of `batch` requests (default: as many as records), drafts
+        for these requests (drafting costs time even when none of its drafts is verified)."""
         return True
 
     def begin_drafting(self) -> None:
@@ -86,6 +86,12 @@ class VerifyPolicy:
         """Whether the last decision found that drafting for `batch` requests could not pay
         even if every draft were accepted (until the next decision the drafter then needs no
         context: the decode loop captures no target features for it)."""
+        return False
+
+    def stays_dormant(self, batch: int) -> bool:
+        """Whether, dormant, drafting still could not pay for a next step of `batch` requests;
+        if so that is the decision for it (no draft). Asked instead of should_draft when no
+        request has the drafter context a draft needs (it lapsed while dormant)."""
         return False
 
     def skipped_in_loop(self, steps: int, batch: int) -> None:
@@ -197,7 +203,7 @@ class ConfidencePolicy(VerifyPolicy):
             self.measured = MeasuredCost(self.step_costs)
         return self.measured
 
-    def should_draft(self, records: list[VerifyRecord]) -> bool:
+    def should_draft(self, records: list[VerifyRecord], batch: int | None = None) -> bool:
         """A request's survival row from its previous drafts (smoothed), or the running average
         for a request that has none yet, stands in for confidences not drawn yet; the step
         drafts when the expected tokens per second of the best schedule on those predictions,
@@ -210,7 +216,10 @@ class ConfidencePolicy(VerifyPolicy):
             # nothing measured yet: draft, priced as a probe (its cost sets the probe budget's pace)
             self._probe_start, self._probing = _now(), True
             return True
-        batch = len(records)
+        # The decision holds for the next step's size (a request finishing now leaves it; one
+        # with one token left stays in it, drafted for or not), which steps_without_drafting
+        # is asked about.
+        batch = len(records) if batch is None else batch
         if batch != self._decided_batch:
             self._decided_batch = batch
             # Back at a batch size seen before: its own wait (with a few requests at the end of
@@ -337,6 +346,16 @@ class ConfidencePolicy(VerifyPolicy):
         """The last decision, for this batch size, found that drafting could not pay even if
         every draft were accepted: until the next decision, the drafter needs no context."""
         return self._dormant and batch == self._decided_batch
+
+    def stays_dormant(self, batch: int) -> bool:
+        if not self._dormant or self._could_pay(batch):
+            return False
+        if batch != self._decided_batch or self._skipped_steps >= self._reprobe_every:
+            self._decided_batch = batch
+            self._skipped_steps = 0
+            self._reprobe_every = self._waits[batch] = self.max_reprobe_steps
+        self._skip()
+        return True
 
     def steps_without_drafting(self, batch: int) -> int:
         """After a decision to skip, at the same batch size, the steps until the re-probe."""
