@@ -19,7 +19,7 @@ def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys, fake
     dspark = write_drafter(tmp_path / "d" / "dspark", llama_dir, "dspark", num_layers=2, block_size=4)
     out = tmp_path / "res"
     rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--drafters", str(dflash), str(dspark),
-                     "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "2", "--repeats", "1",
+                     "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "2", "--repeats", "2",
                      "--threads", "1", "--ignore-eos", "--out", str(out),
                      "--llama-cpp-dir", str(fake_cpp), "--gguf", str(tmp_path / "m.gguf")])
     assert rc == 0
@@ -45,6 +45,10 @@ def test_suite_end_to_end_with_chosen_drafters(llama_dir, tmp_path, capsys, fake
         assert rows[name]["drafter_layers"] in (1, 2)
     assert res["throughput_drafter"] == str(dspark)        # the only DSpark drafter given
     assert {r["concurrency"] for r in res["throughput"]} == {1, 2}
+    for r in res["throughput"]:     # each level: ar = 1 by construction, every engine's rounds kept
+        assert len(r["runs_tokens_per_s"]) == 2
+        assert r["vs_ar"] == 1.0 if r["method"] == "ar" else r["vs_ar"] > 0
+    assert sum("control" in r["method"] for r in res["throughput"]) == 2
     printed = capsys.readouterr().out
     assert "| ar |" in printed and "| llama.cpp (f16 GGUF, ar) |" in printed and "vs llama.cpp |" in printed
 
