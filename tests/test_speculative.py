@@ -467,7 +467,7 @@ def test_reprobes_keep_to_the_probe_budget():
     big = _records(8)
     m = policy.cost_model()
     for _ in range(3):
-        m.observe_plain(8, 5e-3)                  # as dear as the verify step: perfect drafts would pay
+        m.observe_plain(8, 7e-3)                  # dearer than a verify step: perfect drafts would pay 1.6x
     assert policy._could_pay(8) and not policy._drafting_pays(big)
     probes = [policy.should_draft(big) for _ in range(17)]
     assert probes == [False] * 16 + [True]        # the first probe: nothing measured about probes yet
@@ -479,6 +479,24 @@ def test_reprobes_keep_to_the_probe_budget():
     policy._last_probe_end -= 10.0               # 10 s ago: affordable now
     policy._reprobe_every = policy._skipped_steps
     assert policy.should_draft(big) and policy.probing
+
+
+def test_no_probes_where_perfect_drafts_would_gain_too_little():
+    """A plain step of 5 ms at 8 requests against a verify step of 1 + 0.5 B ms and 2 ms of
+    drafting: drafts that were all accepted would give 72 tokens in 39 ms, 1.15x plain steps,
+    under probe_gain (1.5x). A probe could find a marginal gain at most, so there is none;
+    with a prediction that pays, the policy drafts all the same."""
+    policy = _priced((1.0, 0.5), 2.0)
+    policy.prior = [0.05 ** j for j in range(1, 9)]
+    big = _records(8)
+    for _ in range(3):
+        policy.cost_model().observe_plain(8, 5e-3)
+    assert not any(policy.should_draft(big) for _ in range(600))
+    assert policy.dormant(8)
+    for r in big:
+        r.prediction = [1.0] * 8       # (then the wait is over)
+    policy._reprobe_every = policy._skipped_steps
+    assert policy.should_draft(big) and not policy.dormant(8)
 
 
 def test_no_probes_where_not_even_perfect_drafts_would_pay():
@@ -549,6 +567,7 @@ def test_a_batch_size_seen_before_gets_its_own_reprobe_wait_back(llama_dir, draf
     whole batches again after 2, 4, 8, ... steps (what a burst after a quiet tail cost: 4-5
     probes per burst of 128 steps, each ~3 decode steps of drafting at 8 requests)."""
     policy = _priced((1.0, 0.5), 2.0)
+    policy.probe_gain = policy.min_gain      # probes wherever perfect drafts would pay at all (1.15x here)
     big, one = _records(8), _records(1)
     probes = [policy.should_draft(big) for _ in range(16 + 1 + 32 + 1)]
     assert sum(probes) == 2 and policy.reprobe_wait == 64            # after 16, then 32 skips
@@ -941,6 +960,7 @@ def test_confidence_policy_verifies_by_corrected_survival_and_probes_at_least_on
     assert policy.num_to_verify(_records(2), [row, row], [3, 3]) == [0, 0]     # no feedback yet
     assert good.prediction[0] > 0.85 > 0.2 > bad.prediction[0]
     policy = _priced((1.0, 0.5), 2.0)            # at 8 requests drafting never pays
+    policy.probe_gain = policy.min_gain          # (perfect drafts would: 1.15x) and it probes
     big = _records(8)
     decisions = [policy.should_draft(big) for _ in range(17)]
     assert decisions == [False] * 16 + [True] and policy.probing     # the re-probe

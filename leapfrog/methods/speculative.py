@@ -226,7 +226,7 @@ class SpeculativeMethod(Method):
         if anchors:
             for a, prop in zip(anchors, self._proposals(anchors, len(going))):
                 self.state(a.seq).proposal = prop
-        elif wanting and self.policy.stays_dormant(len(going)):
+        elif wanting and self.policy.stays_dormant([self.state(a.seq).verify for a in wanting], len(going)):
             # No context reaches because drafting could not pay, and at this size it still
             # cannot: that is the decision, and the loop goes on (else a plain step first).
             self.counters.num_skipped_drafts += len(wanting)
