@@ -113,3 +113,20 @@ def test_the_decode_loop_gives_the_layer_paths_tokens(llama_dir, tmp_path, monke
     assert loop_out[0][:4] == plain[:4] and loop_out[0] != plain
     for ids, got in zip(prompt_ids, loop_out):
         assert got == _reference(folder, ids, tok.bos_token_id, anchor, 14)
+
+
+def test_a_prompt_ending_in_repeated_anchors_keeps_one(llama_dir, tmp_path):
+    """Positions restart after the first anchor, so a prompt that ends in two (a client that
+    appends the marker the tokenizer appends too) would shift every answer token by one: it is
+    decoded as the prompt with one, token for token. An anchor inside the prompt stays."""
+    folder, tok, anchor = _coupled_copy(llama_dir, tmp_path)
+    ids = tok.encode("Once upon a time, there was")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(str(folder))
+    one, two, three = llm.generate([ids + [anchor], ids + [anchor] * 2, ids + [anchor] * 3], params)
+    assert one.prompt_token_ids == two.prompt_token_ids == three.prompt_token_ids == ids + [anchor]
+    assert one.token_ids == two.token_ids == three.token_ids
+    assert one.token_ids == _reference(folder, ids + [anchor], tok.bos_token_id, anchor, 8)
+    # without the declaration the prompt is the client's
+    plain = LLM(str(llama_dir)).generate([ids + [anchor] * 2], params)[0]
+    assert plain.prompt_token_ids == ids + [anchor] * 2
