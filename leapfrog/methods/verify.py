@@ -354,7 +354,12 @@ class ConfidencePolicy(VerifyPolicy):
         return self._dormant and batch == self._decided_batch
 
     def stays_dormant(self, records: list[VerifyRecord], batch: int) -> bool:
-        if not self._dormant or self._could_pay(batch) or self._drafting_pays(records):
+        if not self._dormant:
+            return False
+        if batch == self._decided_batch and 0 < self._skipped_steps < self._reprobe_every:
+            self._skip()                  # decided for this size already (as should_draft)
+            return True
+        if self._could_pay(batch) or self._drafting_pays(records):
             return False
         if batch != self._decided_batch or self._skipped_steps >= self._reprobe_every:
             self._decided_batch = batch
