@@ -235,9 +235,7 @@ class ConfidencePolicy(VerifyPolicy):
         if self._dormant:
             # Not even drafts that were all accepted would pay enough at these costs: a probe
             # could find a marginal gain at most. Wait the longest, then look at the costs again.
-            self._skipped_steps = 0
-            self._reprobe_every = self._waits[batch] = self.max_reprobe_steps
-            return self._skip()
+            return self._sleep(batch)
         if pays:
             self._skipped_steps, self._reprobe_every = 0, self.first_wait(batch)
             self._waits[batch] = self._reprobe_every
@@ -270,7 +268,9 @@ class ConfidencePolicy(VerifyPolicy):
             return True
         return self._pays([[1.0] * len(self.prior)] * batch, self.probe_gain)
 
-    def _pays(self, preds: list[list[float]], gain_needed: float | None = None) -> bool:
+    def _pays(self, preds: list[list[float]], gain_needed: float = 0.0) -> bool:
+        """Whether the best schedule on `preds` beats plain steps by gain_needed (default:
+        min_gain)."""
         batch = len(preds)
         table = self.cost_model()
         overhead = table.draft(batch)
@@ -361,12 +361,15 @@ class ConfidencePolicy(VerifyPolicy):
             return True
         if self._could_pay(batch) or self._drafting_pays(records):
             return False
-        if batch != self._decided_batch or self._skipped_steps >= self._reprobe_every:
-            self._decided_batch = batch
-            self._skipped_steps = 0
-            self._reprobe_every = self._waits[batch] = self.max_reprobe_steps
-        self._skip()
+        self._decided_batch = batch
+        self._sleep(batch)
         return True
+
+    def _sleep(self, batch: int) -> bool:
+        """Skip, dormant for `batch` requests until the longest wait is over."""
+        self._skipped_steps = 0
+        self._reprobe_every = self._waits[batch] = self.max_reprobe_steps
+        return self._skip()
 
     def steps_without_drafting(self, batch: int) -> int:
         """After a decision to skip, at the same batch size, the steps until the re-probe."""
