@@ -97,3 +97,23 @@ def test_semi_threshold_reaches_the_multi_block_configs_only():
                    "N=3 τ=0.7 τ_semi=0.5": {"num_blocks": 3, "threshold": 0.7, "semi_threshold": 0.5}}
     args.semi_threshold = None
     assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.7", "N=3 τ=0.7"]
+
+
+def test_two_floors_run_every_config_twice_and_compare_within_their_floor():
+    import argparse
+
+    from leapfrog.bench.diffusion import check_targets, configs
+
+    args = argparse.Namespace(ar_model="stories", model="stories-diffusion", num_blocks=[1, 2],
+                              thresholds=[0.8], floors=["leftmost", "confident"])
+    cfgs = configs(args)
+    assert [c.label for c in cfgs] == ["ar", "N=1 τ=0.8 leftmost", "N=2 τ=0.8 leftmost",
+                                       "N=1 τ=0.8 confident", "N=2 τ=0.8 confident"]
+    assert [c.options.get("floor") for c in cfgs] == [None, "leftmost", "leftmost", "confident", "confident"]
+    # Multi-block rows are measured against the single-block row of their own floor.
+    rows = [{"config": c.label, **c.options, "speedup": 1.0, "judge_ppl": 2.0,
+             "tokens_per_forward": tpf} for c, tpf in zip(cfgs, [1.0, 1.2, 1.8, 1.5, 1.8])]
+    check_targets(rows)
+    assert rows[2]["tpf_vs_single"] == 1.8 / 1.2 and rows[4]["tpf_vs_single"] == 1.8 / 1.5
+    args.floors = ["confident"]
+    assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.8", "N=2 τ=0.8"]

@@ -83,7 +83,7 @@ def hf(folder: Path) -> torch.nn.Module:
 @torch.no_grad()
 def reference(model, prompt: list[int], params: SamplingParams, *, block: int, shift: bool,
               threshold: float = 0.9, num_blocks: int = 1, add: float = 0.1, semi: float = 0.9,
-              eos: tuple[int, ...] = ()) -> tuple[list[int], int]:
+              floor: str = "leftmost", eos: tuple[int, ...] = ()) -> tuple[list[int], int]:
     """Slow sampler, no KV cache: (output ids, forwards). Same commit rule as the method doc."""
     B, P, shift = block, len(prompt), int(shift)
     text, canvas, active, steps = list(prompt), {}, 1, 0
@@ -115,7 +115,7 @@ def reference(model, prompt: list[int], params: SamplingParams, *, block: int, s
             masked = [p for p in need if (front + j) * B <= p < (front + j + 1) * B and p < lim]
             pick = [p for p in masked if cand[p][1] > threshold]
             if masked and not pick and (j == 0 or before[j - 1] >= semi):
-                pick = [max(masked, key=lambda p: cand[p][1])]
+                pick = [masked[0] if floor == "leftmost" else max(masked, key=lambda p: cand[p][1])]
             for p in pick:
                 canvas[p] = cand[p][0]
                 lim = min(lim, p + 1) if ends(canvas[p]) else lim
@@ -142,9 +142,10 @@ def check_against_reference(llm: LLM, folder: Path, prompts, params, **rule) -> 
 # --- the oracle ------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["plain", "shift"])
 @pytest.mark.parametrize("threshold", [0.9, 1.0])
-def test_cached_single_block_equals_full_recompute(models, variant, threshold):
-    llm = LLM(str(models[variant]), method="diffusion", threshold=threshold, **ENGINE)
-    outs = check_against_reference(llm, models[variant], PROMPTS, GREEDY, threshold=threshold)
+@pytest.mark.parametrize("floor", ["leftmost", "confident"])
+def test_cached_single_block_equals_full_recompute(models, variant, threshold, floor):
+    llm = LLM(str(models[variant]), method="diffusion", threshold=threshold, floor=floor, **ENGINE)
+    outs = check_against_reference(llm, models[variant], PROMPTS, GREEDY, threshold=threshold, floor=floor)
     stats = llm.engine.method.stats()
     assert stats["num_stored_blocks"] > 0
     if threshold == 1.0:      # one token per step: as many forwards as tokens
@@ -154,11 +155,21 @@ def test_cached_single_block_equals_full_recompute(models, variant, threshold):
         assert sum(o.metrics.num_forwards for o in outs) < 14 * len(outs)
 
 
+def test_the_floor_decides_which_position_goes_first(models):
+    """At threshold 1.0 every step commits one forced position: `leftmost` fills each block left to
+    right, `confident` in the model's order, so the texts differ (the reference checks each rule)."""
+    folder = str(models["plain"])
+    left = LLM(folder, method="diffusion", threshold=1.0, **ENGINE).generate(PROMPTS, GREEDY)
+    conf = LLM(folder, method="diffusion", threshold=1.0, floor="confident", **ENGINE).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in left] != [o.token_ids for o in conf]
+
+
 @pytest.mark.parametrize("variant", ["plain", "shift"])
-def test_multi_block_equals_its_reference(models, variant):
-    rule = dict(num_blocks=3, threshold=0.8, add=0.2, semi=0.5)
+@pytest.mark.parametrize("floor", ["leftmost", "confident"])
+def test_multi_block_equals_its_reference(models, variant, floor):
+    rule = dict(num_blocks=3, threshold=0.8, add=0.2, semi=0.5, floor=floor)
     llm = LLM(str(models[variant]), method="diffusion", num_blocks=3, threshold=0.8, add_threshold=0.2,
-              semi_threshold=0.5, **ENGINE)
+              semi_threshold=0.5, floor=floor, **ENGINE)
     check_against_reference(llm, models[variant], PROMPTS, GREEDY, **rule)
     assert llm.engine.method.stats()["active_blocks_per_step"] > 1.2
 
@@ -329,6 +340,7 @@ def test_family_defaults():
     ({"threshold": 0}, "threshold"), ({"threshold": 1.5}, "threshold"), ({"threshold": "high"}, "threshold"),
     ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 1.5}, "num_blocks"),
     ({"add_threshold": -0.1}, "add_threshold"), ({"semi_threshold": 2}, "semi_threshold"),
+    ({"floor": "random"}, "floor"),
     ({"steps": 4}, "unknown option"), ({"num_blocks": 4, "max_num_batched_tokens": 8}, "max_num_batched_tokens"),
 ])
 def test_bad_options_are_clear_errors(models, options, match):

@@ -219,3 +219,56 @@ def test_reference_decoder_and_readme(toy_runs):
     for needle in ("## Block diffusion", "Multi-block teacher forcing", "mask_token_id",
                    'LLM("stories-diffusion", method="diffusion"', "initialised from"):
         assert needle in text
+
+
+def test_teacher_targets_are_its_causal_next_token_distributions():
+    """The soft target of the masked token at window position i is what the teacher, reading the
+    window's first i tokens on their own, gives for the next token; and the KL is zero where the
+    model's logits are the teacher's."""
+    from leapfrog.train.diffusion import teacher_kl, teacher_log_probs
+    teacher, bs = tiny_model(), 4
+    torch.manual_seed(3)
+    x0 = torch.randint(4, 64, (2, 12))
+    batch = make_batch(x0, DiffusionSpec(block_size=bs), 3, np.random.default_rng(5), 1, True)
+    got = teacher_log_probs(teacher, batch)
+    assert len(got) == len(batch.targets) > 0
+    with torch.no_grad():
+        for n in range(len(batch.targets)):
+            r, i = divmod(int(batch.where[n]), 12)
+            assert int(x0[r, i]) == int(batch.targets[n])
+            if i == 0:
+                continue
+            want = teacher(input_ids=x0[r:r + 1, :i]).logits[0, -1].log_softmax(-1)
+            torch.testing.assert_close(got[n], want, atol=1e-4, rtol=1e-4)
+    kl = teacher_kl(teacher, batch, got.clone())
+    torch.testing.assert_close(kl, torch.zeros_like(kl), atol=1e-5, rtol=0)
+    assert (teacher_kl(teacher, batch, torch.zeros_like(got)) > 0).any()
+
+
+def test_teacher_term_changes_the_training_loss_only():
+    """The loss with a teacher mixes CE and KL by the weight; validation (eval mode) stays CE."""
+    from leapfrog.train.diffusion import DiffusionObjective, teacher_kl
+    model, teacher = tiny_model(), tiny_model()
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x0 = torch.randint(4, 64, (2, 12))
+    batch = make_batch(x0, DiffusionSpec(block_size=4), 3, np.random.default_rng(5), 1, True)
+    plain, _ = diffusion_loss(model, batch)
+    mixed, _ = diffusion_loss(model, batch, teacher=teacher, teacher_weight=0.5)
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                             attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
+        logits = model.lm_head(hidden.flatten(0, 1)[batch.src])
+    ce = torch.nn.functional.cross_entropy(logits, batch.targets, reduction="none")
+    kl = teacher_kl(teacher, batch, logits)
+    sel = batch.kinds == SINGLE
+    torch.testing.assert_close(mixed, (0.5 * ce + 0.5 * kl)[sel].mean())
+    assert not torch.isclose(mixed, plain)
+    objective = DiffusionObjective(DiffusionSpec(block_size=4), 3)
+    objective.teacher, objective.spec.teacher_weight = teacher, 0.5
+    model.eval()
+    torch.testing.assert_close(objective.loss(model, batch, "fp32")[0], plain)
+    model.train()
+    torch.testing.assert_close(objective.loss(model, batch, "fp32")[0], mixed)

@@ -41,14 +41,19 @@ MB_TPF, MB_PPL, AR_SPEED, AR_PPL = 1.5, 0.05, 2.0, 0.10     # the issue's target
 def configs(args: argparse.Namespace) -> list[Contender]:
     out = [Contender("ar", "ar", model=args.ar_model)]
     semi = getattr(args, "semi_threshold", None)
-    for n in args.num_blocks:
-        for t in args.thresholds:
-            opts = {"num_blocks": n, "threshold": t}
-            label = f"N={n} τ={t:g}"
-            if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
-                opts["semi_threshold"] = semi
-                label += f" τ_semi={semi:g}"
-            out.append(Contender(label, "diffusion", opts, args.model))
+    floors = getattr(args, "floors", None) or [None]
+    for floor in floors:
+        for n in args.num_blocks:
+            for t in args.thresholds:
+                opts = {"num_blocks": n, "threshold": t}
+                label = f"N={n} τ={t:g}"
+                if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
+                    opts["semi_threshold"] = semi
+                    label += f" τ_semi={semi:g}"
+                if floor is not None:
+                    opts["floor"] = floor
+                    label += f" {floor}" if len(floors) > 1 else ""
+                out.append(Contender(label, "diffusion", opts, args.model))
     return out
 
 
@@ -108,12 +113,12 @@ def _rel(a: float | None, b: float | None) -> float | None:
 def check_targets(rows: list[dict]) -> dict:
     """Per-row target fields, and the summary: which rows meet each target."""
     ar = rows[0]
-    single = {r["threshold"]: r for r in rows if r.get("num_blocks") == 1}
+    single = {(r.get("floor"), r["threshold"]): r for r in rows if r.get("num_blocks") == 1}
     for r in rows[1:]:
         d = _rel(r["judge_ppl"], ar["judge_ppl"])
         r["ppl_vs_ar"] = d
         r["meets_ar_target"] = r["speedup"] >= AR_SPEED and d is not None and d <= AR_PPL
-        base = single.get(r["threshold"])
+        base = single.get((r.get("floor"), r["threshold"]))
         if r["num_blocks"] > 1 and base is not None:
             r["tpf_vs_single"] = r["tokens_per_forward"] / base["tokens_per_forward"]
             d = r["ppl_vs_single"] = _rel(r["judge_ppl"], base["judge_ppl"])
@@ -199,10 +204,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] if r["judge_ppl"] is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for n in sorted({r.get("num_blocks", 0) for r in rows}):
-        pts = [r for r in rows if r.get("num_blocks", 0) == n]
+    for n, floor in sorted({(r.get("num_blocks", 0), r.get("floor") or "") for r in rows}):
+        pts = [r for r in rows if (r.get("num_blocks", 0), r.get("floor") or "") == (n, floor)]
+        name = "ar" if n == 0 else f"N={n} {floor}".rstrip()
         ax.plot([r["speedup"] for r in pts], [r["judge_ppl"] for r in pts], "*" if n == 0 else "o-",
-                ms=12 if n == 0 else 6, color="k" if n == 0 else None, label="ar" if n == 0 else f"N={n}")
+                ms=12 if n == 0 else 6, color="k" if n == 0 else None, label=name)
         for r in pts:
             ax.annotate(f"τ={r['threshold']:g}" if n else "ar", (r["speedup"], r["judge_ppl"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
@@ -225,6 +231,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ar-model", default="stories", help="the ar baseline and the perplexity judge (default stories)")
     g.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])
     g.add_argument("--num-blocks", type=int, nargs="+", default=[1, 2, 3, 4], help="N; 1 is single-block")
+    g.add_argument("--floors", nargs="+", choices=["leftmost", "confident"], default=None,
+                   help="the progress floor's rule(s): which position a step forces when none clears "
+                        "the threshold (default: the method's, leftmost); two values run every config twice")
     g.add_argument("--semi-threshold", type=float, default=None,
                    help="τ_semi for the N > 1 configs: a later block may be forced forward once its "
                         "predecessor is this far decided (default: the method's, 0.9)")

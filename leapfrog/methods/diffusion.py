@@ -6,8 +6,11 @@ bidirectional inside a block and causal across blocks (Batch.attn_block_size = B
 prompt's last partial block is simply the first block generation fills. Each step predicts
 every masked position of the active blocks, accepts those whose confidence (probability of the
 chosen token: max prob when greedy, the sampled token's probability otherwise) exceeds
-`threshold`, and, when a block accepted nothing, forces its most confident position (progress
-floor; threshold 1.0 thus decodes one token per block and step). Decided tokens join the sequence in order, as soon as every earlier position is
+`threshold`, and, when a block accepted nothing, forces one position (progress floor): by
+default its leftmost masked one (`floor="leftmost"`: threshold 1.0 then decodes left to right,
+one token per block and step, as an AR model would), or its most confident one
+(`floor="confident"`, Fast-dLLM v2's and SDAR's rule, which may decide a later position before
+the earlier ones). Decided tokens join the sequence in order, as soon as every earlier position is
 decided, so the engine streams committed prefixes.
 
 Block Buffer (MBD-LMs §3.3), num_blocks = N: a sequence decodes a window of N block slots
@@ -101,6 +104,10 @@ def _fraction(name: str, value: object, low_open: bool) -> float:
     return float(value)
 
 
+# The progress floor's choice when no masked position of a block clears the threshold.
+FLOORS = ("leftmost", "confident")
+
+
 class DiffusionMethod(Method):
     name = "diffusion"
     supports_logits_processors = False
@@ -109,7 +116,8 @@ class DiffusionMethod(Method):
     max_known_with_extra = 1 << 62
 
     def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float = 0.9,
-                 add_threshold: float = 0.1, semi_threshold: float = 0.9, **options: object) -> None:
+                 add_threshold: float = 0.1, semi_threshold: float = 0.9, floor: str = "leftmost",
+                 **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method 'diffusion': {', '.join(sorted(options))}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
@@ -118,6 +126,9 @@ class DiffusionMethod(Method):
         self.threshold = _fraction("threshold", threshold, low_open=True)
         self.add_threshold = _fraction("add_threshold", add_threshold, low_open=False)
         self.semi_threshold = _fraction("semi_threshold", semi_threshold, low_open=False)
+        if floor not in FLOORS:
+            raise ValueError(f"method 'diffusion': floor={floor!r}: must be one of {', '.join(FLOORS)}")
+        self.floor = floor
         config = getattr(ctx.model, "config", {})
         spec = diffusion_spec(config, ctx.tokenizer)
         self.family = spec.family
@@ -295,7 +306,8 @@ class DiffusionMethod(Method):
                 continue
             pick = [p for p in masked if cand[p][1] > self.threshold]
             if not pick and (j == 0 or progress[j - 1] >= self.semi_threshold):
-                pick = [max(masked, key=lambda p: cand[p][1])]    # ties: the leftmost
+                pick = [masked[0] if self.floor == "leftmost"
+                        else max(masked, key=lambda p: cand[p][1])]    # ties: the leftmost
             for p in pick:
                 canvas.decided[p] = cand[p][0]
                 if self._ends(seq, cand[p][0]):

@@ -206,7 +206,7 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
         new_tokens, forwards = new_tokens + len(ids), forwards + n
         _add_story(res, tok, prompt, ids, word_reps, token_reps)
     res.metrics = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                   "decoder": "single-block reference (full recompute), greedy",
+                   "decoder": "single-block reference (full recompute), greedy, leftmost floor",
                    "threshold": threshold,
                    "tokens_per_forward": round(new_tokens / max(forwards, 1), 3),
                    "rep4_words": round(sum(word_reps) / len(word_reps), 4),
