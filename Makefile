@@ -25,8 +25,7 @@ LF := $(VENV)/bin/leapfrog
 DONE := runs/done
 DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
 .PRECIOUS: $(DONE)/%          # the markers are the record of what is done: never deleted as intermediates
-DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2 \
-	stories-diffusion-teacher
+DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
 
 # The models the benchmarks measure first; then couplets (nothing derives from it); last the two
 # drafter variants only the comparison tables use (nothing grows from them).
@@ -68,9 +67,6 @@ $(DONE)/stories-diffusion-distill: $(DONE)/stories-diffusion-mb
 $(DONE)/stories-diffusion-distill2: $(DONE)/stories-diffusion-distill
 	$(LF) train stories-diffusion-distill2 --threads 2 --resume
 	@touch $@
-$(DONE)/stories-diffusion-teacher: $(DONE)/stories-diffusion-distill2
-	$(LF) train stories-diffusion-teacher --threads 2 --resume
-	@touch $@
 
 # stories-large is grown from stories on first use and trained further as a low-rank delta that
 # ships in its recipe folder; stories-large-diffusion is grown from stories-diffusion. Their
@@ -90,7 +86,7 @@ $(DONE)/large-drafter-%: $(DONE)/stories-large-delta $(DONE)/drafter-%
 	@touch $@
 
 $(DONE)/stories-large: $(DONE)/large-drafter-dspark-markov-2l $(DONE)/large-drafter-dflash-2l \
-		$(DONE)/stories-diffusion-teacher
+		$(DONE)/stories-diffusion-distill2
 	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
 	@touch $@
 

@@ -46,7 +46,6 @@ over a spread of noise levels, and its variance does not blow up at small t. Sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,8 +67,6 @@ class DiffusionSpec:
     t_high: float = 1.0
     margin: float = 0.01            # rho in t_eff = t_high - rho (t_high - t_low)
     eval_multi_views: int = 2       # validation measures both losses, whatever the training mix
-    teacher: str | None = None      # an AR model folder: soft targets from it (training only)
-    teacher_weight: float = 0.0     # loss = (1 - w) masked CE + w KL(teacher || model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +152,6 @@ class DiffusionBatch:
     src: torch.Tensor            # [N] flat index r * S + s of the hidden state predicting a target
     targets: torch.Tensor        # [N] the clean token at that masked position
     kinds: torch.Tensor          # [N] SINGLE or MULTI
-    where: torch.Tensor          # [N] flat index r * L + i of the target in the clean windows
 
 
 def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list[np.ndarray]],
@@ -163,7 +159,7 @@ def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list
     """Rows from windows [R, L] and, per row, each view's mask [L] and groups [K]."""
     rows, length = windows.shape
     size = (len(kinds) + 1) * length
-    ids, attn, src, tgt, kind, where = [], [], [], [], [], []
+    ids, attn, src, tgt, kind = [], [], [], [], []
     for r in range(rows):
         x0 = windows[r]
         m = torch.as_tensor(np.stack(masks[r]))                                  # [V, L]
@@ -174,10 +170,9 @@ def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list
         src.append(r * size + pred[keep])
         tgt.append(x0.expand_as(m)[keep])
         kind.append(torch.tensor(kinds).unsqueeze(1).expand_as(m)[keep])
-        where.append(r * length + torch.arange(length).expand_as(m)[keep])
     pos = torch.arange(length).repeat(len(kinds) + 1).expand(rows, size)
     return DiffusionBatch(torch.stack(ids), pos, torch.stack(attn).unsqueeze(1),
-                          torch.cat(src), torch.cat(tgt), torch.cat(kind), torch.cat(where))
+                          torch.cat(src), torch.cat(tgt), torch.cat(kind))
 
 
 def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np.random.Generator,
@@ -201,24 +196,15 @@ def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np
     return pack(windows, masks, groups, kinds, spec, mask_id)
 
 
-def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weight: float = 0.0,
-                   teacher=None, teacher_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Masked-token loss of a transformers Llama on a packed batch: (loss, parts). Parts hold the
-    mean loss of each view kind and the number of targets it had (a kind with none is left out).
-
-    The loss of a target is its cross-entropy, or with a `teacher` (an AR model over the same
-    vocabulary) (1 - w) CE + w KL(teacher || model), the teacher's next-token distribution at
-    the clean window's previous position being the soft target (Hinton et al. 2015). Where
-    earlier tokens of the block are masked too, the teacher saw them and the model did not:
-    averaged over those hidden tokens the teacher's distribution is the model's Bayes-optimal
-    answer, so the soft target is the hard one with its sampling noise removed."""
+def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weight: float = 0.0
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Masked-token CE of a transformers Llama on a packed batch: (loss, parts). Parts hold the
+    mean CE of each view kind and the number of targets it had (a kind with none is left out)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                              attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
         logits = model.lm_head(hidden.flatten(0, 1)[batch.src])   # only rows that predict a target
     ce = F.cross_entropy(logits.float(), batch.targets, reduction="none")
-    if teacher is not None and teacher_weight > 0:
-        ce = (1 - teacher_weight) * ce + teacher_weight * teacher_kl(teacher, batch, logits.float())
     terms, parts = {}, {}
     for name, kind in (("single", SINGLE), ("multi", MULTI)):
         sel = batch.kinds == kind
@@ -232,36 +218,11 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
     return (1 - multi_weight) * terms["single"] + multi_weight * terms["multi"], parts
 
 
-@torch.no_grad()
-def teacher_log_probs(teacher, batch: DiffusionBatch) -> torch.Tensor:
-    """[N, V] the teacher's log-probabilities for each target, from the clean windows (the last
-    L tokens of every packed row) read causally: target i's distribution is row i - 1's."""
-    length = int(batch.position_ids[0, -1]) + 1
-    windows = batch.input_ids[:, -length:]
-    logits = teacher(input_ids=windows, use_cache=False).logits.float().flatten(0, 1)
-    return logits[(batch.where - 1).clamp(min=0)].log_softmax(-1)
-
-
-def teacher_kl(teacher, batch: DiffusionBatch, logits: torch.Tensor) -> torch.Tensor:
-    """[N] KL(teacher || model) per target; 0 for a target at a window's first position, which
-    the teacher cannot predict."""
-    t = teacher_log_probs(teacher, batch)
-    kl = (t.exp() * (t - logits.log_softmax(-1))).sum(-1)
-    length = int(batch.position_ids[0, -1]) + 1
-    return torch.where(batch.where % length == 0, torch.zeros_like(kl), kl)
-
-
 class DiffusionObjective:
-    """The loop's objective (see loop.NextToken): windows -> noisy packed batch -> masked CE
-    (with a teacher in the spec, mixed with the KL to its soft targets while training)."""
+    """The loop's objective (see loop.NextToken): windows -> noisy packed batch -> masked CE."""
 
     def __init__(self, spec: DiffusionSpec, mask_id: int) -> None:
         self.spec, self.mask_id = spec, mask_id
-        self.teacher = None
-        if spec.teacher is not None and spec.teacher_weight > 0:
-            from transformers import AutoModelForCausalLM
-            self.teacher = AutoModelForCausalLM.from_pretrained(spec.teacher, dtype=torch.float32).eval()
-            self.teacher.requires_grad_(False)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator, train: bool = True):
         """Training follows the spec; validation always draws a complementary pair and
@@ -271,8 +232,7 @@ class DiffusionObjective:
         return make_batch(x, self.spec, self.mask_id, rng, self.spec.eval_multi_views, True)
 
     def loss(self, model, batch: DiffusionBatch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        teacher = self.teacher if model.training else None      # validation stays plain CE
-        return diffusion_loss(model, batch, dtype, self.spec.multi_weight, teacher, self.spec.teacher_weight)
+        return diffusion_loss(model, batch, dtype, self.spec.multi_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,10 +302,5 @@ def notes(spec: DiffusionSpec) -> list[str]:
                      "noisier), each group seeing the clean blocks before it and the same-or-earlier "
                      f"noisy blocks of its group; loss = {1 - spec.multi_weight:g} x single-block + "
                      f"{spec.multi_weight:g} x multi-block.")
-    if spec.teacher is not None and spec.teacher_weight > 0:
-        lines.append(f"Soft targets (Hinton et al. 2015): each masked token's loss is "
-                     f"{1 - spec.teacher_weight:g} x its cross-entropy + {spec.teacher_weight:g} x the KL "
-                     f"from the AR teacher `{Path(spec.teacher).name}`'s next-token distribution at "
-                     "that position of the clean window (training only; validation is plain cross-entropy).")
     return lines
 

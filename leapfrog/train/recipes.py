@@ -231,31 +231,15 @@ def stories_diffusion_distill() -> TrainConfig:
 
 
 def stories_diffusion_distill2() -> TrainConfig:
-    """stories-diffusion stage 4: stage 3 continued; writes runs/stories-diffusion-distill2/model.
+    """stories-diffusion stage 4: stage 3 continued; writes checkpoints/stories-diffusion.
 
     1,200 more steps on the same distilled stream (cached) at a lower learning rate (3e-4
     cosine to 3e-5), since stage 3 ended with the training loss still falling."""
     cfg = stories_diffusion_distill()
     cfg.recipe, cfg.init_from = "stories-diffusion-distill2", cfg.out_dir
-    _in_runs(cfg, "stories-diffusion-distill2")
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
-    return cfg
-
-
-def stories_diffusion_teacher() -> TrainConfig:
-    """stories-diffusion stage 5: stage 4 with `stories` as teacher; writes checkpoints/stories-diffusion.
-
-    Stage 4's training loss stopped falling on hard targets. Here each masked token's target is
-    0.1 x its cross-entropy + 0.9 x the KL from `stories`' next-token distribution at that
-    position (soft targets, Hinton et al. 2015; `DiffusionSpec.teacher`), on the same distilled
-    stream, 1,200 steps at 3e-4 cosine to 3e-5. The judge of the diffusion benchmark is that
-    same model, and decoding left to right relies most on the first masked position, whose
-    soft target is exactly the teacher's distribution."""
-    cfg = stories_diffusion_distill2()
-    cfg.recipe, cfg.init_from = "stories-diffusion-teacher", cfg.out_dir
     cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-diffusion")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-teacher")
-    cfg.diffusion.teacher, cfg.diffusion.teacher_weight = stories_unrepeat().out_dir, 0.9
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
     return cfg
 
 
@@ -296,7 +280,6 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
-    "stories-diffusion-teacher": stories_diffusion_teacher,
 }
 
 
