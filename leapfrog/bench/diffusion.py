@@ -17,9 +17,10 @@ tokens/s, and the speed-up over `ar` (ratio of tokens/s, so texts that end early
 Then all prompts as one batch (throughput): output tokens/s, best of --repeats interleaved runs.
 Quality of the batch-1 texts, with `leapfrog eval`'s functions: perplexity under --ar-model
 (the judge), rep-4 over words, coherence (MiniLM, opening vs continuation).
-Targets, checked per row: multi-block tokens/forward >= 1.5x single-block at the same
-threshold with judge ppl at most 5% above single-block's; a diffusion config >= 2x `ar`'s
-batch-1 speed with judge ppl at most 10% above `ar`'s.
+Targets (the memory-bound target's issue), checked per row: a multi-block config faster at
+batch 1 than single-block at the same threshold and floor, with judge ppl at most 5% above
+single-block's; a diffusion config >= 1.3x `ar`'s batch-1 speed with judge ppl at most 10%
+above `ar`'s. Multi-block rows also show their tokens per forward against single-block's.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from leapfrog.bench.common import log
 from leapfrog.bench.speculative import Contender
 from leapfrog.config import DEFAULT_MODEL, resolve_model
 
-MB_TPF, MB_PPL, AR_SPEED, AR_PPL = 1.5, 0.05, 2.0, 0.10     # the issue's targets
+MB_PPL, AR_SPEED, AR_PPL = 0.05, 1.3, 0.10     # the issue's targets
 
 
 
@@ -121,8 +122,9 @@ def check_targets(rows: list[dict]) -> dict:
         base = single.get((r.get("floor"), r["threshold"]))
         if r["num_blocks"] > 1 and base is not None:
             r["tpf_vs_single"] = r["tokens_per_forward"] / base["tokens_per_forward"]
+            r["speed_vs_single"] = r["speedup"] / base["speedup"]
             d = r["ppl_vs_single"] = _rel(r["judge_ppl"], base["judge_ppl"])
-            r["meets_multi_block_target"] = r["tpf_vs_single"] >= MB_TPF and d is not None and d <= MB_PPL
+            r["meets_multi_block_target"] = r["speed_vs_single"] > 1 and d is not None and d <= MB_PPL
     ok_ppl = [r for r in rows[1:] if r["ppl_vs_ar"] is not None and r["ppl_vs_ar"] <= AR_PPL]
     best = max(ok_ppl, key=lambda r: r["speedup"], default=None)
     return {"multi_block": [r["config"] for r in rows if r.get("meets_multi_block_target")],
@@ -176,13 +178,14 @@ def _pct(x: float | None) -> str:
 
 def markdown(result: dict) -> str:
     head = (f"| config | tokens / forward | tok/s (batch 1) | speed-up vs ar | tok/s (batch {result['num_prompts']}) "
-            f"| judge ppl | rep-4 | coherence | vs N=1: tokens/forward, ppl (≥{MB_TPF:g}x, ≤+{MB_PPL:.0%}) "
+            f"| judge ppl | rep-4 | coherence | vs N=1: speed, tokens/forward, ppl (>1x, ≤+{MB_PPL:.0%}) "
             f"| vs ar: ppl (≥{AR_SPEED:g}x, ≤+{AR_PPL:.0%}) |")
     lines = [head, "|---" * 10 + "|"]
     mark = lambda ok: " ✓" if ok else " ✗"
     for r in result["rows"]:
         ppl = "—" if r["judge_ppl"] is None else f"{r['judge_ppl']:.2f}"
-        mb = (f"{r['tpf_vs_single']:.2f}x, {_pct(r['ppl_vs_single'])}{mark(r['meets_multi_block_target'])}"
+        mb = (f"{r['speed_vs_single']:.2f}x, {r['tpf_vs_single']:.2f}x, {_pct(r['ppl_vs_single'])}"
+              f"{mark(r['meets_multi_block_target'])}"
               if "tpf_vs_single" in r else "—")
         vs_ar = f"{_pct(r['ppl_vs_ar'])}{mark(r['meets_ar_target'])}" if "ppl_vs_ar" in r else "—"
         lines.append(f"| {r['config']} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x "
@@ -190,7 +193,7 @@ def markdown(result: dict) -> str:
                      f"| {r['coherence']:.3f} | {mb} | {vs_ar} |")
     t = result["targets"]
     best = t["fastest_within_ar_ppl"]
-    lines += ["", f"- multi-block ≥ {MB_TPF:g}x single-block tokens/forward, judge ppl ≤ +{MB_PPL:.0%}: "
+    lines += ["", f"- multi-block faster than single-block at batch 1, judge ppl ≤ +{MB_PPL:.0%}: "
               + (", ".join(t["multi_block"]) if t["multi_block"] else "not met"),
               f"- ≥ {AR_SPEED:g}x `ar` at batch 1, judge ppl ≤ +{AR_PPL:.0%} of `ar`'s: "
               + (", ".join(t["vs_ar"]) if t["vs_ar"] else "not met")
