@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(self.device, self.config.seed)
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
-                            self.device, self.dtype, draft_model)
+                            self.device, self.dtype, draft_model, self._paged_runner)
         self.method: Method = method_class(method)(ctx, **method_options)
         self.method_name = method
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
@@ -117,6 +117,13 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def _paged_runner(self, model: torch.nn.Module, num_blocks: int, block_size: int
+                      ) -> tuple[ModelRunner, BlockManager]:
+        """A second model's runner over a paged KV cache of its own (a draft model's), with its
+        block manager (no prefix cache): MethodContext.paged_runner."""
+        runner = ModelRunner(model, num_blocks, block_size, self.device, self.config.kv_torch_dtype(self.device))
+        return runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False)
 
     def kv_namespace(self) -> str:
         """What a KV block's contents depend on besides its tokens, as a short digest: the weights

@@ -8,6 +8,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "dflash": ("leapfrog.methods.drafters", "DFlashMethod"),
     "dspark": ("leapfrog.methods.drafters", "DSparkMethod"),
     "diffusion": ("leapfrog.methods.diffusion", "DiffusionMethod"),
+    "draft": ("leapfrog.methods.draft_model", "DraftModelMethod"),
 }
 
 

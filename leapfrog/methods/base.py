@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +30,10 @@ class MethodContext:
     device: torch.device
     dtype: torch.dtype
     draft_model: str | None = None
+    # (model, num_blocks, block_size) -> (a ModelRunner over its own paged KV cache, a
+    # BlockManager of those blocks): for a method that runs a second model step by step (the
+    # engine supplies it; methods sit below the runner).
+    paged_runner: Callable[[torch.nn.Module, int, int], tuple[Any, Any]] | None = None
 
 
 @dataclass(slots=True)

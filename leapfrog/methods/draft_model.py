@@ -1,0 +1,128 @@
+"""`draft`: speculative decoding with a small AR model as the drafter (Leviathan et al. 2023;
+vLLM's `speculative_config={"model": ...}`).
+
+The draft model shares the target's tokenizer. It keeps its own paged KV cache (a ModelRunner
+and a BlockManager of its own, `draft_kv_tokens` slots), one entry per request: the tokens
+whose keys and values it holds. Each step it drafts γ tokens greedily after the anchor: the
+first forward feeds whatever of the request's committed text it has not seen (the prompt the
+first time, then the tokens the last verify accepted plus its bonus), each further forward one
+draft. After a verify the entry is cut back to the longest prefix it shares with the committed
+text, so rejected drafts cost nothing but the slots they overwrite.
+
+Drafts are argmax picks, so verification treats the draft distribution as one-hot: greedy
+requests keep "accept while the draft is the target's argmax", sampled ones the lossless rule
+with q one-hot. The output is the target's either way; the draft model only decides how fast.
+A request the cache cannot hold (or whose text passes the draft model's context) gets no
+drafts and decodes as `ar` until it can.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from leapfrog.methods.base import Batch, ScheduledSeq
+from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.methods.base import MethodContext
+
+# A fixed text both tokenizers must cut the same way (with the same vocabulary size).
+_PROBE = "Once upon a time, a fox said: \"Hello!\" 3 + 4 = 7.\n新春快乐，万事如意。"
+
+
+@dataclass(slots=True)
+class DraftEntry:
+    """A request's share of the draft model's cache: what the runner and the block manager
+    read of a Sequence (block_table, num_hashed_blocks, token_ids), and the tokens whose KV
+    the cache holds."""
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    rotary_anchor: int | None = None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelMethod(SpeculativeMethod):
+    name = "draft"
+    block_size = 16
+
+    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4, fallback: str = "none",
+                 draft_kv_tokens: int = 16384, **options: object) -> None:
+        if options:
+            raise ValueError(f"unknown option(s) for method 'draft': {', '.join(sorted(options))}")
+        super().__init__(ctx, num_speculative_tokens, fallback)
+        if not ctx.draft_model:
+            raise ValueError("method 'draft' needs draft_model=<a model folder or built-in name sharing the "
+                             "target's tokenizer>, e.g. LLM('stories-large', method='draft', draft_model='stories')")
+        if int(draft_kv_tokens) < self.block_size:
+            raise ValueError(f"method 'draft': draft_kv_tokens={draft_kv_tokens}: must be >= {self.block_size}")
+        from leapfrog.config import resolve_model
+        from leapfrog.loader import load_model, read_config
+        from leapfrog.tokenizer import Tokenizer
+
+        folder = resolve_model(ctx.draft_model)
+        config = read_config(folder)
+        target_vocab = int(getattr(ctx.model, "config", {}).get("vocab_size", 0))
+        tok = Tokenizer.from_folder(folder)
+        if (int(config.get("vocab_size", -1)) != target_vocab
+                or tok.encode(_PROBE) != ctx.tokenizer.encode(_PROBE)):
+            raise ValueError(f"draft model {folder}: its tokenizer is not the target's (vocabulary "
+                             f"{config.get('vocab_size')} against {target_vocab}, or other token ids); "
+                             "a draft model must share the target's tokenizer")
+        self.draft = load_model(folder, ctx.device, ctx.dtype)
+        self.draft_path = folder
+        self.draft_max_positions = int(config.get("max_position_embeddings", 1 << 30))
+        num_blocks = max(1, int(draft_kv_tokens) // self.block_size)
+        if ctx.paged_runner is None:
+            raise ValueError("method 'draft' runs inside an LLMEngine (it needs the engine's paged runner)")
+        self.runner, self.blocks = ctx.paged_runner(self.draft, num_blocks, self.block_size)
+        self.entries: dict[int, DraftEntry] = {}
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.draft]
+
+    # --- drafting --------------------------------------------------------------------------
+    def propose(self, anchors: list[Anchor]) -> list[Proposal]:
+        gamma = self.num_speculative_tokens
+        out = [Proposal(a.pos, []) for a in anchors]
+        live: list[tuple[int, DraftEntry, list[int]]] = []        # (anchor index, entry, tokens to feed)
+        for i, a in enumerate(anchors):
+            text = a.seq.token_ids + a.new_token_ids              # ends with the anchor
+            entry = self.entries.setdefault(a.seq.seq_id, DraftEntry())
+            keep = min(common_prefix(entry.token_ids, text), len(text) - 1)   # feed the anchor at least
+            self.blocks.truncate(entry, keep)
+            del entry.token_ids[keep:]
+            if len(text) + gamma - 1 > self.draft_max_positions or not self.blocks.reserve(entry, len(text) + gamma - 1):
+                continue                                          # no room: this step verifies no drafts
+            live.append((i, entry, text[keep:]))
+        drafts: dict[int, list[int]] = {i: [] for i, _, _ in live}
+        for _ in range(gamma if live else 0):
+            seqs = [ScheduledSeq(entry, len(entry.token_ids), len(feed), query_ids=list(feed), num_logits=1)
+                    for _, entry, feed in live]
+            logits = self.runner.run(Batch(seqs)).logits
+            picks = logits.argmax(-1).tolist()
+            nxt = []
+            for (i, entry, feed), tok in zip(live, picks):
+                entry.token_ids += feed
+                drafts[i].append(int(tok))
+                nxt.append((i, entry, [int(tok)]))
+            live = nxt
+        for i, d in drafts.items():
+            out[i].token_ids = d
+        return out
+
+    def on_finished(self, seq: Sequence) -> None:
+        super().on_finished(seq)
+        entry = self.entries.pop(seq.seq_id, None)
+        if entry is not None:
+            self.blocks.free_seq(entry)

@@ -1,0 +1,121 @@
+"""`draft`: speculative decoding with a small AR draft model. Oracle: the target decoding alone
+(`ar`); the draft model only decides how many tokens a verify step commits."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_model
+from leapfrog import LLM, SamplingParams
+
+ENGINE = dict(max_batch_size=8, num_threads=1)
+PROMPTS = ["Once upon a time there was", "The cat liked to", "One day the cat met a big dog.",
+           "They became friends", "春回大地"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(llama_dir, tmp_path_factory) -> Path:
+    """The target with noise on its weights: it agrees with the target on some tokens only."""
+    import transformers
+    folder = tmp_path_factory.mktemp("draft") / "llama-noisy"
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(0.02 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / f, folder / f)
+    return folder
+
+
+def test_greedy_output_is_the_targets_and_rejected_drafts_roll_back(llama_dir, draft_dir):
+    ar = LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=3, **ENGINE)
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    stats = llm.engine.method.stats()
+    # Some drafts accepted, some rejected: the draft model's cache was cut back and fed again.
+    assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]
+    assert 1.0 < stats["acceptance_length"] < 4.0
+    method = llm.engine.method
+    assert method.blocks.num_used_blocks == 0 and not method.entries
+    again = llm.generate(PROMPTS[::-1], GREEDY)              # the same engine, another order
+    assert [o.token_ids for o in again] == [o.token_ids for o in ar[::-1]]
+
+
+def test_the_target_as_its_own_draft_model_accepts_every_draft(llama_dir):
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(llama_dir), num_speculative_tokens=4, **ENGINE)
+    out = llm.generate(PROMPTS, GREEDY)
+    ar = LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    stats = llm.engine.method.stats()
+    assert stats["num_accepted_tokens"] == stats["num_drafted_tokens"] > 0
+
+
+def test_a_cache_too_small_for_drafts_decodes_as_ar(llama_dir, draft_dir):
+    """One block of 16 slots: a request drafts only while its text and drafts fit and it holds
+    the block; the others verify nothing, and the output does not change."""
+    small = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), draft_kv_tokens=16, **ENGINE)
+    full = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), **ENGINE)
+    ar = LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)
+    for llm in (small, full):
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ar]
+    drafted = [llm.engine.method.stats()["num_drafted_tokens"] for llm in (small, full)]
+    assert drafted[0] < drafted[1] / 4
+    assert small.engine.method.blocks.num_used_blocks == 0
+
+
+def test_sampled_requests_decode_to_their_length(llama_dir, draft_dir):
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), **ENGINE)
+    out = llm.generate(PROMPTS, params)
+    assert all(len(o.token_ids) == 16 for o in out)
+    assert llm.engine.method.stats()["num_drafted_tokens"] > 0
+
+
+def test_bad_draft_models_are_clear_errors(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="needs draft_model"):
+        LLM(str(llama_dir), method="draft", **ENGINE)
+    other = build_model(tmp_path, "llama", vocab_size=320)     # another vocabulary
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(llama_dir), method="draft", draft_model=str(other), **ENGINE)
+    with pytest.raises(ValueError, match="unknown option"):
+        LLM(str(llama_dir), method="draft", draft_model=str(llama_dir), drafts=3, **ENGINE)
+
+
+@torch.no_grad()
+def test_accepted_drafts_match_a_full_recompute_of_the_draft_model(llama_dir, draft_dir):
+    """Every verify step's drafts are the draft model's greedy continuation of the committed text
+    (its cache cut back to what was accepted): counted against transformers recomputing it."""
+    import transformers
+    hf = transformers.LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    gamma, params = 3, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=gamma, **ENGINE)
+    want_drafted = want_accepted = 0
+    for prompt in PROMPTS[:3]:
+        out = llm.generate([prompt], params)[0]
+        ids, text = llm.tokenizer.encode(prompt), out.token_ids
+        o = 1                                                 # the prefill's token
+        while o < params.max_tokens:
+            k = min(gamma, params.max_tokens - o - 1)
+            if k < 1:
+                o += 1
+                continue
+            ctx = list(ids) + text[:o]
+            drafts = []
+            for _ in range(k):
+                drafts.append(int(hf(torch.tensor([ctx + drafts])).logits[0, -1].argmax()))
+            n = 0
+            while n < k and drafts[n] == text[o + n]:
+                n += 1
+            want_drafted, want_accepted, o = want_drafted + k, want_accepted + n, o + n + 1
+    stats = llm.engine.method.stats()
+    assert (stats["num_drafted_tokens"], stats["num_accepted_tokens"]) == (want_drafted, want_accepted)
+    assert 0 < want_accepted < want_drafted
