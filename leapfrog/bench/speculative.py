@@ -13,7 +13,8 @@ receives (--ignore-eos measures that too: equal lengths, lower τ).
 With a llama.cpp build (--llama-cpp-dir or $LLAMA_CPP_DIR), the latency table also has
 llama.cpp's own single-request decode of the same weights (its converter's float16 GGUF, its
 llama-bench, `-p 0 -n --new-tokens`, in a clean environment), measured in the same run right
-after the leapfrog rows, and every row's ratio to it.
+after the leapfrog rows, and every row's ratio to it. --draft-models adds the `draft` method
+with each small AR model named (one row per γ), in both parts.
 
 Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, a second `ar` engine (the control:
 how far apart two identical engines measure), the DSpark drafter verifying all γ drafts
@@ -47,8 +48,8 @@ class Contender:
     model: str | None = None           # None: the suite's model
 
 
-def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters: list[str] | None = None
-                       ) -> list[Contender]:
+def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters: list[str] | None = None,
+                       draft_models: list[str] | None = None) -> list[Contender]:
     """ar plus every shipped drafter variant under <model>/drafters/ (fixed verification), or
     the drafters given instead: folders (labelled by their path) or names of variants under
     <model>/drafters/ (labelled by name); a DSpark drafter with a
@@ -75,6 +76,16 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
         if method == "dspark" and cfg.get("enable_confidence_head"):
             opts = {**base, "num_speculative_tokens": gammas[0]} if len(gammas) == 1 and gammas[0] else base
             out.append(Contender(f"{label}, confidence-scheduled", method, {**opts, "verify": "confidence"}))
+    return out + draft_model_contenders(draft_models, gammas)
+
+
+def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | None]) -> list[Contender]:
+    """The `draft` method with each small AR model, one row per γ (default: the method's)."""
+    out = []
+    for name in draft_models or []:
+        for g in gammas:
+            opts = {"draft_model": name, **({"num_speculative_tokens": g} if g else {})}
+            out.append(Contender(f"draft model {name}" + (f", γ={g}" if len(gammas) > 1 else ""), "draft", opts))
     return out
 
 
@@ -92,10 +103,11 @@ def _reset_counters(llm) -> None:
 
 
 def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
-                drafters: list[str] | None = None, ignore_eos: bool = False) -> list[dict]:
+                drafters: list[str] | None = None, ignore_eos: bool = False,
+                draft_models: list[str] | None = None) -> list[dict]:
     from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
-    contenders = latency_contenders(model_dir, gamma, drafters)
+    contenders = latency_contenders(model_dir, gamma, drafters, draft_models)
     engines = [_engine(model_dir, c, 1) for c in contenders]
     for llm in engines:                       # warm-up (and the drafters' first-call costs)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -127,6 +139,7 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
         drafter = getattr(llm.engine.method, "drafter", None)
         if drafter is not None:
             row["drafter_layers"] = drafter.config["num_hidden_layers"]
+        if c.method != "ar":
             row["gamma"] = llm.engine.method.num_speculative_tokens
             if stats.get("num_verify_steps"):       # drafts verified per verify step (scheduled: chosen)
                 row["mean_verified"] = stats["num_drafted_tokens"] / stats["num_verify_steps"]
@@ -149,7 +162,7 @@ def waves(num_prompts: int, conc: int) -> int:
 
 def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
                    drafter: str | None, repeats: int, ignore_eos: bool = False,
-                   num_prompts: int = 1) -> list[dict]:
+                   num_prompts: int = 1, draft_models: list[str] | None = None) -> list[dict]:
     """Rows per concurrency level: each engine's output tok/s (the median over --repeats
     rounds) and its speed against `ar` as the median of per-round ratios, each against `ar`'s
     pass of the same round. A pass of a small model lasts a fraction of a second, and this
@@ -168,6 +181,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
         contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter}),
                        Contender("dspark, confidence-scheduled", "dspark",
                                  {"draft_model": drafter, "verify": "confidence"})]
+    contenders += draft_model_contenders(draft_models, [None])
     engines = [_engine(model_dir, c, max(concurrency)) for c in contenders]
     for llm in engines:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -210,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
         f"{args.num_prompts} prompts at batch 1")
     latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
-                          args.ignore_eos)
+                          args.ignore_eos, args.draft_models)
     peer = llama_cpp_row(model_dir, args)
     if peer is not None:
         peer["speedup"] = peer["tokens_per_s"] / latency[0]["tokens_per_s"]
@@ -219,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
         latency.append(peer)
     drafter = args.throughput_drafter or _best_dspark(latency)
     throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
-                                args.ignore_eos, args.num_prompts)
+                                args.ignore_eos, args.num_prompts, args.draft_models)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
             "ignore_eos": args.ignore_eos,
@@ -307,6 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafters", nargs="+", default=None, metavar="DIR",
                    help="drafter folders, or variant names under <model>/drafters/, to compare "
                    "(default: every one under <model>/drafters/)")
+    g.add_argument("--draft-models", nargs="+", default=None, metavar="MODEL",
+                   help="small AR models (folders or built-in names) sharing the target's tokenizer: "
+                   "adds the `draft` method with each (e.g. stories for stories-large)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode past the end of text to exactly --new-tokens (default: stop there)")
     g.add_argument("--throughput-drafter", default=None,
