@@ -91,13 +91,16 @@ def test_bad_draft_models_are_clear_errors(llama_dir, tmp_path):
 
 
 @torch.no_grad()
-def test_accepted_drafts_match_a_full_recompute_of_the_draft_model(llama_dir, draft_dir):
+@pytest.mark.parametrize("decode_loop", [True, False])
+def test_accepted_drafts_match_a_full_recompute_of_the_draft_model(llama_dir, draft_dir, decode_loop):
     """Every verify step's drafts are the draft model's greedy continuation of the committed text
     (its cache cut back to what was accepted): counted against transformers recomputing it."""
     import transformers
     hf = transformers.LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     gamma, params = 3, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=gamma, **ENGINE)
+    if not decode_loop:                                 # every draft forward layer by layer
+        llm.engine.method.draft.decode_loop = lambda block_size: None
     want_drafted = want_accepted = 0
     for prompt in PROMPTS[:3]:
         out = llm.generate([prompt], params)[0]
@@ -119,3 +122,4 @@ def test_accepted_drafts_match_a_full_recompute_of_the_draft_model(llama_dir, dr
     stats = llm.engine.method.stats()
     assert (stats["num_drafted_tokens"], stats["num_accepted_tokens"]) == (want_drafted, want_accepted)
     assert 0 < want_accepted < want_drafted
+    assert (llm.engine.method.num_loop_calls > 0) == decode_loop     # drafts 2..γ from the C++ loop

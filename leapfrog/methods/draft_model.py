@@ -7,7 +7,8 @@ whose keys and values it holds. Each step it drafts γ tokens greedily after the
 first forward feeds whatever of the request's committed text it has not seen (the prompt the
 first time, then the tokens the last verify accepted plus its bonus), each further forward one
 draft. After a verify the entry is cut back to the longest prefix it shares with the committed
-text, so rejected drafts cost nothing but the slots they overwrite.
+text, so rejected drafts cost nothing but the slots they overwrite. On a CPU the γ - 1 forwards
+after the first run in the C++ decode loop (greedy, one call for the batch), as `ar` steps do.
 
 Drafts are argmax picks, so verification treats the draft distribution as one-hot: greedy
 requests keep "accept while the draft is the target's argmax", sampled ones the lossless rule
@@ -87,6 +88,7 @@ class DraftModelMethod(SpeculativeMethod):
             raise ValueError("method 'draft' runs inside an LLMEngine (it needs the engine's paged runner)")
         self.runner, self.blocks = ctx.paged_runner(self.draft, num_blocks, self.block_size)
         self.entries: dict[int, DraftEntry] = {}
+        self.num_loop_calls = 0                                   # drafting calls of the C++ decode loop
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.draft]
@@ -106,7 +108,9 @@ class DraftModelMethod(SpeculativeMethod):
                 continue                                          # no room: this step verifies no drafts
             live.append((i, entry, text[keep:]))
         drafts: dict[int, list[int]] = {i: [] for i, _, _ in live}
-        for _ in range(gamma if live else 0):
+        for step in range(gamma if live else 0):
+            if step == 1 and self._loop_drafts(live, gamma - 1, drafts):
+                break
             seqs = [ScheduledSeq(entry, len(entry.token_ids), len(feed), query_ids=list(feed), num_logits=1)
                     for _, entry, feed in live]
             logits = self.runner.run(Batch(seqs)).logits
@@ -120,6 +124,30 @@ class DraftModelMethod(SpeculativeMethod):
         for i, d in drafts.items():
             out[i].token_ids = d
         return out
+
+    def _loop_drafts(self, live: list[tuple[int, DraftEntry, list[int]]], steps: int,
+                     drafts: dict[int, list[int]]) -> bool:
+        """The remaining `steps` greedy drafts of every live request in one call of the draft
+        model's C++ decode loop, each row feeding its last draft; False where the loop does not
+        apply (not a CPU float32 dense model, too many rows), and nothing done."""
+        loop = self.draft.decode_loop(self.block_size) if hasattr(self.draft, "decode_loop") else None
+        if loop is None or not loop.supports_rows(len(live)):
+            return False
+        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        rows = len(live)
+        width = max(len(entry.block_table) for _, entry, _ in live)
+        tables = t([e.block_table + [0] * (width - len(e.block_table)) for _, e, _ in live])
+        zeros, none = torch.zeros(rows, dtype=torch.long), torch.full((rows, 1), -1, dtype=torch.long)
+        tokens, counts, _, _ = loop.run(
+            t([feed[0] for _, _, feed in live]), t([len(e.token_ids) for _, e, _ in live]), tables,
+            t([steps] * rows), steps, torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros,
+            zeros, none, none, zeros, False, [], torch.empty(0, dtype=torch.long))
+        self.num_loop_calls += 1
+        for (i, entry, feed), row, n in zip(live, tokens.tolist(), counts.tolist()):
+            got = [int(x) for x in row[:n]]
+            entry.token_ids += feed + got[:-1]           # the loop fed the last draft and all but its own last
+            drafts[i] += got
+        return True
 
     def on_finished(self, seq: Sequence) -> None:
         super().on_finished(seq)
