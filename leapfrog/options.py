@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or built-in name (default {DEFAULT_MODEL})")
     g.add_argument("--method", default=None, help="decoding method (default: the model's best lossless one, else ar)")
-    g.add_argument("--draft-model", default=None, help="drafter checkpoint folder for speculative methods")
+    g.add_argument("--draft-model", default=None, help="drafter checkpoint folder for speculative methods; for "
+                   "method draft, a small AR model sharing the tokenizer (e.g. stories)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")

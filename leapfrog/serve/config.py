@@ -101,8 +101,9 @@ HELP = {
     "model": f"checkpoint folder or built-in model name; repeat to serve several, each with its own "
              f"engine, routed by the requests' `model` (default: {' and '.join(DEFAULT_SERVED)})",
     "models": "the served models (a list; the command line repeats --model instead)",
-    "method": "decoding method: ar, dflash, dspark, diffusion (default: the model's best lossless one)",
-    "draft_model": "drafter checkpoint folder for speculative methods",
+    "method": "decoding method: ar, dflash, dspark, draft, diffusion (default: the model's best lossless one)",
+    "draft_model": ("drafter checkpoint folder for speculative methods; for method draft, a small AR model "
+                    "sharing the tokenizer (e.g. stories)"),
     "served_model_name": "model id clients send and /v1/models lists (default: --model)",
     "host": "address to bind (default 0.0.0.0: all interfaces; use 127.0.0.1 for local only)",
     "port": "port (default 8080)",
