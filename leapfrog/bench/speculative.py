@@ -139,7 +139,7 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
         drafter = getattr(llm.engine.method, "drafter", None)
         if drafter is not None:
             row["drafter_layers"] = drafter.config["num_hidden_layers"]
-        if c.method != "ar":
+        if hasattr(llm.engine.method, "num_speculative_tokens"):     # a speculative method
             row["gamma"] = llm.engine.method.num_speculative_tokens
             if stats.get("num_verify_steps"):       # drafts verified per verify step (scheduled: chosen)
                 row["mean_verified"] = stats["num_drafted_tokens"] / stats["num_verify_steps"]
