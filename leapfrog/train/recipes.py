@@ -283,21 +283,10 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
 }
 
 
-def _stories_moe_first() -> TrainConfig:
-    """The recipe that trained the shipped stories-moe (600 steps x 2,048 tokens, one thread)."""
-    cfg = _stories_base()
-    cfg.recipe = "stories-moe"
-    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-moe")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-moe")
-    cfg.model = stories_moe().model
-    cfg.max_steps, cfg.warmup_steps, cfg.eval_interval = 600, 60, 100
-    return cfg
-
-
 # Recipes whose shipped weights are being retrained by a longer recipe of the same name: the
 # recipe that trained the weights in checkpoints/ now, as it was (commit 303a7b1). An entry goes
 # when the retrained weights ship.
-SHIPPED_BY: dict[str, Callable[[], TrainConfig]] = {"stories-moe": _stories_moe_first}
+SHIPPED_BY: dict[str, Callable[[], TrainConfig]] = {}
 
 
 def describe(name: str) -> str:
