@@ -219,4 +219,3 @@ def test_reference_decoder_and_readme(toy_runs):
     for needle in ("## Block diffusion", "Multi-block teacher forcing", "mask_token_id",
                    'LLM("stories-diffusion", method="diffusion"', "initialised from"):
         assert needle in text
-

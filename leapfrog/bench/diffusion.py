@@ -234,7 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ar-model", default="stories", help="the ar baseline and the perplexity judge (default stories)")
     g.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])
     g.add_argument("--num-blocks", type=int, nargs="+", default=[1, 2, 3, 4], help="N; 1 is single-block")
-    g.add_argument("--floors", nargs="+", choices=["leftmost", "confident"], default=None,
+    from leapfrog.methods.diffusion import FLOORS
+    g.add_argument("--floors", nargs="+", choices=FLOORS, default=None,
                    help="the progress floor's rule(s): which position a step forces when none clears "
                         "the threshold (default: the method's, leftmost); two values run every config twice")
     g.add_argument("--semi-threshold", type=float, default=None,

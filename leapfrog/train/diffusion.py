@@ -253,13 +253,12 @@ def block_causal_mask(length: int, block_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_decode(model, prompt_ids: list[int], cfg: dict, max_new_tokens: int,
-                     threshold: float = 0.9, eos_id: int | None = None, floor: str = "leftmost"
-                     ) -> tuple[list[int], int]:
+                     threshold: float = 0.9, eos_id: int | None = None) -> tuple[list[int], int]:
     """Single-block decoding by full recompute: (new token ids, forwards). Each forward runs the
     whole canvas (prefix + current block, block-causal), predicts every masked position (shifted
     per the config), commits those whose top probability exceeds `threshold`, or when none does
-    the leftmost masked one (`floor="confident"`: the most confident one), as the engine's
-    `diffusion` method; a block ends when it has no mask, decoding when a block holds the eos."""
+    the leftmost masked one (the engine's default floor); a block ends when it has no mask,
+    decoding when a block holds the eos."""
     bs, mask_id, shift = cfg["block_size"], cfg["mask_token_id"], cfg["diffusion_logit_shift"]
     ids, forwards, n0 = list(prompt_ids), 0, len(prompt_ids)
     while len(ids) - n0 < max_new_tokens and (eos_id is None or eos_id not in ids[n0:]):
@@ -275,7 +274,7 @@ def reference_decode(model, prompt_ids: list[int], cfg: dict, max_new_tokens: in
             prob = torch.where(masked, prob, -1.0)
             commit = masked & (prob > threshold)
             if not commit.any():
-                commit[prob.argmax() if floor == "confident" else masked.nonzero()[0, 0]] = True
+                commit[masked.nonzero()[0, 0]] = True
             for j in commit.nonzero().flatten().tolist():
                 ids[start + j] = int(tok[j])
     new = ids[n0:n0 + max_new_tokens]
