@@ -150,3 +150,14 @@ def llama_dir(model_root) -> Path:
 def family_dirs(model_root, llama_dir) -> dict[str, Path]:
     return {"llama": llama_dir, "qwen2": build_model(model_root, "qwen2"),
             "qwen3": build_model(model_root, "qwen3")}
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The verify policies' clock moves 1 µs per reading: confidence scheduling's decisions then
+    rest on the step costs a test gives, not on this machine's load."""
+    import types
+
+    import leapfrog.methods.verify as verify_mod
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(verify_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))

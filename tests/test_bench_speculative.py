@@ -91,15 +91,18 @@ def test_several_gammas_give_a_fixed_row_each_and_one_scheduled_row(llama_dir, t
 
 def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
     """--draft-models: the `draft` method with each small AR model (here the target itself, so
-    every draft is accepted), one row per γ, in the latency table, with the output checked
-    against `ar`."""
+    every draft is accepted), one row per γ and a confidence-scheduled one, in the latency
+    table, with the output checked against `ar`."""
     from leapfrog import LLM
     from leapfrog.bench.speculative import latency_contenders, run_latency
     rows = latency_contenders(llama_dir, [2, 4], [], [str(llama_dir)])
     assert [(c.label, c.method, c.options) for c in rows[1:]] == [
         (f"draft model {llama_dir}, γ={g}", "draft", {"draft_model": str(llama_dir), "num_speculative_tokens": g})
-        for g in (2, 4)]
+        for g in (2, 4)] + [(f"draft model {llama_dir}, confidence-scheduled", "draft",
+                             {"draft_model": str(llama_dir), "verify": "confidence"})]
     prompts = [LLM(str(llama_dir)).tokenizer.encode(t) for t in ("Once upon a time", "The cat")]
     got = run_latency(llama_dir, prompts, 12, 3, drafters=[], ignore_eos=True, draft_models=[str(llama_dir)])
-    assert [r["method"] for r in got] == ["ar", f"draft model {llama_dir}"]
+    assert [r["method"] for r in got] == ["ar", f"draft model {llama_dir}",
+                                          f"draft model {llama_dir}, confidence-scheduled"]
     assert got[1]["identical_to_ar"] == "2/2" and got[1]["gamma"] == 3 and got[1]["tau"] > 3
+    assert got[2]["identical_to_ar"] == "2/2" and got[2]["gamma"] == 3

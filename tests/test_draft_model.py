@@ -123,3 +123,70 @@ def test_accepted_drafts_match_a_full_recompute_of_the_draft_model(llama_dir, dr
     assert (stats["num_drafted_tokens"], stats["num_accepted_tokens"]) == (want_drafted, want_accepted)
     assert 0 < want_accepted < want_drafted
     assert (llm.engine.method.num_loop_calls > 0) == decode_loop     # drafts 2..γ from the C++ loop
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("decode_loop", [True, False])
+def test_confidences_are_the_draft_models_probabilities(llama_dir, draft_dir, decode_loop):
+    """A draft's probability is the draft model's softmax probability of it after the text and
+    the drafts before it (from the C++ loop or the layer-by-layer forward): against transformers.
+    Its confidence is that probability calibrated by what verification showed."""
+    import transformers
+    hf = transformers.LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=3,
+              verify="threshold", threshold=0.0, **ENGINE)         # threshold 0: verify every draft
+    method = llm.engine.method
+    if not decode_loop:
+        method.draft.decode_loop = lambda block_size: None
+    seen = []
+    propose = method.propose
+    method.propose = lambda anchors: [
+        seen.append((a.seq.token_ids + a.new_token_ids, p, list(method.entries[a.seq.seq_id].probs),
+                     method.calibration(method.entries[a.seq.seq_id].probs))) or p
+        for a, p in zip(anchors, propose(anchors))]
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 10 for o in out) and len(seen) > 4
+    for text, prop, drawn, calibrated in seen:
+        assert prop.num_verify == len(prop.confidence) == len(prop.token_ids) == 3
+        assert prop.confidence == calibrated
+        probs = hf(torch.tensor([text + prop.token_ids[:-1]])).logits[0, len(text) - 1:].softmax(-1)
+        want = probs[torch.arange(3), torch.tensor(prop.token_ids)]
+        assert prop.token_ids == probs.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(drawn), want, atol=1e-4)
+    assert (method.num_loop_calls > 0) == decode_loop
+
+
+@pytest.mark.parametrize("costs,drafts", [
+    ({1: 0.001, 64: 64.0}, False),           # a verified draft costs about a whole decode step: never worth it
+    ({1: 0.01, 64: 0.0100001}, True),        # verification is free: always worth drafting
+])
+def test_confidence_scheduling_drafts_only_where_verifying_pays(llama_dir, draft_dir, costs, drafts, fake_clock):
+    """verify="confidence" prices drafts by the draft model's probabilities and the target's
+    step costs (given here, with a clock that makes drafting free): it stops drafting where a
+    verified draft costs a decode step, and verifies where verifying is free; the output is
+    `ar`'s either way and the draft cache is released."""
+    ar = LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), verify="confidence",
+              step_costs=costs, **ENGINE)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ar]
+    method = llm.engine.method
+    stats = method.stats()
+    steps = sum(len(o.token_ids) for o in ar)
+    if drafts:
+        assert stats["num_skipped_drafts"] == 0 and stats["num_accepted_tokens"] > 0
+    else:
+        assert stats["num_skipped_drafts"] > 0.5 * steps
+        assert method.policy.stats()["num_drafts"] <= 2 + steps / method.policy.reprobe_steps
+    assert method.blocks.num_used_blocks == 0 and not method.entries
+
+
+def test_calibration_maps_probabilities_to_the_acceptance_seen():
+    from leapfrog.methods.draft_model import Calibration
+    cal = Calibration(bins=4, prior=2.0)
+    assert cal([0.1, 0.9]) == [0.5, 0.5]                  # nothing seen: one half everywhere
+    cal.observe([0.9, 0.9, 0.1, 0.9], 2)                  # accepted, accepted, rejected; the 4th unseen
+    assert (cal.hits, cal.counts) == ([0.0, 0.0, 0.0, 2.0], [1.0, 0.0, 0.0, 2.0])
+    rate = 3 / 5                                          # (2 accepted + 1) / (3 seen + 2)
+    assert cal([0.05, 0.3, 0.95]) == pytest.approx([(0 + 2 * rate) / 3, rate, (2 + 2 * rate) / 4])
+    cal.observe([0.2], 1)                                 # all accepted: nothing after them counts
+    assert cal.counts == [2.0, 0.0, 0.0, 2.0]

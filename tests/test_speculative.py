@@ -320,17 +320,6 @@ def test_confidence_scheduled_dspark_equals_ar(llama_dir, drafters, ar_greedy):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.fixture
-def fake_clock(monkeypatch):
-    """The verify policies' clock moves 1 µs per reading: confidence scheduling's decisions then
-    rest on the step costs a test gives, not on this machine's load."""
-    import types
-
-    import leapfrog.methods.verify as verify_mod
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(verify_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
-
-
 @pytest.mark.parametrize("costs,drafts", [
     ({1: 0.001, 64: 64.0}, False),           # a verified draft costs about a whole decode step: never worth it
     ({1: 0.01, 64: 0.0100001}, True),          # verification is free: always worth drafting

@@ -80,12 +80,18 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
 
 
 def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | None]) -> list[Contender]:
-    """The `draft` method with each small AR model, one row per γ (default: the method's)."""
+    """The `draft` method with each small AR model: one row per γ (default: the method's),
+    verifying every draft, and one confidence-scheduled row (at the one γ given, else the
+    method's default)."""
     out = []
     for name in draft_models or []:
         for g in gammas:
             opts = {"draft_model": name, **({"num_speculative_tokens": g} if g else {})}
             out.append(Contender(f"draft model {name}" + (f", γ={g}" if len(gammas) > 1 else ""), "draft", opts))
+        g = gammas[0] if len(gammas) == 1 else None
+        out.append(Contender(f"draft model {name}, confidence-scheduled", "draft",
+                             {"draft_model": name, "verify": "confidence",
+                              **({"num_speculative_tokens": g} if g else {})}))
     return out
 
 

@@ -699,6 +699,25 @@ static inline int64_t argmax_row(const float* x, int64_t V) {
   return am;
 }
 
+// softmax(x)[t] over a row of V logits.
+static inline float row_prob(const float* x, int64_t V, int64_t t) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
+  if (!std::isfinite(m)) return 0.f;
+  double z = 0.0;
+  int64_t i = 0;
+#if defined(LEAPFROG_AVX2)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float v : lanes) z += v;
+#endif
+  for (; i < V; ++i) z += std::exp(x[i] - m);
+  return static_cast<float>(std::exp(x[t] - m) / z);
+}
+
 struct SampleScratch {
   std::vector<float> p;
   std::vector<float> tmp;

@@ -172,7 +172,9 @@ class DecodeLoop {
   // no sampling, the logits are returned. anchors [B] or empty: for a model trained with
   // coupled positions (set_anchor_token), the index of each row's first anchor token, -1 when
   // it has none yet; past it the rotary position counts from it, and a row that produces the
-  // anchor in this call anchors there. Returns {tokens [B, steps], counts [B], logits}.
+  // anchor in this call anchors there. Returns {tokens [B, steps], counts [B], logits,
+  // captured}; with set_pick_probs(true) and no return_logits, the third is [B, steps]: the
+  // probability (softmax at temperature 1, after bans) of each produced token.
   std::vector<torch::Tensor> run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor tables,
                                  torch::Tensor budgets, int64_t steps, torch::Tensor temps,
                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
@@ -225,6 +227,7 @@ class DecodeLoop {
     auto out = torch::full({B, steps}, -1, torch::kInt64);
     auto counts = torch::zeros({B}, torch::kInt64);
     auto logits_out = return_logits ? torch::empty({B, V_}, torch::kFloat32) : torch::Tensor();
+    auto probs_out = pick_probs_ && !return_logits ? torch::zeros({B, steps}, torch::kFloat32) : torch::Tensor();
     for (const int64_t l : capture_layers)
       TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "DecodeLoop.run: capture layer out of range");
     const int64_t C = static_cast<int64_t>(capture_layers.size());
@@ -237,6 +240,7 @@ class DecodeLoop {
     st.bans = bans.data_ptr<int64_t>(); st.nban = bans.size(1); st.minl = minl.data_ptr<int64_t>();
     st.samp = samp.data(); st.out = out.data_ptr<int64_t>(); st.counts = counts.data_ptr<int64_t>();
     st.logits_out = return_logits ? logits_out.data_ptr<float>() : nullptr;
+    st.probs = probs_out.defined() ? probs_out.data_ptr<float>() : nullptr;
     st.capture.assign(layers_.size(), -1);
     for (int64_t c = 0; c < C; ++c) st.capture[capture_layers[c]] = c;
     st.C = C;
@@ -247,12 +251,16 @@ class DecodeLoop {
     } else {
       if (kv_half_) loop<float, at::Half>(st); else loop<float, float>(st);
     }
-    return {out, counts, return_logits ? logits_out : torch::empty({0}), captured};
+    return {out, counts, return_logits ? logits_out : probs_out.defined() ? probs_out : torch::empty({0}), captured};
   }
 
   // The token after whose first occurrence a model trained with coupled positions restarts
   // its rotary positions (-1: none).
   void set_anchor_token(int64_t id) { anchor_tok_ = id; }
+
+  // Whether run() also returns the probability of each token it produces (a draft model's
+  // confidence in its drafts).
+  void set_pick_probs(bool on) { pick_probs_ = on; }
 
   // Whether a forward of `rows` rows runs here with the arithmetic decode_layer gives them:
   // with every projection packed, up to kPanelRows rows; without, the few rows the row-major
@@ -324,6 +332,7 @@ class DecodeLoop {
     const RowSampling* samp;
     int64_t *out, *counts;
     float* logits_out;
+    float* probs = nullptr;
     std::vector<int64_t> capture;      // per layer: its index among the captured layers, or -1
     int64_t C = 0;
     float* captured = nullptr;         // [B, steps, C, d]: the residual stream after those layers
@@ -584,6 +593,7 @@ class DecodeLoop {
           RowSampling rs = st.samp[b];
           rs.counter += static_cast<uint64_t>(produced[b]);
           const int64_t t = sample_row(lr, V, rs, scratch);
+          if (st.probs) st.probs[b * st.steps + produced[b]] = row_prob(lr, V, t);
           st.out[b * st.steps + produced[b]] = t;
           ++produced[b];
           bool stop = produced[b] >= std::min(st.bud[b], st.steps);
@@ -599,6 +609,7 @@ class DecodeLoop {
 
   std::vector<LayerWeights> layers_;
   int64_t anchor_tok_ = -1;
+  bool pick_probs_ = false;
   torch::Tensor embed_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
   int64_t H_, KVH_, D_, block_size_;
   float scale_, eps_, qk_eps_, final_eps_;
@@ -649,6 +660,7 @@ void register_decode_loop(pybind11::module& m) {
                           int64_t, int64_t, double, double, double, double, int64_t>())
       .def("supports_rows", &DecodeLoop::supports_rows)
       .def("set_anchor_token", &DecodeLoop::set_anchor_token)
+      .def("set_pick_probs", &DecodeLoop::set_pick_probs)
       .def("forward_supports", &DecodeLoop::forward_supports)
       .def("forward", &DecodeLoop::forward, "one forward of query rows through every layer (CPU, float32)", nogil)
       .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);

@@ -15,6 +15,15 @@ requests keep "accept while the draft is the target's argmax", sampled ones the 
 with q one-hot. The output is the target's either way; the draft model only decides how fast.
 A request the cache cannot hold (or whose text passes the draft model's context) gets no
 drafts and decodes as `ar` until it can.
+
+The `verify` option picks the verify policy as for `dflash`/`dspark` (verify.py). A draft's
+confidence comes from the draft model's probability of it (softmax at temperature 1, the signal
+SpecDec++ and EAGLE-2 stop drafting on), calibrated online: a small model's probabilities are
+not acceptance rates (DSpark trains a head for that), so `Calibration` maps them to the
+acceptance verification has shown so far for drafts of like probability. `confidence`
+scheduling then corrects those rows per request, prices steps by the target's measured costs,
+and stops drafting where verifying does not pay (several requests on a CPU bound by arithmetic).
+Both use past verifications only: the decisions stay non-anticipating, the output lossless.
 """
 from __future__ import annotations
 
@@ -24,7 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from leapfrog.methods.base import Batch, ScheduledSeq
+from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
+from leapfrog.methods.verify import make_policy
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -43,6 +54,42 @@ class DraftEntry:
     num_hashed_blocks: int = 0
     token_ids: list[int] = field(default_factory=list)
     rotary_anchor: int | None = None
+    probs: list[float] = field(default_factory=list)     # the draft model's probabilities of its last drafts
+
+
+class Calibration:
+    """Draft probability -> conditional acceptance rate, learned from verification (pooled over
+    requests). Probabilities fall in `bins` equal bins; a bin's estimate is its accepted count
+    over its verified count, with `prior` pseudo-counts at the rate over all bins (which starts
+    at 1/2), so an empty bin says what drafts in general do. A draft counts when every draft
+    before it was accepted: accepted, or the first rejection. Counts are halved past `horizon`
+    verified drafts, so the estimate follows a change of text."""
+
+    def __init__(self, bins: int = 10, prior: float = 4.0, horizon: float = 2000.0) -> None:
+        self.bins, self.prior, self.horizon = bins, prior, horizon
+        self.hits = [0.0] * bins
+        self.counts = [0.0] * bins
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(p * self.bins)))
+
+    def rate(self) -> float:
+        return (sum(self.hits) + 1.0) / (sum(self.counts) + 2.0)
+
+    def __call__(self, probs: list[float]) -> list[float]:
+        base = self.rate()
+        return [(self.hits[b] + self.prior * base) / (self.counts[b] + self.prior)
+                for b in map(self._bin, probs)]
+
+    def observe(self, probs: list[float], num_accepted: int) -> None:
+        """The verified drafts' probabilities, of which the first `num_accepted` were accepted."""
+        for j, p in enumerate(probs[:num_accepted + 1]):
+            b = self._bin(p)
+            self.hits[b] += j < num_accepted
+            self.counts[b] += 1.0
+        if sum(self.counts) > self.horizon:
+            self.hits = [0.5 * h for h in self.hits]
+            self.counts = [0.5 * c for c in self.counts]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -58,10 +105,13 @@ class DraftModelMethod(SpeculativeMethod):
     block_size = 16
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4, fallback: str = "none",
-                 draft_kv_tokens: int = 16384, **options: object) -> None:
+                 draft_kv_tokens: int = 16384, verify: str = "fixed", threshold: float = 0.7,
+                 step_costs: dict | None = None, **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method 'draft': {', '.join(sorted(options))}")
-        super().__init__(ctx, num_speculative_tokens, fallback)
+        policy = make_policy(verify, threshold, step_costs,
+                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+        super().__init__(ctx, num_speculative_tokens, fallback, policy)
         if not ctx.draft_model:
             raise ValueError("method 'draft' needs draft_model=<a model folder or built-in name sharing the "
                              "target's tokenizer>, e.g. LLM('stories-large', method='draft', draft_model='stories')")
@@ -88,6 +138,7 @@ class DraftModelMethod(SpeculativeMethod):
             raise ValueError("method 'draft' runs inside an LLMEngine (it needs the engine's paged runner)")
         self.runner, self.blocks = ctx.paged_runner(self.draft, num_blocks, self.block_size)
         self.entries: dict[int, DraftEntry] = {}
+        self.calibration = Calibration()
         self.num_loop_calls = 0                                   # drafting calls of the C++ decode loop
 
     def modules(self) -> list[torch.nn.Module]:
@@ -107,47 +158,80 @@ class DraftModelMethod(SpeculativeMethod):
             if len(text) + gamma - 1 > self.draft_max_positions or not self.blocks.reserve(entry, len(text) + gamma - 1):
                 continue                                          # no room: this step verifies no drafts
             live.append((i, entry, text[keep:]))
+        self._catch_up(live)
+        self.policy.begin_drafting()
         drafts: dict[int, list[int]] = {i: [] for i, _, _ in live}
+        probs: dict[int, list[float]] = {i: [] for i, _, _ in live}
         for step in range(gamma if live else 0):
-            if step == 1 and self._loop_drafts(live, gamma - 1, drafts):
+            if step == 1 and self._loop_drafts(live, gamma - 1, drafts, probs):
                 break
             seqs = [ScheduledSeq(entry, len(entry.token_ids), len(feed), query_ids=list(feed), num_logits=1)
                     for _, entry, feed in live]
-            logits = self.runner.run(Batch(seqs)).logits
-            picks = logits.argmax(-1).tolist()
+            top = self.runner.run(Batch(seqs)).logits.float().softmax(-1).max(-1)
             nxt = []
-            for (i, entry, feed), tok in zip(live, picks):
+            for (i, entry, feed), tok, p in zip(live, top.indices.tolist(), top.values.tolist()):
                 entry.token_ids += feed
                 drafts[i].append(int(tok))
+                probs[i].append(float(p))
                 nxt.append((i, entry, [int(tok)]))
             live = nxt
+        for i, a in enumerate(anchors):
+            self.entries[a.seq.seq_id].probs = probs.get(i, [])
         for i, d in drafts.items():
             out[i].token_ids = d
+            out[i].confidence = self.calibration(probs[i]) if self.policy.needs_confidence else None
+        lengths = self.policy.num_to_verify([self.state(a.seq).verify for a in anchors],
+                                            [p.confidence for p in out], [len(p.token_ids) for p in out])
+        for p, n in zip(out, lengths):
+            p.num_verify = n
+        self.policy.end_drafting(len(anchors))
         return out
 
+    def _catch_up(self, live: list[tuple[int, DraftEntry, list[int]]]) -> None:
+        """Feed the draft model, before the drafting clock starts, the text it missed while the
+        verify policy skipped drafting (a prompt, or the steps since the last draft), all but
+        the anchor: that work is per token and paid once, and timed with drafting it would
+        price every later draft as dear."""
+        behind = [(j, entry, feed) for j, (_, entry, feed) in enumerate(live) if len(feed) > 1]
+        if not behind:
+            return
+        self.runner.run(Batch([ScheduledSeq(entry, len(entry.token_ids), len(feed) - 1, query_ids=feed[:-1],
+                                            num_logits=0) for _, entry, feed in behind]))
+        for j, entry, feed in behind:
+            entry.token_ids += feed[:-1]
+            live[j] = (live[j][0], entry, feed[-1:])
+
     def _loop_drafts(self, live: list[tuple[int, DraftEntry, list[int]]], steps: int,
-                     drafts: dict[int, list[int]]) -> bool:
+                     drafts: dict[int, list[int]], probs: dict[int, list[float]]) -> bool:
         """The remaining `steps` greedy drafts of every live request in one call of the draft
         model's C++ decode loop, each row feeding its last draft; False where the loop does not
         apply (not a CPU float32 dense model, too many rows), and nothing done."""
         loop = self.draft.decode_loop(self.block_size) if hasattr(self.draft, "decode_loop") else None
         if loop is None or not loop.supports_rows(len(live)):
             return False
+        loop.set_pick_probs(True)                 # the drafts' probabilities: their confidences
         t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
         rows = len(live)
         width = max(len(entry.block_table) for _, entry, _ in live)
         tables = t([e.block_table + [0] * (width - len(e.block_table)) for _, e, _ in live])
         zeros, none = torch.zeros(rows, dtype=torch.long), torch.full((rows, 1), -1, dtype=torch.long)
-        tokens, counts, _, _ = loop.run(
+        tokens, counts, picked, _ = loop.run(
             t([feed[0] for _, _, feed in live]), t([len(e.token_ids) for _, e, _ in live]), tables,
             t([steps] * rows), steps, torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros,
             zeros, none, none, zeros, False, [], torch.empty(0, dtype=torch.long))
         self.num_loop_calls += 1
-        for (i, entry, feed), row, n in zip(live, tokens.tolist(), counts.tolist()):
+        for (i, entry, feed), row, p, n in zip(live, tokens.tolist(), picked.tolist(), counts.tolist()):
             got = [int(x) for x in row[:n]]
             entry.token_ids += feed + got[:-1]           # the loop fed the last draft and all but its own last
             drafts[i] += got
+            probs[i] += p[:n]
         return True
+
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        entry = self.entries.get(seq.seq_id)
+        if entry is not None:
+            self.calibration.observe(entry.probs[:num_drafted], num_accepted)
+        super()._record(seq, num_drafted, num_accepted)
 
     def on_finished(self, seq: Sequence) -> None:
         super().on_finished(seq)
