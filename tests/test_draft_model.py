@@ -190,3 +190,44 @@ def test_calibration_maps_probabilities_to_the_acceptance_seen():
     assert cal([0.05, 0.3, 0.95]) == pytest.approx([(0 + 2 * rate) / 3, rate, (2 + 2 * rate) / 4])
     cal.observe([0.2], 1)                                 # all accepted: nothing after them counts
     assert cal.counts == [2.0, 0.0, 0.0, 2.0]
+
+
+def test_confidence_scheduling_drafts_as_far_as_verifying_pays(llama_dir, fake_clock):
+    """The draft length follows the cost curve: where a forward of 4 rows costs 4x one of 3,
+    a request verifies 2 drafts and drafts 3 (one past what it verifies), not γ = 6, once
+    drafting is measured (the first drafts are probes of all γ). The target drafts for itself
+    here, so every draft is accepted; the output stays `ar`'s."""
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(llama_dir), verify="confidence",
+              num_speculative_tokens=6, step_costs={1: 0.01, 3: 0.0101, 4: 0.04, 64: 0.64}, **ENGINE)
+    method = llm.engine.method
+    lengths, verified = [], []
+    propose = method.propose
+    method.propose = lambda anchors: [lengths.append(len(p.token_ids)) or verified.append(p.num_verify) or p
+                                      for p in propose(anchors)]
+    ar = LLM(str(llama_dir), **ENGINE)
+    for prompt in PROMPTS[:3]:
+        assert llm.generate([prompt], GREEDY)[0].token_ids == ar.generate([prompt], GREEDY)[0].token_ids
+    assert lengths[0] == 6 and lengths[-1] == 3 and lengths.count(3) > len(lengths) / 2
+    assert verified[-1] == 2
+    stats = method.stats()
+    assert stats["num_accepted_tokens"] == stats["num_drafted_tokens"] > 0
+    assert method.blocks.num_used_blocks == 0 and not method.entries
+
+
+def test_policy_draft_lengths_follow_the_predicted_rows():
+    from leapfrog.methods.confidence_schedule import MeasuredCost, StepCostTable
+    from leapfrog.methods.verify import ConfidencePolicy, FixedPolicy, VerifyRecord, blend_rows, extend_row
+    assert FixedPolicy().draft_lengths([VerifyRecord()] * 2, 5) == [5, 5]
+    policy = ConfidencePolicy(StepCostTable.from_mapping({1: 1.0, 64: 7.3}))   # +10% a row
+    assert policy.draft_lengths([VerifyRecord()], 5) == [5]                     # nothing measured yet
+    policy.measured = MeasuredCost(policy.step_costs)
+    policy.measured.draft.add(1, 1e-6)
+    policy.measured.draft.add(1, 1e-6)
+    sure, doubtful = VerifyRecord(prediction=[0.99, 0.98]), VerifyRecord(prediction=[0.5, 0.05])
+    policy.prior = [0.5]
+    # [0.99, 0.98] extends at rate 0.99: every position pays; [0.5, 0.05]: only the first.
+    assert policy.draft_lengths([sure, doubtful], 5) == [5, 2]
+    assert extend_row([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    assert extend_row([0.5], 2) == [0.5, 0.25]
+    assert blend_rows([0.8, 0.6], [0.4, 0.2, 0.1], 0.5) == pytest.approx([0.6, 0.4, 0.1])
+    assert blend_rows([0.9, 0.8, 0.7], [0.2], 0.5) == pytest.approx([0.55, 0.55, 0.55])

@@ -148,6 +148,9 @@ class DraftModelMethod(SpeculativeMethod):
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
         gamma = self.num_speculative_tokens
         out = [Proposal(a.pos, []) for a in anchors]
+        # Drafts per request: γ, or fewer where the verify policy's predictions say the later
+        # ones would not be verified (each costs a draft-model step).
+        plan = self.policy.draft_lengths([self.state(a.seq).verify for a in anchors], gamma)
         live: list[tuple[int, DraftEntry, list[int]]] = []        # (anchor index, entry, tokens to feed)
         for i, a in enumerate(anchors):
             text = a.seq.token_ids + a.new_token_ids              # ends with the anchor
@@ -155,15 +158,18 @@ class DraftModelMethod(SpeculativeMethod):
             keep = min(common_prefix(entry.token_ids, text), len(text) - 1)   # feed the anchor at least
             self.blocks.truncate(entry, keep)
             del entry.token_ids[keep:]
-            if len(text) + gamma - 1 > self.draft_max_positions or not self.blocks.reserve(entry, len(text) + gamma - 1):
+            entry.probs = []
+            if plan[i] < 1 or len(text) + plan[i] - 1 > self.draft_max_positions \
+                    or not self.blocks.reserve(entry, len(text) + plan[i] - 1):
                 continue                                          # no room: this step verifies no drafts
             live.append((i, entry, text[keep:]))
         self._catch_up(live)
         self.policy.begin_drafting()
         drafts: dict[int, list[int]] = {i: [] for i, _, _ in live}
         probs: dict[int, list[float]] = {i: [] for i, _, _ in live}
-        for step in range(gamma if live else 0):
-            if step == 1 and self._loop_drafts(live, gamma - 1, drafts, probs):
+        step = 0
+        while live:
+            if step == 1 and self._loop_drafts(live, plan, drafts, probs):
                 break
             seqs = [ScheduledSeq(entry, len(entry.token_ids), len(feed), query_ids=list(feed), num_logits=1)
                     for _, entry, feed in live]
@@ -173,13 +179,13 @@ class DraftModelMethod(SpeculativeMethod):
                 entry.token_ids += feed
                 drafts[i].append(int(tok))
                 probs[i].append(float(p))
-                nxt.append((i, entry, [int(tok)]))
-            live = nxt
-        for i, a in enumerate(anchors):
-            self.entries[a.seq.seq_id].probs = probs.get(i, [])
+                if len(drafts[i]) < plan[i]:
+                    nxt.append((i, entry, [int(tok)]))
+            live, step = nxt, step + 1
         for i, d in drafts.items():
             out[i].token_ids = d
             out[i].confidence = self.calibration(probs[i]) if self.policy.needs_confidence else None
+            self.entries[anchors[i].seq.seq_id].probs = probs[i]
         lengths = self.policy.num_to_verify([self.state(a.seq).verify for a in anchors],
                                             [p.confidence for p in out], [len(p.token_ids) for p in out])
         for p, n in zip(out, lengths):
@@ -201,23 +207,24 @@ class DraftModelMethod(SpeculativeMethod):
             entry.token_ids += feed[:-1]
             live[j] = (live[j][0], entry, feed[-1:])
 
-    def _loop_drafts(self, live: list[tuple[int, DraftEntry, list[int]]], steps: int,
+    def _loop_drafts(self, live: list[tuple[int, DraftEntry, list[int]]], plan: list[int],
                      drafts: dict[int, list[int]], probs: dict[int, list[float]]) -> bool:
-        """The remaining `steps` greedy drafts of every live request in one call of the draft
-        model's C++ decode loop, each row feeding its last draft; False where the loop does not
-        apply (not a CPU float32 dense model, too many rows), and nothing done."""
+        """The remaining greedy drafts of every live request (up to its planned number) in one
+        call of the draft model's C++ decode loop, each row feeding its last draft; False where
+        the loop does not apply (not a CPU float32 dense model, too many rows), and nothing done."""
         loop = self.draft.decode_loop(self.block_size) if hasattr(self.draft, "decode_loop") else None
         if loop is None or not loop.supports_rows(len(live)):
             return False
         loop.set_pick_probs(True)                 # the drafts' probabilities: their confidences
         t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
         rows = len(live)
+        budgets = [plan[i] - len(drafts[i]) for i, _, _ in live]
         width = max(len(entry.block_table) for _, entry, _ in live)
         tables = t([e.block_table + [0] * (width - len(e.block_table)) for _, e, _ in live])
         zeros, none = torch.zeros(rows, dtype=torch.long), torch.full((rows, 1), -1, dtype=torch.long)
         tokens, counts, picked, _ = loop.run(
             t([feed[0] for _, _, feed in live]), t([len(e.token_ids) for _, e, _ in live]), tables,
-            t([steps] * rows), steps, torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros,
+            t(budgets), max(budgets), torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros,
             zeros, none, none, zeros, False, [], torch.empty(0, dtype=torch.long))
         self.num_loop_calls += 1
         for (i, entry, feed), row, p, n in zip(live, tokens.tolist(), picked.tolist(), counts.tolist()):

@@ -58,6 +58,11 @@ class VerifyPolicy:
         for these requests (drafting costs time even when none of its drafts is verified)."""
         return True
 
+    def draft_lengths(self, records: list[VerifyRecord], gamma: int) -> list[int]:
+        """How many drafts each request should draft, at most `gamma`, for a drafter whose
+        cost grows with each draft (an AR draft model; a parallel drafter drafts its block)."""
+        return [gamma] * len(records)
+
     def begin_drafting(self) -> None:
         """Drafting starts (after the context projection, which is paid whenever it happens)."""
 
@@ -302,6 +307,20 @@ class ConfidencePolicy(VerifyPolicy):
         self._next_kind = "plain"
         return False
 
+    def draft_lengths(self, records: list[VerifyRecord], gamma: int) -> list[int]:
+        """One more than the best schedule on each request's predicted survival row (extended
+        to γ positions at its last conditional rate) would verify, at most γ: the extra draft
+        lets a row whose drafts keep being accepted grow. All γ while nothing is measured, and
+        on a probe (it refreshes the predictions). Priced as num_to_verify prices, by the
+        target's step costs and the measured drafting cost per call."""
+        if self.measured is None or self.prior is None or self._probing or not self.measured.draft.num_samples:
+            return [gamma] * len(records)
+        table = self.cost_model()
+        overhead = table.draft(len(records))
+        rows = [extend_row(r.prediction or self.prior, gamma) for r in records]
+        lengths = schedule_prefix(rows, lambda b: 1.0 / (table.cost(b) + overhead))
+        return [min(gamma, n + 1) for n in lengths]
+
     def begin_drafting(self) -> None:
         if self.measured is None:
             # Profiled once, before the drafting clock starts; nor is it part of what a probe
@@ -324,11 +343,8 @@ class ConfidencePolicy(VerifyPolicy):
             lengths = [max(n, min(1, k)) for n, k in zip(lengths, num_drafts)]
         for r, row in zip(records, rows):
             # The prediction should_draft uses next time: survival rows, smoothed over steps.
-            old = r.prediction
-            r.prediction = row if not old or len(old) != len(row) else [0.5 * (x + y) for x, y in zip(old, row)]
-            prior = self.prior
-            self.prior = row if not prior or len(prior) != len(row) else \
-                [0.9 * x + 0.1 * y for x, y in zip(prior, row)]
+            r.prediction = blend_rows(r.prediction, row, 0.5)
+            self.prior = blend_rows(self.prior, row, 0.1)
         return lengths
 
     def end_drafting(self, num_requests: int) -> None:
@@ -411,6 +427,29 @@ class ConfidencePolicy(VerifyPolicy):
         return {"num_drafts": self.num_drafts, "reprobe_wait": self._reprobe_every,
                 "num_step_samples": m.num_samples if m is not None else 0,
                 "num_plain_step_samples": m.num_plain_samples if m is not None else 0}
+
+
+def blend_rows(old: list[float] | None, new: list[float], weight: float) -> list[float]:
+    """(1 - weight) * old + weight * new over the positions both rows have; past the shorter,
+    the longer row's values; kept non-increasing (a survival row). Rows are as long as the
+    drafts they came from, which an AR draft model varies from step to step."""
+    if not old:
+        return list(new)
+    n = min(len(old), len(new))
+    row = [(1 - weight) * x + weight * y for x, y in zip(old, new)] + (new[n:] if len(new) > n else old[n:])
+    for j in range(1, len(row)):
+        row[j] = min(row[j], row[j - 1])
+    return row
+
+
+def extend_row(row: list[float], length: int) -> list[float]:
+    """A survival row cut or extended to `length` positions, each further position at the
+    row's last conditional rate (a_j / a_{j-1})."""
+    row = list(row[:length])
+    rate = row[-1] / row[-2] if len(row) > 1 and row[-2] > 0 else (row[-1] if row else 0.5)
+    while len(row) < length:
+        row.append((row[-1] if row else 1.0) * rate)
+    return row
 
 
 def make_policy(verify: str, threshold: float = 0.7, step_costs: dict | None = None,
