@@ -99,7 +99,7 @@ def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
     assert [(c.label, c.method, c.options) for c in rows[1:]] == [
         (f"draft model {llama_dir}, γ={g}", "draft", {"draft_model": str(llama_dir), "num_speculative_tokens": g})
         for g in (2, 4)] + [(f"draft model {llama_dir}, confidence-scheduled", "draft",
-                             {"draft_model": str(llama_dir), "verify": "confidence"})]
+                             {"draft_model": str(llama_dir), "verify": "confidence", "num_speculative_tokens": 4})]
     prompts = [LLM(str(llama_dir)).tokenizer.encode(t) for t in ("Once upon a time", "The cat")]
     got = run_latency(llama_dir, prompts, 12, 3, drafters=[], ignore_eos=True, draft_models=[str(llama_dir)])
     assert [r["method"] for r in got] == ["ar", f"draft model {llama_dir}",

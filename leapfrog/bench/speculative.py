@@ -81,14 +81,14 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
 
 def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | None]) -> list[Contender]:
     """The `draft` method with each small AR model: one row per γ (default: the method's),
-    verifying every draft, and one confidence-scheduled row (at the one γ given, else the
-    method's default)."""
+    verifying every draft, and one confidence-scheduled row at the largest γ (the scheduler
+    then chooses how many to draft and verify within it)."""
     out = []
     for name in draft_models or []:
         for g in gammas:
             opts = {"draft_model": name, **({"num_speculative_tokens": g} if g else {})}
             out.append(Contender(f"draft model {name}" + (f", γ={g}" if len(gammas) > 1 else ""), "draft", opts))
-        g = gammas[0] if len(gammas) == 1 else None
+        g = max((g for g in gammas if g), default=None)
         out.append(Contender(f"draft model {name}, confidence-scheduled", "draft",
                              {"draft_model": name, "verify": "confidence",
                               **({"num_speculative_tokens": g} if g else {})}))
