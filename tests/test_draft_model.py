@@ -227,6 +227,11 @@ def test_policy_draft_lengths_follow_the_predicted_rows():
     policy.prior = [0.5]
     # [0.99, 0.98] extends at rate 0.99: every position pays; [0.5, 0.05]: only the first.
     assert policy.draft_lengths([sure, doubtful], 5) == [5, 2]
+    # Drafting priced per drafted token at 0.3 of a step each: the doubtful draft's 0.5 tokens
+    # no longer pay for its verify row and its own drafting (a request drafts one past it).
+    policy.draft_cost_per_token = True
+    policy.measured.draft.slope, policy.measured.draft.intercept = 0.3, 0.0
+    assert policy.draft_lengths([sure, doubtful], 5) == [5, 1]
     assert extend_row([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
     assert extend_row([0.5], 2) == [0.5, 0.25]
     assert blend_rows([0.8, 0.6], [0.4, 0.2, 0.1], 0.5) == pytest.approx([0.6, 0.4, 0.1])

@@ -111,6 +111,7 @@ class DraftModelMethod(SpeculativeMethod):
             raise ValueError(f"unknown option(s) for method 'draft': {', '.join(sorted(options))}")
         policy = make_policy(verify, threshold, step_costs,
                              lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+        policy.draft_cost_per_token = True       # each draft is a draft-model step
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
         if not ctx.draft_model:
             raise ValueError("method 'draft' needs draft_model=<a model folder or built-in name sharing the "
@@ -190,7 +191,7 @@ class DraftModelMethod(SpeculativeMethod):
                                             [p.confidence for p in out], [len(p.token_ids) for p in out])
         for p, n in zip(out, lengths):
             p.num_verify = n
-        self.policy.end_drafting(len(anchors))
+        self.policy.end_drafting(sum(len(p.token_ids) for p in out))
         return out
 
     def _catch_up(self, live: list[tuple[int, DraftEntry, list[int]]]) -> None:

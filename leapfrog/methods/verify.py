@@ -52,6 +52,9 @@ class VerifyPolicy:
     nothing from timing or feedback."""
     name = "fixed"
     needs_confidence = False          # whether num_to_verify reads the drafter's confidences
+    # Whether drafting costs per drafted token (an AR draft model, which the method tells
+    # end_drafting the drafts of) rather than per request (a parallel drafter's block).
+    draft_cost_per_token = False
 
     def should_draft(self, records: list[VerifyRecord], batch: int | None = None) -> bool:
         """Whether the next step, of `batch` requests (default: as many as records), drafts
@@ -72,7 +75,8 @@ class VerifyPolicy:
         return [None] * len(records)
 
     def end_drafting(self, num_requests: int) -> None:
-        """Drafting for `num_requests` requests is done."""
+        """Drafting for `num_requests` requests (or, drafting costing per token, that many
+        drafts) is done."""
 
     def next_step(self) -> None:
         """The step's drafting, or the decision not to draft, is done."""
@@ -278,11 +282,20 @@ class ConfidencePolicy(VerifyPolicy):
         min_gain)."""
         batch = len(preds)
         table = self.cost_model()
-        overhead = table.draft(batch)
-        lengths = schedule_prefix(preds, lambda b: 1.0 / (table.cost(b) + overhead))
+        step = self._planned_step(table, batch)
+        lengths = schedule_prefix(preds, lambda b: 1.0 / step(b))
         gain = sum(sum(row[:n]) for row, n in zip(preds, lengths))
-        with_drafts = (batch + gain) / (table.cost(batch + sum(lengths)) + overhead)
+        with_drafts = (batch + gain) / step(batch + sum(lengths))
         return with_drafts > (gain_needed or self.min_gain) * batch / table.plain_cost(batch)
+
+    def _planned_step(self, table: MeasuredCost, batch: int) -> Callable[[int], float]:
+        """Seconds of a step verifying b - batch drafts, drafting included: drafting costs
+        per request, or per drafted token, where a request drafts one past what it verifies
+        (draft_lengths), b tokens in all."""
+        if self.draft_cost_per_token:
+            return lambda b: table.cost(b) + table.draft(b)
+        overhead = table.draft(batch)
+        return lambda b: table.cost(b) + overhead
 
     def _probe_wait(self, batch: int) -> int:
         """Skipped steps until a probe fits the probe budget (0: it fits now): its measured
@@ -316,9 +329,9 @@ class ConfidencePolicy(VerifyPolicy):
         if self.measured is None or self.prior is None or self._probing or not self.measured.draft.num_samples:
             return [gamma] * len(records)
         table = self.cost_model()
-        overhead = table.draft(len(records))
+        step = self._planned_step(table, len(records))
         rows = [extend_row(r.prediction or self.prior, gamma) for r in records]
-        lengths = schedule_prefix(rows, lambda b: 1.0 / (table.cost(b) + overhead))
+        lengths = schedule_prefix(rows, lambda b: 1.0 / step(b))
         return [min(gamma, n + 1) for n in lengths]
 
     def begin_drafting(self) -> None:
@@ -336,7 +349,8 @@ class ConfidencePolicy(VerifyPolicy):
         how many drafts are verified (both as measured). Survival rows are corrected by what
         verification showed for each request so far."""
         table = self.cost_model()
-        overhead = table.draft(len(records))
+        # Drafting is done: its cost, a constant now, still weighs against the verify step's.
+        overhead = table.draft(sum(num_drafts) if self.draft_cost_per_token else len(records))
         rows = [r.feedback.correct(survival(c or [])) for r, c in zip(records, confidences)]
         lengths = schedule_prefix(rows, lambda b: 1.0 / (table.cost(b) + overhead))
         if self._probing:                 # a re-probe learns nothing unless something is verified
