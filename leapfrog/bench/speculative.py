@@ -79,19 +79,22 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
     return out + draft_model_contenders(draft_models, gammas)
 
 
+SCHEDULED_GAMMA = 8
+
+
 def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | None]) -> list[Contender]:
     """The `draft` method with each small AR model: one row per γ (default: the method's),
-    verifying every draft, and one confidence-scheduled row at the largest γ (the scheduler
-    then chooses how many to draft and verify within it)."""
+    verifying every draft, and one confidence-scheduled row drafting up to the largest γ given,
+    else up to SCHEDULED_GAMMA (the scheduler chooses how many to draft and verify within it,
+    as the DSpark rows' scheduler does within the drafter's block of 8)."""
     out = []
     for name in draft_models or []:
         for g in gammas:
             opts = {"draft_model": name, **({"num_speculative_tokens": g} if g else {})}
             out.append(Contender(f"draft model {name}" + (f", γ={g}" if len(gammas) > 1 else ""), "draft", opts))
-        g = max((g for g in gammas if g), default=None)
+        g = max((g for g in gammas if g), default=SCHEDULED_GAMMA)
         out.append(Contender(f"draft model {name}, confidence-scheduled", "draft",
-                             {"draft_model": name, "verify": "confidence",
-                              **({"num_speculative_tokens": g} if g else {})}))
+                             {"draft_model": name, "verify": "confidence", "num_speculative_tokens": g}))
     return out
 
 
