@@ -199,7 +199,8 @@ class DraftModelMethod(SpeculativeMethod):
         verify policy skipped drafting (a prompt, or the steps since the last draft), all but
         the anchor: that work is per token and paid once, and timed with drafting it would
         price every later draft as dear."""
-        behind = [(j, entry, feed) for j, (_, entry, feed) in enumerate(live) if len(feed) > 1]
+        # A step's own feed is one or two tokens (the correction, or the last draft and the bonus).
+        behind = [(j, entry, feed) for j, (_, entry, feed) in enumerate(live) if len(feed) > 2]
         if not behind:
             return
         self.runner.run(Batch([ScheduledSeq(entry, len(entry.token_ids), len(feed) - 1, query_ids=feed[:-1],
