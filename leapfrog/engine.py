@@ -15,7 +15,7 @@ from leapfrog.block_manager import BlockManager
 from leapfrog.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
-from leapfrog.loader import load_model, read_config
+from leapfrog.loader import load_model, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext
 from leapfrog.multistep import MultiStep
@@ -74,6 +74,8 @@ class LLMEngine:
         self.sampler = Sampler(self.device, self.config.seed)
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
                             self.device, self.dtype, draft_model, self._paged_runner)
+        # The model folder's defaults for this method (leapfrog.json), under the caller's own.
+        method_options = {**model_method_options(self.model_path, method), **method_options}
         self.method: Method = method_class(method)(ctx, **method_options)
         self.method_name = method
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results

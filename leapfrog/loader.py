@@ -249,18 +249,53 @@ def find_drafter(model_path: str | os.PathLike, method: str = "", draft_model: s
         if variant.is_dir():
             return variant
         return resolve_model(draft_model)
-    meta = model_dir / "leapfrog.json"
-    if meta.is_file():
-        named = (json.loads(meta.read_text()).get("drafters") or {}).get(method)
-        if named:
-            if not (model_dir / named).is_dir():
-                raise ValueError(f"{meta}: drafter {named!r} for method {method!r} is missing")
-            return model_dir / named
+    named = named_drafter(model_dir, method)
+    if named is not None:
+        return named
     folder = model_dir / "drafter"
     if folder.is_dir():
         return folder
     raise ValueError(f"{model_path}: no drafter for method {method!r}; pass draft_model=<folder> "
                      f"or ship one in {folder}")
+
+
+def _model_meta(model_dir: Path) -> dict:
+    meta = model_dir / "leapfrog.json"
+    if not meta.is_file():
+        return {}
+    try:
+        data = json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{meta}: expected a JSON object")
+    return data
+
+
+def named_drafter(model_dir: str | os.PathLike, method: str) -> Path | None:
+    """The drafter the model folder's `leapfrog.json` names for `method`: a folder inside the
+    model folder, or a model (a built-in name or a path; `draft`'s small AR model); None when
+    it names none."""
+    model_dir = Path(model_dir)
+    named = (_model_meta(model_dir).get("drafters") or {}).get(method)
+    if not named:
+        return None
+    if (model_dir / named).is_dir():
+        return model_dir / named
+    try:
+        return resolve_model(named)
+    except FileNotFoundError:
+        raise ValueError(f"{model_dir / 'leapfrog.json'}: drafter {named!r} for method {method!r} is "
+                         "missing (neither a folder there nor a model)") from None
+
+
+def model_method_options(model_dir: str | os.PathLike, method: str) -> dict:
+    """The options the model folder's `leapfrog.json` sets for `method` by default
+    ({"method_options": {"draft": {"verify": "confidence"}}}); the caller's own win."""
+    options = (_model_meta(Path(model_dir)).get("method_options") or {}).get(method) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"{Path(model_dir) / 'leapfrog.json'}: method_options.{method} must be an object")
+    return dict(options)
 
 
 def load_drafter(folder: str | os.PathLike, device: torch.device | str = "cpu",

@@ -236,3 +236,27 @@ def test_policy_draft_lengths_follow_the_predicted_rows():
     assert extend_row([0.5], 2) == [0.5, 0.25]
     assert blend_rows([0.8, 0.6], [0.4, 0.2, 0.1], 0.5) == pytest.approx([0.6, 0.4, 0.1])
     assert blend_rows([0.9, 0.8, 0.7], [0.2], 0.5) == pytest.approx([0.55, 0.55, 0.55])
+
+
+def test_a_model_folder_names_its_draft_model_and_default_options(llama_dir, draft_dir, tmp_path):
+    """leapfrog.json: {"drafters": {"draft": <model>}} is the draft model when none is given,
+    and {"method_options": {"draft": {...}}} the method's defaults, under the caller's own."""
+    import json
+    folder = tmp_path / "target"
+    shutil.copytree(llama_dir, folder)
+    meta = folder / "leapfrog.json"
+    meta.write_text(json.dumps({"drafters": {"draft": str(draft_dir)},
+                                "method_options": {"draft": {"num_speculative_tokens": 2, "verify": "threshold"}}}))
+    llm = LLM(str(folder), method="draft", **ENGINE)
+    method = llm.engine.method
+    assert method.draft_path == draft_dir and method.num_speculative_tokens == 2 and method.policy.name == "threshold"
+    ar = LLM(str(llama_dir), **ENGINE).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in ar]
+    mine = LLM(str(folder), method="draft", num_speculative_tokens=3, **ENGINE).engine.method
+    assert mine.num_speculative_tokens == 3 and mine.policy.name == "threshold"
+    meta.write_text(json.dumps({"drafters": {"draft": "no-such-model"}}))
+    with pytest.raises(ValueError, match="leapfrog.json.*no-such-model"):
+        LLM(str(folder), method="draft", **ENGINE)
+    meta.write_text(json.dumps({"method_options": {"draft": [2]}}))
+    with pytest.raises(ValueError, match="leapfrog.json: method_options.draft must be an object"):
+        LLM(str(folder), method="draft", draft_model=str(draft_dir), **ENGINE)

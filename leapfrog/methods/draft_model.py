@@ -113,16 +113,18 @@ class DraftModelMethod(SpeculativeMethod):
                              lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
         policy.draft_cost_per_token = True       # each draft is a draft-model step
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
-        if not ctx.draft_model:
-            raise ValueError("method 'draft' needs draft_model=<a model folder or built-in name sharing the "
-                             "target's tokenizer>, e.g. LLM('stories-large', method='draft', draft_model='stories')")
         if int(draft_kv_tokens) < self.block_size:
             raise ValueError(f"method 'draft': draft_kv_tokens={draft_kv_tokens}: must be >= {self.block_size}")
         from leapfrog.config import resolve_model
-        from leapfrog.loader import load_model, read_config
+        from leapfrog.loader import load_model, named_drafter, read_config
         from leapfrog.tokenizer import Tokenizer
 
-        folder = resolve_model(ctx.draft_model)
+        # The model given, else the one the target folder's leapfrog.json names for `draft`.
+        folder = resolve_model(ctx.draft_model) if ctx.draft_model else named_drafter(ctx.model_path, "draft")
+        if folder is None:
+            raise ValueError("method 'draft' needs draft_model=<a model folder or built-in name sharing the "
+                             "target's tokenizer>, e.g. LLM('stories-large', method='draft', draft_model='stories'), "
+                             "or a model folder whose leapfrog.json names one (\"drafters\": {\"draft\": ...})")
         config = read_config(folder)
         target_vocab = int(getattr(ctx.model, "config", {}).get("vocab_size", 0))
         tok = Tokenizer.from_folder(folder)
