@@ -324,8 +324,8 @@ class ConfidencePolicy(VerifyPolicy):
         """One more than the best schedule on each request's predicted survival row (extended
         to γ positions at its last conditional rate) would verify, at most γ: the extra draft
         lets a row whose drafts keep being accepted grow. All γ while nothing is measured, and
-        on a probe (it refreshes the predictions). Priced as num_to_verify prices, by the
-        target's step costs and the measured drafting cost per call."""
+        on a probe (it refreshes the predictions). Priced by the target's step costs and the
+        measured drafting cost (_planned_step)."""
         if self.measured is None or self.prior is None or self._probing or not self.measured.draft.num_samples:
             return [gamma] * len(records)
         table = self.cost_model()
