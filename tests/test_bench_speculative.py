@@ -87,6 +87,8 @@ def test_several_gammas_give_a_fixed_row_each_and_one_scheduled_row(llama_dir, t
     assert [c.options.get("num_speculative_tokens") for c in rows] == [None, 2, 3, None]
     one = latency_contenders(model, [2], ["mine"])
     assert [c.options.get("num_speculative_tokens") for c in one] == [None, 2, 2]
+    # The verify-all rows say so: a model folder's defaults (leapfrog.json) must not schedule them.
+    assert [c.options.get("verify") for c in rows] == [None, "fixed", "fixed", "confidence"]
 
 
 def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
@@ -97,8 +99,8 @@ def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
     from leapfrog.bench.speculative import latency_contenders, run_latency
     rows = latency_contenders(llama_dir, [2, 4], [], [str(llama_dir)])
     assert [(c.label, c.method, c.options) for c in rows[1:]] == [
-        (f"draft model {llama_dir}, γ={g}", "draft", {"draft_model": str(llama_dir), "num_speculative_tokens": g})
-        for g in (2, 4)] + [(f"draft model {llama_dir}, confidence-scheduled", "draft",
+        (f"draft model {llama_dir}, γ={g}", "draft",
+         {"draft_model": str(llama_dir), "verify": "fixed", "num_speculative_tokens": g}) for g in (2, 4)] + [(f"draft model {llama_dir}, confidence-scheduled", "draft",
                              {"draft_model": str(llama_dir), "verify": "confidence", "num_speculative_tokens": 4})]
     prompts = [LLM(str(llama_dir)).tokenizer.encode(t) for t in ("Once upon a time", "The cat")]
     got = run_latency(llama_dir, prompts, 12, 3, drafters=[], ignore_eos=True, draft_models=[str(llama_dir)])

@@ -72,25 +72,29 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
         base = {"draft_model": str(folder)}
         for g in gammas:
             opts = {**base, "num_speculative_tokens": g} if g else base
-            out.append(Contender(label if len(gammas) == 1 else f"{label}, γ={g}", method, opts))
+            out.append(Contender(label if len(gammas) == 1 else f"{label}, γ={g}", method,
+                                 {**opts, "verify": "fixed"}))
         if method == "dspark" and cfg.get("enable_confidence_head"):
             opts = {**base, "num_speculative_tokens": gammas[0]} if len(gammas) == 1 and gammas[0] else base
             out.append(Contender(f"{label}, confidence-scheduled", method, {**opts, "verify": "confidence"}))
     return out + draft_model_contenders(draft_models, gammas)
 
 
+# Explicit, so that a model folder's own defaults for `draft` (leapfrog.json's method_options)
+# do not turn the verify-all rows into scheduled ones.
+DRAFT_GAMMA = 4
 SCHEDULED_GAMMA = 8
 
 
 def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | None]) -> list[Contender]:
-    """The `draft` method with each small AR model: one row per γ (default: the method's),
+    """The `draft` method with each small AR model: one row per γ (default: DRAFT_GAMMA),
     verifying every draft, and one confidence-scheduled row drafting up to the largest γ given,
     else up to SCHEDULED_GAMMA (the scheduler chooses how many to draft and verify within it,
     as the DSpark rows' scheduler does within the drafter's block of 8)."""
     out = []
     for name in draft_models or []:
         for g in gammas:
-            opts = {"draft_model": name, **({"num_speculative_tokens": g} if g else {})}
+            opts = {"draft_model": name, "verify": "fixed", "num_speculative_tokens": g or DRAFT_GAMMA}
             out.append(Contender(f"draft model {name}" + (f", γ={g}" if len(gammas) > 1 else ""), "draft", opts))
         g = max((g for g in gammas if g), default=SCHEDULED_GAMMA)
         out.append(Contender(f"draft model {name}, confidence-scheduled", "draft",
@@ -187,7 +191,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
     # its ratio is the resolution of the others.
     contenders = [Contender("ar", "ar"), Contender("ar, second engine (control)", "ar")]
     if drafter:
-        contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter}),
+        contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter, "verify": "fixed"}),
                        Contender("dspark, confidence-scheduled", "dspark",
                                  {"draft_model": drafter, "verify": "confidence"})]
     contenders += draft_model_contenders(draft_models, [None])
