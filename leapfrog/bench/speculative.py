@@ -300,26 +300,31 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Left: each row's speed-up over `ar` at batch 1 (horizontal bars, τ beside them); right:
+    each engine's throughput over `ar`'s at every concurrency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     lat = result["latency"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    names = [r["method"] for r in lat]
-    a1.bar(names, [r["speedup"] for r in lat], color="tab:blue")
-    a1.axhline(1.0, color="gray", lw=0.8)
-    a1.set_ylabel("wall-clock speed-up over ar (batch 1)")
-    a1.tick_params(axis="x", rotation=30)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.32 * len(lat)), width_ratios=[3, 2])
+    ys = range(len(lat))
+    a1.barh(ys, [r["speedup"] for r in lat], color=["tab:gray" if r["method"] == "ar" else "tab:blue" for r in lat])
+    a1.set_yticks(list(ys), [r["method"] for r in lat], fontsize=8)
+    a1.invert_yaxis()
+    a1.axvline(1.0, color="gray", lw=0.8)
+    a1.set_xlabel("wall-clock speed-up over ar, one request")
     for i, r in enumerate(lat):
-        if r.get("tau"):
-            a1.text(i, r["speedup"], f"τ={r['tau']:.2f}", ha="center", va="bottom", fontsize=8)
+        note = f" {r['speedup']:.2f}x" + (f", τ {r['tau']:.2f}" if r.get("tau") else "")
+        a1.text(r["speedup"], i, note, va="center", fontsize=7)
+    a1.set_xlim(0, 1.3 * max(r["speedup"] for r in lat))
     for label in dict.fromkeys(r["method"] for r in result["throughput"]):
         rows = [r for r in result["throughput"] if r["method"] == label]
-        a2.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=label)
+        a2.plot([r["concurrency"] for r in rows], [r["vs_ar"] for r in rows], "o-", label=label)
+    a2.axhline(1.0, color="gray", lw=0.8)
     a2.set_xscale("log", base=2)
     a2.set_xlabel("concurrent requests")
-    a2.set_ylabel("output tokens/s")
-    a2.legend(fontsize=8)
+    a2.set_ylabel("output tokens/s over ar's")
+    a2.legend(fontsize=7)
     fig.suptitle(f"{Path(result['model']).name}: speculative decoding, {result['threads']} CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
