@@ -394,33 +394,3 @@ def test_a_couplets_export_never_generates_its_end_of_prompt_marker(data_dir, tm
 def test_a_stories_export_suppresses_nothing(trained):
     cfg, _ = trained
     assert "suppress_tokens" not in json.loads((Path(cfg.out_dir) / "generation_config.json").read_text())
-
-
-@pytest.mark.parametrize("openings", ["sentence", "mixed"])
-def test_drafter_data_openings(trained, data_dir, tmp_path, monkeypatch, openings):
-    """The drafter's training text continues each story's first sentence; with
-    openings="mixed", every other prompt is instead the story's first 8-48 tokens (cut as the
-    benchmark cuts its prompts). The held-out prompts stay first sentences."""
-    from leapfrog.tokenizer import Tokenizer
-    from leapfrog.train import drafter_data
-    from leapfrog.train.drafter_recipe import DrafterRecipe
-
-    cfg, _ = trained
-    seen = []
-    monkeypatch.setattr(drafter_data, "regenerate",
-                        lambda target, prompts, n, every, seed: seen.append(prompts) or [])
-    r = DrafterRecipe(num_regen=6, num_val=2, data_dir=str(data_dir), openings=openings,
-                      run_dir=str(tmp_path / "run"))
-    drafter_data.load_data(r, Path(cfg.out_dir))
-    train_prompts, val_prompts = seen
-    assert all(isinstance(p, str) for p in val_prompts + train_prompts[0::2])
-    if openings == "sentence":
-        assert all(isinstance(p, str) for p in train_prompts)
-        return
-    tok = Tokenizer.from_folder(cfg.out_dir)
-    stories = " ".join(data.train_items("stories", str(data_dir))["stories"])
-    for p in train_prompts[1::2]:
-        assert isinstance(p, list) and 1 <= len(p) <= 48 and p[0] == tok.encode("x")[0]   # <s> first
-        assert tok.decode(p).strip()[:20] in stories
-    with pytest.raises(ValueError, match="openings"):
-        DrafterRecipe(openings="words")

@@ -357,9 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
-    p.add_argument("--openings", choices=("sentence", "mixed"), default=None,
-                   help="prompts of the regenerated text: first sentences (default), or half of them "
-                        "the stories' first 8-48 tokens")
     p.add_argument("--init-from", default=None, help="drafter folder of the same shape to continue from")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt")
     return p
@@ -371,7 +368,7 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
     args = build_parser().parse_args(argv)
     opts = dict(VARIANTS[args.variant], name=args.variant, target=args.target)
     for key in ("data_dir", "steps", "seqs_per_step", "anchors", "lr", "num_draft", "markov_rank",
-                "num_regen", "eval_interval", "threads", "seed", "init_from", "openings"):
+                "num_regen", "eval_interval", "threads", "seed", "init_from"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.out:

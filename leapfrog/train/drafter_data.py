@@ -46,21 +46,14 @@ def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict
     # Next to the run folders (runs/drafter-data/), shared by every variant of one target. Keyed by
     # the target's weights, not its folder: a built model's folder is named by its whole recipe
     # (drafters included), so shipping one drafter must not make the next regenerate the same text.
-    key = fingerprint(weights_digest(target_dir), r.num_regen, r.num_val, r.regen_tokens, r.seed, r.data_dir,
-                      *([r.openings] if r.openings != "sentence" else []))
+    key = fingerprint(weights_digest(target_dir), r.num_regen, r.num_val, r.regen_tokens, r.seed, r.data_dir)
     path = Path(r.run_dir).parent / "drafter-data" / f"{r.target}-{key}.pt"
     if path.is_file():
         return tuple(torch.load(path))
     g = torch.Generator().manual_seed(r.seed)
     stories = train_items("stories", r.data_dir)["stories"]
     pick = torch.randperm(len(stories), generator=g)[:r.num_regen].tolist()
-    train_prompts: list = [story_opening(stories[i]) for i in pick]
-    if r.openings == "mixed":             # every other prompt: the story's first 8-48 tokens
-        from leapfrog.tokenizer import Tokenizer
-        tok = Tokenizer.from_folder(target_dir)
-        lengths = torch.randint(8, 49, (len(pick),), generator=g).tolist()
-        for j in range(1, len(pick), 2):
-            train_prompts[j] = tok.encode(stories[pick[j]])[:lengths[j]]
+    train_prompts = [story_opening(stories[i]) for i in pick]
     val_prompts = [story_opening(s) for s in heldout("stories", r.data_dir)[-r.num_val:]]
     print(f"regenerating {len(train_prompts)} + {len(val_prompts)} sequences with {target_dir}",
           file=sys.stderr)

@@ -29,11 +29,6 @@ class DrafterRecipe:
     num_regen: int = 1600                 # regenerated training sequences
     num_val: int = 48                     # held-out greedy sequences (offline τ, calibration)
     regen_tokens: int = 160
-    # What the target continues to make the training text: "sentence", each story's first
-    # sentence; "mixed", half of them that, half the story's first 8-48 tokens (cut anywhere, as
-    # `leapfrog bench` cuts its prompts), so the drafter also sees continuations of longer and
-    # unfinished openings.
-    openings: str = "sentence"
     seed: int = 1234
     threads: int = 1
     data_dir: str | None = None
@@ -45,8 +40,6 @@ class DrafterRecipe:
     def __post_init__(self) -> None:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
-        if self.openings not in ("sentence", "mixed"):
-            raise ValueError(f"openings={self.openings!r}: expected sentence or mixed")
         self.out_dir = self.out_dir or str(REPO_ROOT / "checkpoints" / self.target / "drafters" / self.name)
         self.run_dir = self.run_dir or str(REPO_ROOT / "runs" / f"drafter-{self.target}-{self.name}")
 
