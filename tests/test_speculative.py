@@ -298,6 +298,16 @@ def test_measured_cost_prices_steps_and_drafting_from_what_was_measured():
         r = (1, 8, 32)[i % 3]
         draft.add(float(r), 0.002 + 0.0007 * r)
     assert draft.slope == pytest.approx(0.0007, rel=1e-2) and draft(16) == pytest.approx(0.0132, rel=1e-2)
+    # Per drafted token (an AR draft model): one width is proportional, not a constant; once the
+    # widths spread, the ordinary fit.
+    per_token = LinearFit(through_origin=True)
+    for _ in range(3):
+        per_token.add(8.0, 0.016)
+    assert per_token.intercept == 0.0 and per_token(1) == pytest.approx(0.002) and per_token(8) == pytest.approx(0.016)
+    for i in range(60):
+        n = (1, 4, 8)[i % 3]
+        per_token.add(float(n), 0.001 + 0.0015 * n)
+    assert per_token.slope == pytest.approx(0.0015, rel=5e-2) and 0.0005 < per_token.intercept < 0.0015
 
 
 def test_confidence_scheduling_fits_its_cost_model_while_decoding(llama_dir, drafters, ar_greedy):

@@ -125,6 +125,10 @@ class LinearFit:
     intercept: float = 0.0
     decay: float = 0.97
     slope_range: tuple[float, float] = (0.0, 1.0)
+    # Until the x spread: y proportional to x (intercept 0) instead of a constant (slope kept).
+    # Drafting by an AR draft model costs per drafted token: one probe of 8 drafts must not
+    # price a plan of 1 draft as dear.
+    through_origin: bool = False
     num_samples: int = 0
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # Σw, Σwx, Σwy, Σwx², Σwxy
 
@@ -138,9 +142,12 @@ class LinearFit:
         self.num_samples += 1
         w, mx, my = s[0], s[1] / s[0], s[2] / s[0]
         var = s[3] / w - mx * mx
+        lo, hi = self.slope_range
         if var > (0.05 * mx) ** 2 and var > 1e-18:
-            lo, hi = self.slope_range
             self.slope = min(max((s[4] / w - mx * my) / var, lo), hi)
+        elif self.through_origin and mx > 0:
+            self.slope, self.intercept = min(max(my / mx, lo), hi), 0.0
+            return
         self.intercept = max(0.0, my - self.slope * mx)
 
 

@@ -212,6 +212,7 @@ class ConfidencePolicy(VerifyPolicy):
                 if world_size() > 1:      # every rank prices steps by rank 0's profile
                     self.step_costs = broadcast_object(self.step_costs)
             self.measured = MeasuredCost(self.step_costs)
+            self.measured.draft.through_origin = self.draft_cost_per_token
         return self.measured
 
     def should_draft(self, records: list[VerifyRecord], batch: int | None = None) -> bool:
