@@ -222,7 +222,7 @@ def coupled_anchor(folder: Path) -> tuple[int, int] | None:
     """(bos id, anchor id) when the folder's leapfrog.json declares coupled positions (the
     rotary positions restart after the first such token of a sequence, as it was trained)."""
     meta = folder / "leapfrog.json"
-    name = json.loads(meta.read_text()).get("coupled_positions") if meta.is_file() else None
+    name = model_meta(folder).get("coupled_positions")
     if not name:
         return None
     from leapfrog.tokenizer import Tokenizer
@@ -259,8 +259,10 @@ def find_drafter(model_path: str | os.PathLike, method: str = "", draft_model: s
                      f"or ship one in {folder}")
 
 
-def _model_meta(model_dir: Path) -> dict:
-    meta = model_dir / "leapfrog.json"
+def model_meta(model_dir: str | os.PathLike) -> dict:
+    """A model folder's leapfrog.json (decoding contract, default method, drafters, method
+    options), {} when it has none."""
+    meta = Path(model_dir) / "leapfrog.json"
     if not meta.is_file():
         return {}
     try:
@@ -277,7 +279,7 @@ def named_drafter(model_dir: str | os.PathLike, method: str) -> Path | None:
     model folder, or a model (a built-in name or a path; `draft`'s small AR model); None when
     it names none."""
     model_dir = Path(model_dir)
-    named = (_model_meta(model_dir).get("drafters") or {}).get(method)
+    named = (model_meta(model_dir).get("drafters") or {}).get(method)
     if not named:
         return None
     if (model_dir / named).is_dir():
@@ -292,7 +294,7 @@ def named_drafter(model_dir: str | os.PathLike, method: str) -> Path | None:
 def model_method_options(model_dir: str | os.PathLike, method: str) -> dict:
     """The options the model folder's `leapfrog.json` sets for `method` by default
     ({"method_options": {"draft": {"verify": "confidence"}}}); the caller's own win."""
-    options = (_model_meta(Path(model_dir)).get("method_options") or {}).get(method) or {}
+    options = (model_meta(Path(model_dir)).get("method_options") or {}).get(method) or {}
     if not isinstance(options, dict):
         raise CheckpointError(f"{Path(model_dir) / 'leapfrog.json'}: method_options.{method} must be an object")
     return dict(options)

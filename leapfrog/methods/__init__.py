@@ -31,11 +31,10 @@ def default_method(model: str) -> str:
         folder = resolve_model(model)
     except FileNotFoundError:
         return "ar"
-    meta = Path(folder) / "leapfrog.json"
-    if meta.is_file():
-        method = json.loads(meta.read_text()).get("default_method")
-        if method in METHODS:
-            return method
+    from leapfrog.loader import model_meta
+    method = model_meta(folder).get("default_method")
+    if method in METHODS:
+        return method
     drafter = Path(folder) / "drafter" / "config.json"
     if drafter.is_file():      # the drafter's own layout says which method it was trained for
         from leapfrog.models.dflash import DrafterConfig
