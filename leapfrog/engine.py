@@ -80,7 +80,7 @@ class LLMEngine:
         self.method_name = method
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
             for module in [self.model, *self.method.modules()]:
-                compact_cpu_weights(module)
+                compact_cpu_weights(module, self.config.matmul_precision)
         # KV blocks hold whole attention blocks, so prefix-cache hits and rollbacks end on the
         # block-causal grid, where a block's KV no longer depends on tokens after it.
         if self.config.block_size % self.method.attn_block_size:

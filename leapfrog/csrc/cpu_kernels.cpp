@@ -195,16 +195,34 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias
 // is summed over k in order whatever the rows, so a row's result does not depend on its batch.
 // BLAS does these shapes at ~35% of this CPU's float32 peak (its blocking is tuned for large
 // products) and the row-major few-row kernel at about a third for 9 rows.
-torch::Tensor pack_panels(torch::Tensor w) {
+torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
   TORCH_CHECK(w.dim() == 2, "pack_panels: w must be [N, K]");
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kHalf,
               "pack_panels: w must be float32 or float16");
   auto wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanel - 1) / kPanel;
+  if (bf16) {
+    // [N, K] -> zero rows up to 16P and a zero column to an even K -> [P, 16, K2, 2] ->
+    // [P, K2, 16, 2], rounded to bfloat16 (cpu_math.h, panel_rows_bf16)
+    const int64_t K2 = (K + 1) / 2;
+    auto padded = torch::zeros({P * kPanel, 2 * K2}, wc.options().dtype(torch::kFloat32));
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
+    return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous().to(torch::kBFloat16)
+        .view({P, K2, 2 * kPanel});
+  }
   // [N, K] -> zero rows up to 16P -> [P, 16, K] -> [P, K, 16]
   auto padded = torch::zeros({P * kPanel, K}, wc.options());
   padded.narrow(0, 0, N).copy_(wc);
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// Whether packed panels wp fit x [M, K] and N outputs: [P, K, 16] float32 or float16, or
+// [P, ceil(K/2), 32] bfloat16.
+static bool panels_match(const torch::Tensor& wp, int64_t K, int64_t N) {
+  if (wp.dim() != 3 || !wp.is_contiguous() || wp.size(0) * kPanel < N || (wp.size(0) - 1) * kPanel >= N) return false;
+  if (wp.scalar_type() == torch::kBFloat16) return wp.size(1) == (K + 1) / 2 && wp.size(2) == 2 * kPanel;
+  return (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kHalf) && wp.size(1) == K &&
+         wp.size(2) == kPanel;
 }
 
 // Rows per task of a panel product: tasks are (panel, row chunk), panel-major, so a thread's
@@ -214,10 +232,7 @@ static constexpr int64_t kPanelChunkRows = 10 * kPanelTileRows;
 // x: [M, K] float32; wp: pack_panels(w) for w [N, K]; bias: [N] or empty. Returns [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "panel_linear: x must be [M, K] float32");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == x.size(1) && wp.size(2) == kPanel && wp.size(0) * kPanel >= N &&
-              (wp.size(0) - 1) * kPanel < N && wp.is_contiguous() &&
-              (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kHalf),
-              "panel_linear: packed weight does not match x");
+  TORCH_CHECK(panels_match(wp, x.size(1), N), "panel_linear: packed weight does not match x");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), P = wp.size(0);
   auto y = torch::empty({M, N}, xc.options());
@@ -241,8 +256,28 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
       }
     });
   };
-  if (wp.scalar_type() == torch::kHalf) run(wp.data_ptr<at::Half>());
-  else run(wp.data_ptr<float>());
+  if (wp.scalar_type() == torch::kBFloat16) {
+    // the rows rounded to bfloat16 pairs once, then the same tasks over the bfloat16 panels
+    const int64_t K2 = (K + 1) / 2;
+    std::vector<uint32_t> pairs(M * K2);
+    bf16_pairs(xp, K, M, K, pairs.data());
+    const uint16_t* panels = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+    at::parallel_for(0, P * RB, grain_for(std::min(M, kPanelChunkRows) * kPanel * K, kStreamedParallelWork),
+                     [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1;) {
+        const int64_t p = t / RB, c = t % RB, m0 = c * kPanelChunkRows;
+        const int64_t rows = std::min<int64_t>(kPanelChunkRows, M - m0);
+        int64_t p1 = p + 1;
+        while (RB == 1 && t + (p1 - p) < t1 && p1 < P) ++p1;
+        panel_rows_bf16(pairs.data() + m0 * K2, rows, K2, panels, p, p1, bp, yp + m0 * N, N, N);
+        t += p1 - p;
+      }
+    });
+  } else if (wp.scalar_type() == torch::kHalf) {
+    run(wp.data_ptr<at::Half>());
+  } else {
+    run(wp.data_ptr<float>());
+  }
   return y;
 }
 
@@ -634,7 +669,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)", nogil);
   m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)", nogil);
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)", nogil);
-  m.def("pack_panels", &pack_panels, "w [N, K] -> column panels [ceil(N/16), K, 16] float32", nogil);
+  m.def("pack_panels", &pack_panels,
+        "w [N, K] -> column panels [ceil(N/16), K, 16] (bf16: [ceil(N/16), ceil(K/2), 32] bfloat16)",
+        py::arg("w"), py::arg("bf16") = false, nogil);
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
   register_decode_loop(m);
 }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -656,6 +657,182 @@ static inline void panel_rows(const float* x, int64_t M, int64_t K, const wt* pa
     }
     for (int64_t g = 0, m0 = 0; m0 < M; ++g, m0 += per)
       panel_store(sums.data() + g * kPanelTileRows * kPanel, std::min<int64_t>(per, M - m0), bias, y + m0 * ldy, ldy, N, p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 panels (matmul_precision="bfloat16"): the same column panels, with each weight and
+// each activation rounded to bfloat16 and products summed in float32 by AVX512-BF16 dot products
+// (vdpbf16ps: one instruction multiplies 16 pairs of bfloat16 per 512 bits and adds both
+// products to a float32 lane). A panel holds columns 16p..16p+15 as [ceil(K/2)][16][2]: for each
+// pair of k, the 16 columns' two weights side by side, so one 64-byte load feeds 16 outputs for
+// two k. An activation row is the matching [ceil(K/2)] pairs (bf16_pairs).
+//
+// Twice the multiply-adds per instruction of the float32 kernels: while a one-row step streams
+// the weights at memory speed either way, a 9-row product (a verify step, a diffusion canvas,
+// a batch) no longer waits on arithmetic. Every output is one chain of pair dot products over k
+// in order, whatever the kernel and row count, so rows keep the bits of a one-row step; the
+// results differ from the float32 kernels' by the rounding of both operands to 8 significant
+// bits. Without AVX512-BF16 a scalar loop computes the same products (exact in float32) and
+// adds them in the instruction's order.
+static constexpr int64_t kBf16TileRows = 12;   // 12 accumulators + weight + broadcast of 32 registers
+static constexpr int64_t kBf16SliceK2 = 64;    // pairs of k per slice when several groups share a panel
+
+// float32 -> bfloat16, round to nearest even (NaN stays NaN); the vector form below gives the same bits.
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// out[m * K2 + j] = the bfloat16 pair (x[m][2j], x[m][2j + 1]) (low half first; a zero pads an
+// odd K), for M rows of x with row stride ldx.
+static inline void bf16_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, uint32_t* out) {
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * K2);
+    int64_t k = 0;
+#if defined(LEAPFROG_AVX512)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; k + 16 <= K; k += 16) {
+      const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(xr + k));
+      const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+      const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
+      const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan,
+                                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), _mm512_cvtepi32_epi16(h));
+    }
+#endif
+    for (; k < K; ++k) o[k] = to_bf16(xr[k]);
+    if (K & 1) o[K] = 0;
+  }
+}
+
+#if defined(LEAPFROG_AVX512) && defined(__AVX512BF16__)
+#define LEAPFROG_BF16_SIMD 1
+#endif
+
+// out[r][c] = sum over pairs j < K2 of the pair dot product of x row r's pair j and the
+// panel's column c pair j, r < R; with resume the sums continue from out.
+template <int R>
+__attribute__((noinline)) static void bf16_block(const uint32_t* __restrict xp, int64_t ldx, int64_t K2,
+                                                 const uint16_t* __restrict pw, float* __restrict out,
+                                                 bool resume = false) {
+#if defined(LEAPFROG_BF16_SIMD)
+  __m512 acc[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) acc[r] = resume ? _mm512_loadu_ps(out + r * kPanel) : _mm512_setzero_ps();
+  constexpr int64_t ahead = kPanelPrefetch / (2 * kPanel * 2);
+  for (int64_t j = 0; j < K2; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(pw + (j + ahead) * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(pw + j * 2 * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * ldx + j])), w);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * kPanel;
+    if (!resume)
+      for (int64_t c = 0; c < kPanel; ++c) o[c] = 0.f;
+    for (int64_t j = 0; j < K2; ++j) {
+      const uint32_t xv = xp[r * ldx + j];
+      const float x0 = from_bf16(static_cast<uint16_t>(xv & 0xffffu)), x1 = from_bf16(static_cast<uint16_t>(xv >> 16));
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const uint16_t* w = pw + j * 2 * kPanel + 2 * c;
+        o[c] = o[c] + x1 * from_bf16(w[1]);     // products of two bfloat16 are exact in float32
+        o[c] = o[c] + x0 * from_bf16(w[0]);
+      }
+    }
+  }
+#endif
+}
+
+// One row against two panels (32 columns): two accumulator chains instead of one, so a
+// one-row step is not held up by the dot products' latency; each output summed as bf16_block.
+__attribute__((noinline)) static void bf16_pair(const uint32_t* __restrict xp, int64_t K2, const uint16_t* __restrict pa,
+                                                const uint16_t* __restrict pb, float* __restrict out) {
+#if defined(LEAPFROG_BF16_SIMD)
+  __m512 a = _mm512_setzero_ps(), b = a;
+  constexpr int64_t ahead = kPanelPrefetch / (2 * kPanel * 2);
+  for (int64_t j = 0; j < K2; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(pa + (j + ahead) * 2 * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + (j + ahead) * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[j]));
+    a = _mm512_dpbf16_ps(a, xb, (__m512bh)_mm512_loadu_si512(pa + j * 2 * kPanel));
+    b = _mm512_dpbf16_ps(b, xb, (__m512bh)_mm512_loadu_si512(pb + j * 2 * kPanel));
+  }
+  _mm512_storeu_ps(out, a);
+  _mm512_storeu_ps(out + kPanel, b);
+#else
+  bf16_block<1>(xp, K2, K2, pa, out);
+  bf16_block<1>(xp, K2, K2, pb, out + kPanel);
+#endif
+}
+
+static inline void bf16_tile(const uint32_t* xp, int64_t ldx, int64_t rows, int64_t K2, const uint16_t* pw,
+                             float* out, bool resume = false) {
+  switch (rows) {
+    case 12: bf16_block<12>(xp, ldx, K2, pw, out, resume); break;
+    case 11: bf16_block<11>(xp, ldx, K2, pw, out, resume); break;
+    case 10: bf16_block<10>(xp, ldx, K2, pw, out, resume); break;
+    case 9: bf16_block<9>(xp, ldx, K2, pw, out, resume); break;
+    case 8: bf16_block<8>(xp, ldx, K2, pw, out, resume); break;
+    case 7: bf16_block<7>(xp, ldx, K2, pw, out, resume); break;
+    case 6: bf16_block<6>(xp, ldx, K2, pw, out, resume); break;
+    case 5: bf16_block<5>(xp, ldx, K2, pw, out, resume); break;
+    case 4: bf16_block<4>(xp, ldx, K2, pw, out, resume); break;
+    case 3: bf16_block<3>(xp, ldx, K2, pw, out, resume); break;
+    case 2: bf16_block<2>(xp, ldx, K2, pw, out, resume); break;
+    default: bf16_block<1>(xp, ldx, K2, pw, out, resume); break;
+  }
+}
+
+// y[m, :] = x[m] W^T + bias over bfloat16 panels p0..p1-1, for M rows given as bf16_pairs (row
+// stride K2 pairs) and of y (row stride ldy): panel_rows' schedule with bf16_block's tiles.
+static inline void panel_rows_bf16(const uint32_t* xp, int64_t M, int64_t K2, const uint16_t* panels, int64_t p0,
+                                   int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  alignas(64) float out[kBf16TileRows * kPanel];
+  const int64_t stride = K2 * 2 * kPanel;     // uint16 per panel
+  int64_t p = p0;
+  if (M == 1)
+    for (; p + 2 <= p1; p += 2) {
+      bf16_pair(xp, K2, panels + p * stride, panels + (p + 1) * stride, out);
+      panel_store(out, 1, bias, y, ldy, N, p);
+      panel_store(out + kPanel, 1, bias, y, ldy, N, p + 1);
+    }
+  const int64_t groups = (M + kBf16TileRows - 1) / kBf16TileRows, per = (M + groups - 1) / groups;
+  if (groups == 1) {
+    for (; p < p1; ++p) {
+      bf16_tile(xp, K2, M, K2, panels + p * stride, out);
+      panel_store(out, M, bias, y, ldy, N, p);
+    }
+    return;
+  }
+  std::vector<float> sums(groups * kBf16TileRows * kPanel);
+  for (; p < p1; ++p) {
+    const uint16_t* pw = panels + p * stride;
+    for (int64_t j0 = 0; j0 < K2; j0 += kBf16SliceK2) {
+      const int64_t jn = std::min(kBf16SliceK2, K2 - j0);
+      for (int64_t g = 0, m0 = 0; m0 < M; ++g, m0 += per)
+        bf16_tile(xp + m0 * K2 + j0, K2, std::min<int64_t>(per, M - m0), jn, pw + j0 * 2 * kPanel,
+                  sums.data() + g * kBf16TileRows * kPanel, j0 > 0);
+    }
+    for (int64_t g = 0, m0 = 0; m0 < M; ++g, m0 += per)
+      panel_store(sums.data() + g * kBf16TileRows * kPanel, std::min<int64_t>(per, M - m0), bias, y + m0 * ldy, ldy, N, p);
   }
 }
 

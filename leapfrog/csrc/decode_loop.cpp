@@ -349,8 +349,18 @@ class DecodeLoop {
   void product_range(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
                      const float* b, float* y, int64_t N, int64_t a, int64_t c) const {
     if (panels.defined()) {
-      if (panels.scalar_type() == torch::kHalf) panel_rows(x, T, K, panels.data_ptr<at::Half>(), a, c, b, y, N, N);
-      else panel_rows(x, T, K, panels.data_ptr<float>(), a, c, b, y, N, N);
+      if (panels.scalar_type() == torch::kBFloat16) {
+        // each thread rounds the rows itself (a few microseconds): no barrier to share them
+        thread_local std::vector<uint32_t> pairs;
+        const int64_t K2 = (K + 1) / 2;
+        if (static_cast<int64_t>(pairs.size()) < T * K2) pairs.resize(T * K2);
+        bf16_pairs(x, K, T, K, pairs.data());
+        panel_rows_bf16(pairs.data(), T, K2, reinterpret_cast<const uint16_t*>(panels.data_ptr()), a, c, b, y, N, N);
+      } else if (panels.scalar_type() == torch::kHalf) {
+        panel_rows(x, T, K, panels.data_ptr<at::Half>(), a, c, b, y, N, N);
+      } else {
+        panel_rows(x, T, K, panels.data_ptr<float>(), a, c, b, y, N, N);
+      }
       return;
     }
     dot_rows(x, T, wp<wt>(w), b, y, N, a, c, K, pair_rows_);

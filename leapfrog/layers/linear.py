@@ -78,7 +78,7 @@ def kernel_bias(layer: nn.Linear) -> torch.Tensor:
     return layer.bias if layer.bias is not None else _EMPTY
 
 
-def compact_cpu_weights(model: nn.Module) -> int:
+def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     """Give every float32 CPU linear whose weights are exactly representable in float16 (a
     float16 checkpoint loaded in float32, like the built-in models) a float16 copy for the
     few-row kernel, which widens it back exactly while it streams: decoding a small model on a
@@ -90,7 +90,14 @@ def compact_cpu_weights(model: nn.Module) -> int:
     in column panels (float16 where exact, else float32) for the panel kernel, which every
     product of up to PANEL_ROWS_MAX rows then uses: one chain of multiply-adds per output over
     k in order, the same bits for a one-row decode step, a verify step or a batch, at 1.9x a
-    one-row step's time for 9 rows where the row-major kernel took 3x."""
+    one-row step's time for 9 rows where the row-major kernel took 3x.
+
+    precision="bfloat16" (the engine's matmul_precision) packs the panels in bfloat16 instead,
+    for every such linear: those products round each weight and activation to bfloat16 and sum
+    in float32 (AVX512-BF16 where the CPU has it), still the same bits whatever the row count,
+    at about the cost of a one-row step up to 8-12 rows while the weights stream from memory."""
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"matmul precision {precision!r}: expected float32 or bfloat16")
     n = 0
     mod = cpu_kernels()
     for module in model.modules():
@@ -104,9 +111,10 @@ def compact_cpu_weights(model: nn.Module) -> int:
         if exact:
             module._half_weight = (half.contiguous(), w, w._version)
             n += 1
-        source = half if exact else w.detach()
+        source = half if exact or precision == "bfloat16" else w.detach()
         if mod is not None and source.numel() * source.element_size() <= PANEL_MAX_BYTES:
-            module._panels = (mod.pack_panels(source), w, w._version)
+            packed = mod.pack_panels(w.detach(), bf16=True) if precision == "bfloat16" else mod.pack_panels(source)
+            module._panels = (packed, w, w._version)
     return n
 
 
