@@ -15,7 +15,7 @@ from leapfrog.block_manager import BlockManager
 from leapfrog.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers.linear import compact_cpu_weights
-from leapfrog.loader import load_model, model_method_options, read_config
+from leapfrog.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext
 from leapfrog.multistep import MultiStep
@@ -54,7 +54,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: str, method: str = "ar", draft_model: str | None = None,
                  **options: object) -> None:
-        self.config, method_options = EngineConfig.from_options(options)
+        self.model_path = resolve_model(model)
+        # The model folder's engine defaults (leapfrog.json: its numerics), under the caller's own.
+        self.config, method_options = EngineConfig.from_options({**model_engine_options(self.model_path), **options})
         from leapfrog.layers.parallel import pp_size, tp_size
         for name, size in (("tensor_parallel_size", tp_size()), ("pipeline_parallel_size", pp_size())):
             if getattr(self.config, name) != size:
@@ -63,7 +65,6 @@ class LLMEngine:
                                  "which start the ranks")
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.model_path = resolve_model(model)
         self.model_name = str(model)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)

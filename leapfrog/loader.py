@@ -291,6 +291,24 @@ def named_drafter(model_dir: str | os.PathLike, method: str) -> Path | None:
                          "missing (neither a folder there nor a model)") from None
 
 
+# Engine options a model folder may set by default: those that are about the model's numerics.
+FOLDER_ENGINE_OPTIONS = ("matmul_precision",)
+
+
+def model_engine_options(model_dir: str | os.PathLike) -> dict:
+    """The engine options the model folder's `leapfrog.json` sets by default
+    ({"engine_options": {"matmul_precision": "bfloat16"}}); the caller's own win."""
+    meta = Path(model_dir) / "leapfrog.json"
+    options = model_meta(Path(model_dir)).get("engine_options") or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"{meta}: engine_options must be an object")
+    unknown = sorted(set(options) - set(FOLDER_ENGINE_OPTIONS))
+    if unknown:
+        raise CheckpointError(f"{meta}: engine_options {unknown} cannot be set by a model folder "
+                              f"(only {list(FOLDER_ENGINE_OPTIONS)})")
+    return dict(options)
+
+
 def model_method_options(model_dir: str | os.PathLike, method: str) -> dict:
     """The options the model folder's `leapfrog.json` sets for `method` by default
     ({"method_options": {"draft": {"verify": "confidence"}}}); the caller's own win."""

@@ -108,3 +108,18 @@ def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
                                           f"draft model {llama_dir}, confidence-scheduled"]
     assert got[1]["identical_to_ar"] == "2/2" and got[1]["gamma"] == 3 and got[1]["tau"] > 3
     assert got[2]["identical_to_ar"] == "2/2" and got[2]["gamma"] == 3
+
+
+def test_bfloat16_runs_every_row_in_it_and_adds_a_float32_ar_row(llama_dir):
+    """--matmul-precision bfloat16: `ar` (the baseline) and the methods run with bfloat16
+    products, drafting stays lossless against that `ar`, and a float32 `ar` row is added."""
+    from leapfrog import LLM
+    from leapfrog.bench.speculative import run_latency
+    prompts = [LLM(str(llama_dir)).tokenizer.encode(t) for t in ("Once upon a time", "The cat")]
+    got = run_latency(llama_dir, prompts, 12, 3, drafters=[], ignore_eos=True, draft_models=[str(llama_dir)],
+                      engine_options={"matmul_precision": "bfloat16"})
+    assert [(r["method"], r["matmul_precision"]) for r in got] == [
+        ("ar", "bfloat16"), ("ar, float32 products", "float32"), (f"draft model {llama_dir}", "bfloat16"),
+        (f"draft model {llama_dir}, confidence-scheduled", "bfloat16")]
+    assert got[2]["identical_to_ar"] == got[3]["identical_to_ar"] == "2/2" and got[2]["tau"] > 3
+

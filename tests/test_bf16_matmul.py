@@ -144,3 +144,21 @@ def test_speculative_decoding_in_bfloat16_equals_ar_in_bfloat16(llama_dir, tmp_p
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     stats = llm.engine.method.stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]
+
+
+def test_a_model_folder_sets_its_matmul_precision(llama_dir, tmp_path):
+    """leapfrog.json's engine_options set the default; the caller's option wins; other engine
+    options are not a folder's to set (an error naming the file)."""
+    import json
+    import shutil
+
+    from leapfrog.loader import CheckpointError
+    folder = tmp_path / "m"
+    shutil.copytree(llama_dir, folder)
+    (folder / "leapfrog.json").write_text(json.dumps({"engine_options": {"matmul_precision": "bfloat16"}}))
+    assert LLM(str(folder)).engine.config.matmul_precision == "bfloat16"
+    assert LLM(str(folder), matmul_precision="float32").engine.config.matmul_precision == "float32"
+    (folder / "leapfrog.json").write_text(json.dumps({"engine_options": {"max_batch_size": 3}}))
+    with pytest.raises(CheckpointError, match=r"leapfrog.json: engine_options \['max_batch_size'\]"):
+        LLM(str(folder))
+

@@ -145,7 +145,10 @@ def run(args: argparse.Namespace) -> dict:
     cfgs = configs(args)
     log(f"{args.model} against ar on {args.ar_model}: {len(cfgs)} configs, {len(prompts)} prompts, "
         f"up to {args.new_tokens} new tokens, {args.threads} threads")
-    engines = [LLM(c.model, method=c.method, max_batch_size=len(prompts), **c.options) for c in cfgs]
+    # every engine's (`ar`'s too; default: each model folder's own); the judge stays float32
+    precision = {"matmul_precision": args.matmul_precision} if getattr(args, "matmul_precision", None) else {}
+    engines = [LLM(c.model, method=c.method, max_batch_size=len(prompts), **{**precision, **c.options})
+               for c in cfgs]
     for llm in engines:                       # warm-up, then count only the measured run
         llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))
         if llm.engine.method.name == "diffusion":
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         r["batched_vs_ar"] = r["batched_tokens_per_s"] / rows[0]["batched_tokens_per_s"]
     targets = check_targets(rows)
     return {"suite": "diffusion", "model": args.model, "ar_model": args.ar_model, "judge": args.ar_model,
-            "threads": args.threads, "new_tokens": args.new_tokens, "num_prompts": len(prompts),
+            "matmul_precision": [e.engine.config.matmul_precision for e in engines], "threads": args.threads, "new_tokens": args.new_tokens, "num_prompts": len(prompts),
             "torch": torch.__version__, "device": str(engines[0].engine.device), "rows": rows, "targets": targets}
 
 

@@ -102,9 +102,10 @@ def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | No
     return out
 
 
-def _engine(model_dir: Path, c: Contender, max_batch: int):
+def _engine(model_dir: Path, c: Contender, max_batch: int, engine_options: dict | None = None):
+    """The contender's engine, with the run's engine options under its own."""
     from leapfrog import LLM
-    opts = dict(c.options)
+    opts = {**(engine_options or {}), **c.options}
     draft = opts.pop("draft_model", None)
     return LLM(str(model_dir), method=c.method, draft_model=draft, max_batch_size=max_batch, **opts)
 
@@ -117,11 +118,16 @@ def _reset_counters(llm) -> None:
 
 def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
                 drafters: list[str] | None = None, ignore_eos: bool = False,
-                draft_models: list[str] | None = None) -> list[dict]:
+                draft_models: list[str] | None = None, engine_options: dict | None = None) -> list[dict]:
+    """engine_options apply to every row (`ar` first, the baseline). With bfloat16 products, a
+    second `ar` row with float32 products shows what the precision costs or gains and how often
+    its text is float32's."""
     from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = latency_contenders(model_dir, gamma, drafters, draft_models)
-    engines = [_engine(model_dir, c, 1) for c in contenders]
+    if (engine_options or {}).get("matmul_precision", "float32") != "float32":
+        contenders.insert(1, Contender("ar, float32 products", "ar", {"matmul_precision": "float32"}))
+    engines = [_engine(model_dir, c, 1, engine_options) for c in contenders]
     for llm in engines:                       # warm-up (and the drafters' first-call costs)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         _reset_counters(llm)
@@ -147,6 +153,7 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
                "tokens_per_s": n / w, "output_tokens": n,
                "tokens_per_forward": n / max(1, f), "tau": stats.get("acceptance_length"),
                "identical_to_ar": f"{s}/{len(prompts)}",
+               "matmul_precision": llm.engine.config.matmul_precision,
                "acceptance_rate": [round(stats[k], 3) for k in sorted(stats, key=_pos_key)
                                    if k.startswith("acceptance_rate_pos")]}
         drafter = getattr(llm.engine.method, "drafter", None)
@@ -175,7 +182,8 @@ def waves(num_prompts: int, conc: int) -> int:
 
 def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
                    drafter: str | None, repeats: int, ignore_eos: bool = False,
-                   num_prompts: int = 1, draft_models: list[str] | None = None) -> list[dict]:
+                   num_prompts: int = 1, draft_models: list[str] | None = None,
+                   engine_options: dict | None = None) -> list[dict]:
     """Rows per concurrency level: each engine's output tok/s (the median over --repeats
     rounds) and its speed against `ar` as the median of per-round ratios, each against `ar`'s
     pass of the same round. A pass of a small model lasts a fraction of a second, and this
@@ -195,7 +203,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
                        Contender("dspark, confidence-scheduled", "dspark",
                                  {"draft_model": drafter, "verify": "confidence"})]
     contenders += draft_model_contenders(draft_models, [None])
-    engines = [_engine(model_dir, c, max(concurrency)) for c in contenders]
+    engines = [_engine(model_dir, c, max(concurrency), engine_options) for c in contenders]
     for llm in engines:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     rows = []
@@ -234,10 +242,13 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     tok = LLM(str(model_dir), max_batch_size=1).tokenizer
     prompts = story_prompts(max(waves(args.num_prompts, c) for c in args.concurrency), tok)
+    from leapfrog.loader import model_engine_options
+    precision = args.matmul_precision or model_engine_options(model_dir).get("matmul_precision", "float32")
+    engine_options = {"matmul_precision": precision}
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
-        f"{args.num_prompts} prompts at batch 1")
+        f"{args.num_prompts} prompts at batch 1, {precision} products")
     latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
-                          args.ignore_eos, args.draft_models)
+                          args.ignore_eos, args.draft_models, engine_options)
     peer = llama_cpp_row(model_dir, args)
     if peer is not None:
         peer["speedup"] = peer["tokens_per_s"] / latency[0]["tokens_per_s"]
@@ -246,10 +257,10 @@ def run(args: argparse.Namespace) -> dict:
         latency.append(peer)
     drafter = args.throughput_drafter or _best_dspark(latency)
     throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
-                                args.ignore_eos, args.num_prompts, args.draft_models)
+                                args.ignore_eos, args.num_prompts, args.draft_models, engine_options)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
-            "ignore_eos": args.ignore_eos,
+            "ignore_eos": args.ignore_eos, "matmul_precision": precision,
             "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
 
 
