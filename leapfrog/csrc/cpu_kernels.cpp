@@ -205,10 +205,9 @@ torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
     // [N, K] -> zero rows up to 16P and a zero column to an even K -> [P, 16, K2, 2] ->
     // [P, K2, 16, 2], rounded to bfloat16 (cpu_math.h, panel_rows_bf16)
     const int64_t K2 = (K + 1) / 2;
-    auto padded = torch::zeros({P * kPanel, 2 * K2}, wc.options().dtype(torch::kFloat32));
-    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
-    return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous().to(torch::kBFloat16)
-        .view({P, K2, 2 * kPanel});
+    auto padded = torch::zeros({P * kPanel, 2 * K2}, wc.options().dtype(torch::kBFloat16));
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);     // rounded to nearest even here
+    return padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous().view({P, K2, 2 * kPanel});
   }
   // [N, K] -> zero rows up to 16P -> [P, 16, K] -> [P, K, 16]
   auto padded = torch::zeros({P * kPanel, K}, wc.options());

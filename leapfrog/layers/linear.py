@@ -84,7 +84,7 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     few-row kernel, which widens it back exactly while it streams: decoding a small model on a
     CPU is bound by reading the weights, so this halves a decode step's matmul time and changes
     no result. Larger products keep the float32 weights. The copy is ignored once the weight is
-    modified in place or replaced (training). Returns the number of layers given a copy.
+    modified in place or replaced (training). Returns the number of layers given a float16 copy.
 
     Every such float32 CPU linear (up to PANEL_MAX_BYTES packed) also gets its weight packed
     in column panels (float16 where exact, else float32) for the panel kernel, which every
@@ -93,9 +93,10 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     one-row step's time for 9 rows where the row-major kernel took 3x.
 
     precision="bfloat16" (the engine's matmul_precision) packs the panels in bfloat16 instead,
-    for every such linear: those products round each weight and activation to bfloat16 and sum
-    in float32 (AVX512-BF16 where the CPU has it), still the same bits whatever the row count,
-    at about the cost of a one-row step up to 8-12 rows while the weights stream from memory."""
+    for every such linear, and no float16 copy: those products round each weight and activation
+    to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), still the same bits
+    whatever the row count, at about the cost of a one-row step up to 8-12 rows while the
+    weights stream from memory. Returns the number of float16 copies made."""
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"matmul precision {precision!r}: expected float32 or bfloat16")
     n = 0
@@ -106,15 +107,18 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
             continue
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             continue
+        if precision == "bfloat16" and mod is not None and w.numel() * 2 <= PANEL_MAX_BYTES:
+            # every product up to PANEL_ROWS_MAX rows reads the panels: no float16 copy
+            module._panels = (mod.pack_panels(w.detach(), bf16=True), w, w._version)
+            continue
         half = w.detach().to(torch.float16)
         exact = torch.equal(half.to(torch.float32), w.detach())
         if exact:
             module._half_weight = (half.contiguous(), w, w._version)
             n += 1
-        source = half if exact or precision == "bfloat16" else w.detach()
+        source = half if exact else w.detach()
         if mod is not None and source.numel() * source.element_size() <= PANEL_MAX_BYTES:
-            packed = mod.pack_panels(w.detach(), bf16=True) if precision == "bfloat16" else mod.pack_panels(source)
-            module._panels = (packed, w, w._version)
+            module._panels = (mod.pack_panels(source), w, w._version)
     return n
 
 
