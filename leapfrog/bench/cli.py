@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", default=None, help="use this float16 GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
     p.add_argument("--matmul-precision", choices=["float32", "bfloat16"], default=None,
-                   help="the engines' matmul_precision (speculative and diffusion suites; default: the model "
+                   help="the engines' matmul_precision (peers, speculative and diffusion suites; default: the model "
                         "folder's): bfloat16 products with AVX512-BF16 make a step of several rows about as "
                         "cheap as one on a memory-bound model")
     peers.add_arguments(p)

@@ -70,14 +70,15 @@ def model_folder(args: argparse.Namespace) -> Path:
     return folder
 
 
-def llama_cpp_peers(args: argparse.Namespace, folder: Path) -> dict[str, Path]:
-    """The GGUFs llama.cpp decodes: float16 (the bytes leapfrog streams) and float32."""
+def llama_cpp_peers(args: argparse.Namespace, folder: Path, precision: str = "float32") -> dict[str, Path]:
+    """The GGUFs llama.cpp decodes: float16 (the bytes leapfrog streams) and float32, and with
+    leapfrog's bfloat16 products bfloat16 too (llama.cpp's own bfloat16 dot products)."""
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
     if exe is None:
         return {}
     out = Path(args.out)
     ggufs = {"f16": Path(args.gguf)} if args.gguf else {}
-    for kind in ("f16", "f32"):
+    for kind in ("f16", "f32") + (("bf16",) if precision == "bfloat16" else ()):
         ggufs.setdefault(kind, llama_cpp.make_gguf(folder, args.llama_cpp_dir, out, kind))
     return {kind: g for kind, g in ggufs.items() if g is not None}
 
@@ -148,15 +149,19 @@ def run_peers(args: argparse.Namespace) -> dict:
     folder = model_folder(args)
     load_before = load_average()
     log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
-    llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency), num_threads=args.threads)
+    from leapfrog.loader import model_engine_options
+    precision = getattr(args, "matmul_precision", None) or model_engine_options(folder).get("matmul_precision", "float32")
+    llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency), num_threads=args.threads,
+              matmul_precision=precision)
     pad = llm.tokenizer.pad_token_id or 0
     prompts = story_prompts(max(args.concurrency), llm.tokenizer)
     leapfrog_run(llm, prompts[:2], 8)                      # warm up
-    ggufs = llama_cpp_peers(args, folder)
+    ggufs = llama_cpp_peers(args, folder, precision)
     single, rows, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
     # Last: touching a gigabyte first slowed the engines' later runs on these VMs.
     bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
+            "matmul_precision": precision,
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
@@ -176,7 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Single request, {result['new_tokens']} new tokens, {result['threads']} threads; machine read "
+    lines = [f"Single request, {result['new_tokens']} new tokens, {result['threads']} threads, leapfrog with "
+             f"{result.get('matmul_precision', 'float32')} products; machine read "
              f"bandwidth {result['read_bandwidth_gb_per_s']:.1f} GB/s; load average "
              f"{result['load_average'][0]:.2f} -> {result['load_average'][1]:.2f}"
              + (f"; {result['timestamp']}" if "timestamp" in result else ""), "",
