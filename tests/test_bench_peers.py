@@ -80,5 +80,22 @@ def test_peers_suite_end_to_end(llama_dir, fake_cpp, tmp_path):
     lf = engines["leapfrog"]
     assert lf["weight_gb_per_s"] == pytest.approx(lf["weight_bytes_per_token"] * lf["decode_tokens_per_s"] / 1e9)
     assert result["read_bandwidth_gb_per_s"] > 0 and len(result["load_average"]) == 2
+    assert result["matmul_precision"] == "float32"
     assert [r["concurrency"] for r in result["rows"]] == [1, 2]
     assert "GB/s of weights" in (out / "peers.md").read_text() and (out / "peers.png").is_file()
+
+
+def test_bfloat16_products_add_llama_cpps_bfloat16_gguf(fake_cpp, tmp_path, monkeypatch):
+    """With leapfrog's bfloat16 products, llama.cpp also decodes a bfloat16 GGUF (the same kind
+    of dot product); with float32 products only float16 and float32."""
+    import argparse
+
+    from leapfrog.bench import peers
+    asked = []
+    monkeypatch.setattr(peers.llama_cpp, "make_gguf",
+                        lambda folder, cpp, out, kind: asked.append(kind) or tmp_path / f"m-{kind}.gguf")
+    args = argparse.Namespace(llama_cpp_dir=str(fake_cpp), out=str(tmp_path), gguf=None)
+    assert set(peers.llama_cpp_peers(args, tmp_path, "bfloat16")) == {"f16", "f32", "bf16"}
+    assert set(peers.llama_cpp_peers(args, tmp_path)) == {"f16", "f32"}
+    assert asked == ["f16", "f32", "bf16", "f16", "f32"]
+
