@@ -162,3 +162,19 @@ def test_a_model_folder_sets_its_matmul_precision(llama_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"leapfrog.json: engine_options \['max_batch_size'\]"):
         LLM(str(folder))
 
+
+def test_without_avx512_bf16_the_engine_falls_back_to_float32(llama_dir, monkeypatch, caplog):
+    """A CPU without the instruction would run bfloat16 products as scalar loops: the engine
+    says so and uses float32 products (a model folder's default must not make a model crawl)."""
+    import logging
+
+    import leapfrog.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "bf16_products_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="leapfrog.engine"):
+        llm = LLM(str(llama_dir), matmul_precision="bfloat16")
+    assert llm.engine.config.matmul_precision == "float32"
+    assert "AVX512-BF16" in caplog.text
+    panels = lin_mod.kernel_panels(llm.engine.model.lm_head)
+    assert panels is not None and panels.dtype != torch.bfloat16
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == LLM(str(llama_dir)).generate(PROMPTS[:1], GREEDY)[0].token_ids
+

@@ -668,6 +668,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)", nogil);
   m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)", nogil);
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (CPU, float32)", nogil);
+  m.def("bf16_dot_available", []() {
+#if defined(LEAPFROG_BF16_SIMD)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether bfloat16 panel products run on AVX512-BF16 here (else a scalar loop)");
   m.def("pack_panels", &pack_panels,
         "w [N, K] -> column panels [ceil(N/16), K, 16] (bf16: [ceil(N/16), ceil(K/2), 32] bfloat16)",
         py::arg("w"), py::arg("bf16") = false, nogil);

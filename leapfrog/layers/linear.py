@@ -78,6 +78,13 @@ def kernel_bias(layer: nn.Linear) -> torch.Tensor:
     return layer.bias if layer.bias is not None else _EMPTY
 
 
+def bf16_products_available() -> bool:
+    """Whether bfloat16 panel products run on AVX512-BF16 here: the C++ kernels are built (for
+    this CPU) and it has the instruction. Elsewhere they would run as a scalar loop."""
+    mod = cpu_kernels()
+    return mod is not None and bool(mod.bf16_dot_available())
+
+
 def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     """Give every float32 CPU linear whose weights are exactly representable in float16 (a
     float16 checkpoint loaded in float32, like the built-in models) a float16 copy for the
