@@ -161,3 +161,22 @@ def fake_clock(monkeypatch):
     import leapfrog.methods.verify as verify_mod
     ticks = iter(range(10**9))
     monkeypatch.setattr(verify_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
+
+
+@pytest.fixture(scope="session")
+def draft_dir(llama_dir, tmp_path_factory) -> Path:
+    """`llama_dir` with noise on its weights: a draft model that agrees with it on some tokens only."""
+    import shutil
+
+    import transformers
+    folder = tmp_path_factory.mktemp("draft") / "llama-noisy"
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(0.02 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / f, folder / f)
+    return folder

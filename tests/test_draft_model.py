@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,23 +14,6 @@ ENGINE = dict(max_batch_size=8, num_threads=1)
 PROMPTS = ["Once upon a time there was", "The cat liked to", "One day the cat met a big dog.",
            "They became friends", "春回大地"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(llama_dir, tmp_path_factory) -> Path:
-    """The target with noise on its weights: it agrees with the target on some tokens only."""
-    import transformers
-    folder = tmp_path_factory.mktemp("draft") / "llama-noisy"
-    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(0.02 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(llama_dir / f, folder / f)
-    return folder
 
 
 def test_greedy_output_is_the_targets_and_rejected_drafts_roll_back(llama_dir, draft_dir):

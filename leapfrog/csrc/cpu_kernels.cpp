@@ -241,18 +241,25 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t RB = (M + kPanelChunkRows - 1) / kPanelChunkRows;
-  auto run = [&](auto* panels) {
+  // Tasks (panel, chunk of rows), panel-major; rows_fn(m0, rows, p, p1) computes a chunk's
+  // rows over panels p..p1-1 (consecutive panels of one chunk together: one row, the
+  // two-panel kernel).
+  auto tasks = [&](auto&& rows_fn) {
     at::parallel_for(0, P * RB, grain_for(std::min(M, kPanelChunkRows) * kPanel * K, kStreamedParallelWork),
                      [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1;) {
         const int64_t p = t / RB, c = t % RB, m0 = c * kPanelChunkRows;
         const int64_t rows = std::min<int64_t>(kPanelChunkRows, M - m0);
-        // consecutive panels of one chunk together (one row: the two-panel kernel)
         int64_t p1 = p + 1;
         while (RB == 1 && t + (p1 - p) < t1 && p1 < P) ++p1;
-        panel_rows(xp + m0 * K, rows, K, panels, p, p1, bp, yp + m0 * N, N, N);
+        rows_fn(m0, rows, p, p1);
         t += p1 - p;
       }
+    });
+  };
+  auto run = [&](auto* panels) {
+    tasks([&](int64_t m0, int64_t rows, int64_t p, int64_t p1) {
+      panel_rows(xp + m0 * K, rows, K, panels, p, p1, bp, yp + m0 * N, N, N);
     });
   };
   if (wp.scalar_type() == torch::kBFloat16) {
@@ -261,16 +268,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
     std::vector<uint32_t> pairs(M * K2);
     bf16_pairs(xp, K, M, K, pairs.data());
     const uint16_t* panels = reinterpret_cast<const uint16_t*>(wp.data_ptr());
-    at::parallel_for(0, P * RB, grain_for(std::min(M, kPanelChunkRows) * kPanel * K, kStreamedParallelWork),
-                     [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1;) {
-        const int64_t p = t / RB, c = t % RB, m0 = c * kPanelChunkRows;
-        const int64_t rows = std::min<int64_t>(kPanelChunkRows, M - m0);
-        int64_t p1 = p + 1;
-        while (RB == 1 && t + (p1 - p) < t1 && p1 < P) ++p1;
-        panel_rows_bf16(pairs.data() + m0 * K2, rows, K2, panels, p, p1, bp, yp + m0 * N, N, N);
-        t += p1 - p;
-      }
+    tasks([&](int64_t m0, int64_t rows, int64_t p, int64_t p1) {
+      panel_rows_bf16(pairs.data() + m0 * K2, rows, K2, panels, p, p1, bp, yp + m0 * N, N, N);
     });
   } else if (wp.scalar_type() == torch::kHalf) {
     run(wp.data_ptr<at::Half>());
