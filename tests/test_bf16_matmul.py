@@ -32,7 +32,7 @@ def rounded_product(x, w, b=None):
 def test_bf16_panels_equal_the_rounded_product_and_ignore_the_batch(m, n, k):
     """Each output is the float32 sum of the exact products of the rounded operands (odd k is
     padded with a zero pair), and a row's bits do not depend on the rows it is computed with:
-    one row (two panels at a time), one tile of up to 12 rows, several tiles sharing a panel in
+    one row (two panels at a time), one tile of up to 16 rows, several tiles sharing a panel in
     slices of k, several tasks of 60 rows."""
     g = torch.Generator().manual_seed(m * 7 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)

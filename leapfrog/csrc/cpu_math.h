@@ -675,7 +675,7 @@ static inline void panel_rows(const float* x, int64_t M, int64_t K, const wt* pa
 // results differ from the float32 kernels' by the rounding of both operands to 8 significant
 // bits. Without AVX512-BF16 a scalar loop computes the same products (exact in float32) and
 // adds them in the instruction's order.
-static constexpr int64_t kBf16TileRows = 12;   // 12 accumulators + weight + broadcast of 32 registers
+static constexpr int64_t kBf16TileRows = 16;   // 16 accumulators + weight + broadcast of 32 registers
 static constexpr int64_t kBf16SliceK2 = 64;    // pairs of k per slice when several groups share a panel
 
 // float32 -> bfloat16, round to nearest even (NaN stays NaN); the vector form below gives the same bits.
@@ -731,17 +731,17 @@ __attribute__((noinline)) static void bf16_block(const uint32_t* __restrict xp, 
                                                  bool resume = false) {
 #if defined(LEAPFROG_BF16_SIMD)
   __m512 acc[R];
-#pragma GCC unroll 12
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = resume ? _mm512_loadu_ps(out + r * kPanel) : _mm512_setzero_ps();
   constexpr int64_t ahead = kPanelPrefetch / (2 * kPanel * 2);
   for (int64_t j = 0; j < K2; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(pw + (j + ahead) * 2 * kPanel), _MM_HINT_T0);
     const __m512bh w = (__m512bh)_mm512_loadu_si512(pw + j * 2 * kPanel);
-#pragma GCC unroll 12
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * ldx + j])), w);
   }
-#pragma GCC unroll 12
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
 #else
   for (int r = 0; r < R; ++r) {
@@ -786,6 +786,10 @@ __attribute__((noinline)) static void bf16_pair(const uint32_t* __restrict xp, i
 static inline void bf16_tile(const uint32_t* xp, int64_t ldx, int64_t rows, int64_t K2, const uint16_t* pw,
                              float* out, bool resume = false) {
   switch (rows) {
+    case 16: bf16_block<16>(xp, ldx, K2, pw, out, resume); break;
+    case 15: bf16_block<15>(xp, ldx, K2, pw, out, resume); break;
+    case 14: bf16_block<14>(xp, ldx, K2, pw, out, resume); break;
+    case 13: bf16_block<13>(xp, ldx, K2, pw, out, resume); break;
     case 12: bf16_block<12>(xp, ldx, K2, pw, out, resume); break;
     case 11: bf16_block<11>(xp, ldx, K2, pw, out, resume); break;
     case 10: bf16_block<10>(xp, ldx, K2, pw, out, resume); break;
