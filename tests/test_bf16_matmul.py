@@ -145,6 +145,13 @@ def test_a_model_folder_sets_its_matmul_precision(llama_dir, tmp_path):
     (folder / "leapfrog.json").write_text(json.dumps({"engine_options": {"matmul_precision": "bfloat16"}}))
     assert LLM(str(folder)).engine.config.matmul_precision == "bfloat16"
     assert LLM(str(folder), matmul_precision="float32").engine.config.matmul_precision == "float32"
+    # the bench suites run their engines the same way: --matmul-precision, else the folder's
+    import argparse
+
+    from leapfrog.bench.common import matmul_precision
+    assert matmul_precision(argparse.Namespace(matmul_precision=None), folder) == "bfloat16"
+    assert matmul_precision(argparse.Namespace(matmul_precision="float32"), folder) == "float32"
+    assert matmul_precision(argparse.Namespace(matmul_precision=None), llama_dir) == "float32"
     (folder / "leapfrog.json").write_text(json.dumps({"engine_options": {"max_batch_size": 3}}))
     with pytest.raises(CheckpointError, match=r"leapfrog.json: engine_options \['max_batch_size'\]"):
         LLM(str(folder))

@@ -43,3 +43,12 @@ def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> 
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return num_bytes / best
+
+
+def matmul_precision(args, model_dir) -> str:
+    """The products a suite's engines run with: --matmul-precision, else the model folder's
+    default (its leapfrog.json), else float32."""
+    from leapfrog.loader import model_engine_options
+    return getattr(args, "matmul_precision", None) or \
+        model_engine_options(model_dir).get("matmul_precision", "float32")
+

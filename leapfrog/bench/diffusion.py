@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict:
         r["batched_vs_ar"] = r["batched_tokens_per_s"] / rows[0]["batched_tokens_per_s"]
     targets = check_targets(rows)
     return {"suite": "diffusion", "model": args.model, "ar_model": args.ar_model, "judge": args.ar_model,
-            "matmul_precision": [e.engine.config.matmul_precision for e in engines], "threads": args.threads, "new_tokens": args.new_tokens, "num_prompts": len(prompts),
+            "matmul_precision": [e.engine.config.matmul_precision for e in engines], "threads": args.threads,
+            "new_tokens": args.new_tokens, "num_prompts": len(prompts),
             "torch": torch.__version__, "device": str(engines[0].engine.device), "rows": rows, "targets": targets}
 
 

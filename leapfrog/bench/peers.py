@@ -20,7 +20,7 @@ from leapfrog.config import resolve_model
 
 
 from leapfrog.bench import llama_cpp
-from leapfrog.bench.common import load_average, log, read_bandwidth, story_prompts
+from leapfrog.bench.common import load_average, log, matmul_precision, read_bandwidth, story_prompts
 from leapfrog.bench.random_model import random_llama, weight_bytes_per_token
 
 
@@ -149,8 +149,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     folder = model_folder(args)
     load_before = load_average()
     log(f"model {folder}, {args.threads} threads, {args.new_tokens} new tokens per request")
-    from leapfrog.loader import model_engine_options
-    precision = getattr(args, "matmul_precision", None) or model_engine_options(folder).get("matmul_precision", "float32")
+    precision = matmul_precision(args, folder)
     llm = LLM(str(folder), method="ar", max_batch_size=max(args.concurrency), num_threads=args.threads,
               matmul_precision=precision)
     pad = llm.tokenizer.pad_token_id or 0

@@ -236,14 +236,13 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
 
 def run(args: argparse.Namespace) -> dict:
     from leapfrog import LLM
-    from leapfrog.bench.common import story_prompts
+    from leapfrog.bench.common import matmul_precision, story_prompts
 
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     tok = LLM(str(model_dir), max_batch_size=1).tokenizer
     prompts = story_prompts(max(waves(args.num_prompts, c) for c in args.concurrency), tok)
-    from leapfrog.loader import model_engine_options
-    precision = args.matmul_precision or model_engine_options(model_dir).get("matmul_precision", "float32")
+    precision = matmul_precision(args, model_dir)
     engine_options = {"matmul_precision": precision}
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
         f"{args.num_prompts} prompts at batch 1, {precision} products")
