@@ -163,6 +163,14 @@ def fake_clock(monkeypatch):
     monkeypatch.setattr(verify_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-6))
 
 
+@pytest.fixture
+def bf16_products(monkeypatch):
+    """bfloat16 products on any CPU: without AVX512-BF16 the engine would fall back to float32,
+    so the kernels' scalar loop (the instruction's order, the same bits) stands in for it."""
+    import leapfrog.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "bf16_products_available", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def draft_dir(llama_dir, tmp_path_factory) -> Path:
     """`llama_dir` with noise on its weights: a draft model that agrees with it on some tokens only."""

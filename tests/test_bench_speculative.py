@@ -110,7 +110,7 @@ def test_draft_models_add_a_row_per_gamma_and_decode_as_ar(llama_dir):
     assert got[2]["identical_to_ar"] == "2/2" and got[2]["gamma"] == 3
 
 
-def test_bfloat16_runs_every_row_in_it_and_adds_a_float32_ar_row(llama_dir):
+def test_bfloat16_runs_every_row_in_it_and_adds_a_float32_ar_row(llama_dir, bf16_products):
     """--matmul-precision bfloat16: `ar` (the baseline) and the methods run with bfloat16
     products, drafting stays lossless against that `ar`, and a float32 `ar` row is added."""
     from leapfrog import LLM

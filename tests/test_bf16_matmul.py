@@ -16,7 +16,8 @@ from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.layers.linear import Linear
 
 mod = cpu_kernels()
-pytestmark = pytest.mark.skipif(mod is None, reason="no C++ compiler: the kernels are optional")
+pytestmark = [pytest.mark.skipif(mod is None, reason="no C++ compiler: the kernels are optional"),
+              pytest.mark.usefixtures("bf16_products")]
 
 PROMPTS = ["Once upon a time there was", "The cat liked to", "One day the cat met a big dog.", "春回大地"]
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
