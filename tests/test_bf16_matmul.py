@@ -165,6 +165,7 @@ def test_without_avx512_bf16_the_engine_falls_back_to_float32(llama_dir, monkeyp
 
     import leapfrog.engine as engine_mod
     monkeypatch.setattr(engine_mod, "bf16_products_available", lambda: False)
+    monkeypatch.setattr(lin_mod, "bf16_products_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="leapfrog.engine"):
         llm = LLM(str(llama_dir), matmul_precision="bfloat16")
     assert llm.engine.config.matmul_precision == "float32"
@@ -172,4 +173,9 @@ def test_without_avx512_bf16_the_engine_falls_back_to_float32(llama_dir, monkeyp
     panels = lin_mod.kernel_panels(llm.engine.model.lm_head)
     assert panels is not None and panels.dtype != torch.bfloat16
     assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == LLM(str(llama_dir)).generate(PROMPTS[:1], GREEDY)[0].token_ids
+    # the bench suites name the products that ran
+    import argparse
+
+    from leapfrog.bench.common import matmul_precision
+    assert matmul_precision(argparse.Namespace(matmul_precision="bfloat16"), llama_dir) == "float32"
 
