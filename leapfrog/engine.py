@@ -14,7 +14,8 @@ import torch
 from leapfrog.block_manager import BlockManager
 from leapfrog.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
-from leapfrog.layers.linear import bf16_products_available, compact_cpu_weights
+from leapfrog.layers import linear as linear_layers
+from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext
@@ -79,7 +80,8 @@ class LLMEngine:
         method_options = {**model_method_options(self.model_path, method), **method_options}
         self.method: Method = method_class(method)(ctx, **method_options)
         self.method_name = method
-        if self.device.type == "cpu" and self.config.matmul_precision == "bfloat16" and not bf16_products_available():
+        if (self.device.type == "cpu" and self.config.matmul_precision == "bfloat16"
+                and not linear_layers.bf16_products_available()):
             # a model folder's default as much as a caller's: on a CPU without AVX512-BF16 the
             # bfloat16 products would run as scalar loops, many times slower than float32 ones
             log.warning("matmul_precision=bfloat16 needs the C++ kernels on a CPU with AVX512-BF16; "

@@ -163,8 +163,6 @@ def test_without_avx512_bf16_the_engine_falls_back_to_float32(llama_dir, monkeyp
     says so and uses float32 products (a model folder's default must not make a model crawl)."""
     import logging
 
-    import leapfrog.engine as engine_mod
-    monkeypatch.setattr(engine_mod, "bf16_products_available", lambda: False)
     monkeypatch.setattr(lin_mod, "bf16_products_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="leapfrog.engine"):
         llm = LLM(str(llama_dir), matmul_precision="bfloat16")
