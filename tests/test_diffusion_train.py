@@ -15,7 +15,7 @@ from conftest import write_mini_data
 from leapfrog.data import corpus as data
 from leapfrog.train.diffusion import (MULTI, SINGLE, DiffusionSpec, attention_mask, block_causal_mask,
                                       chain_masks, diffusion_loss, group_layout, make_batch, pack,
-                                      reference_decode, single_masks)
+                                      reference_decode)
 from leapfrog.train.loop import ModelShape, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,28 +132,6 @@ def test_multitf_layouts_and_chain_noise():
         assert counts.min() >= 1
         for group in np.unique(g):                         # later blocks of a group are noisier
             assert (np.diff(counts[g == group]) >= 0).all()
-
-
-def test_suffix_masks_are_what_left_to_right_decoding_feeds():
-    """suffix=1: every block keeps a clean prefix of 0..B-1 tokens and masks the rest (each
-    length drawn); suffix=0 draws exactly the old noise; validation batches never use it."""
-    blocks = single_masks(400, 4, 1e-3, np.random.default_rng(1), suffix=1.0).reshape(400, 4)
-    prefix = (~blocks).cumprod(1).sum(1)                    # clean tokens before the first mask
-    assert (blocks.sum(1) + prefix == 4).all()              # ... and masked from there to the end
-    assert set(prefix.tolist()) == {0, 1, 2, 3}
-    mixed = single_masks(400, 4, 1e-3, np.random.default_rng(1), suffix=0.5).reshape(400, 4)
-    is_suffix = (mixed.sum(1) + (~mixed).cumprod(1).sum(1) == 4) & mixed.any(1)
-    assert 0.55 < is_suffix.mean() < 0.9                    # half by rule, plus random ones of that shape
-    assert np.array_equal(single_masks(50, 4, 1e-3, np.random.default_rng(2)),
-                          single_masks(50, 4, 1e-3, np.random.default_rng(2), suffix=0.0))
-    x = torch.randint(4, 64, (2, 32))
-    spec = DiffusionSpec(block_size=4, complementary=False, suffix=1.0)
-    plain = DiffusionSpec(block_size=4, complementary=False)
-    val = make_batch(x, spec, 3, np.random.default_rng(3), 0, False, train=False)
-    assert torch.equal(val.input_ids, make_batch(x, plain, 3, np.random.default_rng(3), 0, False).input_ids)
-    ids = make_batch(x, spec, 3, np.random.default_rng(3), 0, False).input_ids[:, :32].reshape(2, 8, 4)
-    masked = ids == 3
-    assert (masked.sum(-1) + (~masked).cumprod(-1).sum(-1) == 4).all()
 
 
 @pytest.fixture(scope="module")

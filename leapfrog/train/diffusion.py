@@ -67,7 +67,6 @@ class DiffusionSpec:
     t_high: float = 1.0
     margin: float = 0.01            # rho in t_eff = t_high - rho (t_high - t_low)
     eval_multi_views: int = 2       # validation measures both losses, whatever the training mix
-    suffix: float = 0.0             # share of single-block views' blocks masked as a suffix (see single_masks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,20 +84,10 @@ def group_layout(num_blocks: int, max_group: int, rng: np.random.Generator) -> n
     return np.repeat(np.arange(num_blocks), sizes)[:num_blocks]
 
 
-def single_masks(num_blocks: int, block_size: int, eps: float, rng: np.random.Generator,
-                 suffix: float = 0.0) -> np.ndarray:
-    """[L] bool: per block t ~ U(0,1), each token masked with p = (1-eps) t + eps. With
-    ``suffix`` > 0, that share of the blocks instead keeps a clean prefix of u ~ U{0..B-1} tokens
-    and masks the rest: the canvases left-to-right decoding (the leftmost floor) feeds, where the
-    first masked position is predicted from the last decided one. (No extra draws when 0, so
-    the recipes without it keep their noise.)"""
+def single_masks(num_blocks: int, block_size: int, eps: float, rng: np.random.Generator) -> np.ndarray:
+    """[L] bool: per block t ~ U(0,1), each token masked with p = (1-eps) t + eps."""
     p = (1 - eps) * rng.random(num_blocks) + eps
-    masks = rng.random((num_blocks, block_size)) < p[:, None]
-    if suffix > 0:
-        tail = rng.random(num_blocks) < suffix
-        start = rng.integers(0, block_size, size=num_blocks)
-        masks[tail] = np.arange(block_size)[None, :] >= start[tail, None]
-    return masks.reshape(-1)
+    return (rng.random((num_blocks, block_size)) < p[:, None]).reshape(-1)
 
 
 def chain_masks(groups: np.ndarray, block_size: int, spec: DiffusionSpec,
@@ -187,7 +176,7 @@ def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list
 
 
 def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np.random.Generator,
-               multi_views: int, complementary: bool = True, train: bool = True) -> DiffusionBatch:
+               multi_views: int, complementary: bool = True) -> DiffusionBatch:
     """Draw noise for every row: one single-block view (plus its complement) and `multi_views`
     MultiTF views."""
     num_blocks = windows.shape[1] // spec.block_size
@@ -196,7 +185,7 @@ def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np
     kinds = [SINGLE] * num_single + [MULTI] * multi_views
     masks, groups = [], []
     for _ in range(windows.shape[0]):
-        m = single_masks(num_blocks, spec.block_size, spec.eps, rng, spec.suffix if train else 0.0)
+        m = single_masks(num_blocks, spec.block_size, spec.eps, rng)
         row_m, row_g = [m, ~m][:num_single], [np.arange(num_blocks)] * num_single
         for _ in range(multi_views):
             g = group_layout(num_blocks, spec.max_group, rng)
@@ -240,7 +229,7 @@ class DiffusionObjective:
         `eval_multi_views` MultiTF views, so every recipe's numbers compare."""
         if train:
             return make_batch(x, self.spec, self.mask_id, rng, self.spec.multi_views, self.spec.complementary)
-        return make_batch(x, self.spec, self.mask_id, rng, self.spec.eval_multi_views, True, train=False)
+        return make_batch(x, self.spec, self.mask_id, rng, self.spec.eval_multi_views, True)
 
     def loss(self, model, batch: DiffusionBatch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
         return diffusion_loss(model, batch, dtype, self.spec.multi_weight)
@@ -312,9 +301,5 @@ def notes(spec: DiffusionSpec) -> list[str]:
                      "noisier), each group seeing the clean blocks before it and the same-or-earlier "
                      f"noisy blocks of its group; loss = {1 - spec.multi_weight:g} x single-block + "
                      f"{spec.multi_weight:g} x multi-block.")
-    if spec.suffix:
-        lines.append(f"Left-to-right canvases: {spec.suffix:.0%} of the single-block view's blocks keep "
-                     f"a clean prefix of 0..{spec.block_size - 1} tokens and mask the rest, as decoding "
-                     "with the leftmost floor feeds them (validation keeps the plain noise).")
     return lines
 

@@ -243,24 +243,6 @@ def stories_diffusion_distill2() -> TrainConfig:
     return cfg
 
 
-def stories_diffusion_suffix() -> TrainConfig:
-    """stories-diffusion stage 5: stage 4 trained on the canvases left-to-right decoding feeds.
-
-    The same distilled stream and 0.5 single-block + 0.5 MultiTF objective as stages 3-4, but
-    half the single-block view's blocks are masked as a suffix (a clean prefix of 0-3 tokens,
-    the rest masked: ``DiffusionSpec.suffix``), which is what the leftmost floor decodes: the
-    first masked position is predicted from the last decided one, as an AR model predicts.
-    600 steps at 2e-4 cosine to 2e-5 from checkpoints/stories-diffusion; writes
-    runs/stories-diffusion-suffix/model."""
-    cfg = stories_diffusion_distill()
-    cfg.recipe, cfg.init_from = "stories-diffusion-suffix", str(REPO_ROOT / "checkpoints" / "stories-diffusion")
-    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-suffix" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-suffix")
-    cfg.diffusion.suffix = 0.5
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 600, 2e-4, 2e-5, 20
-    return cfg
-
-
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -298,7 +280,6 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
-    "stories-diffusion-suffix": stories_diffusion_suffix,
 }
 
 
