@@ -190,6 +190,8 @@ class LLMEngine:
         vocab = self.hf_config["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
                              f"{self.max_model_len} tokens")

@@ -20,7 +20,7 @@ _U64 = 1 << 64
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
-    penalties (OpenAI) over the output only, as vLLM does; before `min_tokens` output tokens,
+    penalties (OpenAI) over the output only, as vLLM does; then logit_bias; before `min_tokens` output tokens,
     the end-of-text and stop token ids are banned (vLLM's min_tokens). Diffusion steps score
     several positions with one request's rows: the ban then holds for the whole step."""
     for i, seq in enumerate(seqs):
@@ -38,6 +38,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             out = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
             counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device, dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype))
         if seq.num_output_tokens < p.min_tokens:
             ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
             row[ban] = float("-inf")

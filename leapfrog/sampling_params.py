@@ -9,6 +9,8 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 64              # stop strings are searched in the text every step
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024              # entries of logit_bias
+LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
 # Temperatures below this sample greedily: dividing logits by 1e-300 overflows to inf and NaN
 # (vLLM's _SAMPLING_EPS has the same role).
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -39,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None        # number of top alternatives to return, 0 = chosen only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> added to its logit before sampling, at every step (OpenAI's and vLLM's
+    # logit_bias); a request with it samples in Python and verifies no drafts, like penalties.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Called in order on each step's logits row of this request, as processor(output_ids, row)
     # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
     # A request with processors samples in Python (not in the decode loop) and verifies no
@@ -86,6 +91,7 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
         self._validate_stops(bad)
+        self._validate_logit_bias(bad)
         if any(not callable(f) for f in self.logits_processors):
             raise ValueError("logits_processors must be callables (output_ids, logits) -> logits")
 
@@ -99,6 +105,18 @@ class SamplingParams:
         if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
 
+    def _validate_logit_bias(self, bad) -> None:
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias", "must map token ids to numbers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
+        for token, value in self.logit_bias.items():
+            if not _is_int(token) or not 0 <= token <= INT64_MAX:
+                raise ValueError(f"logit_bias: token id {token!r} must be a non-negative integer")
+            if not _is_finite(value) or abs(value) > LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias: the bias of token {token} is {value!r}; it must be "
+                                 f"a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
@@ -107,7 +125,8 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors))
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors)
+                or bool(self.logit_bias))
 
 
 def _is_int(value: object) -> bool:

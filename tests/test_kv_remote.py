@@ -124,6 +124,9 @@ def test_a_payload_of_another_layout_is_a_miss():
 
         def set(self, key, value, ex=None):
             self.store[key] = value
+
+        def ping(self):                 # the writer thread connects first
+            return True
     client = Fake()
     tier = RedisKVTier(lambda: [(k, v)], 2, "redis://unused", "ns", client=client)
     client.store[tier._key(42)] = pack_block((1, 2), [torch.zeros(3, 1, 4)] * 2)   # 3 rows, not 2

@@ -30,10 +30,12 @@ from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, R
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
                                    render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
-                                    completion_body, completion_logprobs, encode_prompt, finish_reason,
-                                    new_id, now, prepare_chat, prepare_completion, sampling_params, sse, usage)
+                                    completion_body, completion_logprobs, detokenize_body, encode_prompt,
+                                    finish_reason, new_id, now, prepare_chat, prepare_completion,
+                                    sampling_params, sse, tokenize_body, usage)
 from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, APIError, ChatRequest, CompletionRequest,
-                                    CoupletRequest, FaultRequest, GenerateRequest, bad_request, parse_body)
+                                    CoupletRequest, DetokenizeRequest, FaultRequest, GenerateRequest,
+                                    TokenizeRequest, bad_request, parse_body)
 
 log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
@@ -535,6 +537,21 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         return await handle(request, ChatRequest, prepare_chat, _stream_chat, chat_body, "chatcmpl")
+
+    # vLLM's tokenizer endpoints: no engine work, so no queue; authenticated like the rest.
+    async def tokenizer_call(request: Request, kind: type, body: Callable) -> Any:
+        state.authenticate(request)
+        raw = await read_body(request, state.cfg.max_body_bytes)
+        _, _, out = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, body, state)
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        return await tokenizer_call(request, TokenizeRequest, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        return await tokenizer_call(request, DetokenizeRequest, detokenize_body)
 
 
 COUPLET_PAGE = Path(__file__).parent / "static" / "couplet.html"

@@ -13,7 +13,8 @@ from typing import Any
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SEED_RANGE, SamplingParams
-from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, bad_request, field_of
+from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                                    TokenizeRequest, bad_request, field_of)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
@@ -92,6 +93,7 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
         kw["seed"] = seed % (1 << 64) if req.seed <= SEED_RANGE[1] < seed else seed
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw["stop_token_ids"] = list(req.stop_token_ids or [])
+    kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
     try:
         params = SamplingParams(**kw)
     except ValueError as exc:
@@ -103,6 +105,18 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
     return params
 
 
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (JSON keys are strings) -> {token id: bias}; a key that is not a
+    token id of this model is a 400 naming logit_bias (the values' range is SamplingParams')."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise bad_request(f"logit_bias: key {key!r} is not a token id of this model "
+                              f"(a decimal integer in [0, {vocab_size}))", "logit_bias", "invalid_token_id")
+        out[int(key)] = value
+    return out
+
+
 def check_n(n: int, limits: Limits) -> None:
     if not 1 <= n <= limits.max_n:
         raise bad_request(f"n={n}: must be between 1 and {limits.max_n}", "n", "invalid_value")
@@ -112,8 +126,8 @@ def check_n(n: int, limits: Limits) -> None:
 def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
-    if req.echo or req.suffix or (req.best_of or 1) > req.n or req.logit_bias:
-        name = next(k for k in ("echo", "suffix", "best_of", "logit_bias") if getattr(req, k))
+    if req.echo or req.suffix or (req.best_of or 1) > req.n:
+        name = next(k for k in ("echo", "suffix", "best_of") if getattr(req, k))
         raise bad_request(f"{name} is not supported", name, "unsupported")
     p = req.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -158,8 +172,6 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
 def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
     ids = render_chat(req, tokenizer, limits)
@@ -270,3 +282,26 @@ def sse(data: dict | str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+# --- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
+def tokenize_body(req: TokenizeRequest, limits: Limits, tokenizer: Any) -> dict:
+    """The ids a completion (``prompt``) or a chat request (``messages``) would feed the model,
+    with their count and the model's context."""
+    check_model(req.model, limits)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give either prompt or messages", "prompt", "missing_field")
+    if req.prompt is not None:
+        check_prompt_chars(req.prompt, limits)
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
+    else:
+        chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+        ids = render_chat(chat, tokenizer, limits)
+    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+
+
+def detokenize_body(req: DetokenizeRequest, limits: Limits, tokenizer: Any) -> dict:
+    check_model(req.model, limits)
+    if any(t < 0 or t >= limits.vocab_size for t in req.tokens):
+        raise bad_request(f"token ids must be in [0, {limits.vocab_size})", "tokens", "invalid_token_id")
+    return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}

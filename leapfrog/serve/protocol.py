@@ -6,6 +6,7 @@ Bodies are strict (no "5" for 5) and closed (an unknown field is an error): a ty
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -56,6 +57,7 @@ class SamplingFields(_Strict):
     min_tokens: int = 0                    # extension (vLLM's): no end of text before this many
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None   # token id (a decimal string, as JSON keys are) -> bias
     stream: bool = False
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None
@@ -98,7 +100,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
     stream_options: StreamOptions | None = None
 
 
@@ -120,9 +121,23 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the model's template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True        # the prompt form: BOS as a completion's prompt gets it
+    add_generation_prompt: bool = True     # the messages form
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids -> text."""
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -179,5 +194,5 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPar
 
 def field_of(message: str) -> str | None:
     """SamplingParams errors start with 'name=value:'; pull out the name for `param`."""
-    head = message.split("=", 1)[0]
+    head = re.split("[=:]", message, maxsplit=1)[0]
     return head if head.isidentifier() else None

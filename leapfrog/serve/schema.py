@@ -15,10 +15,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from leapfrog.sampling_params import (INT64_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT,
-                                      SEED_RANGE)
+from leapfrog.sampling_params import (INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
+                                      MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SEED_RANGE)
 from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, ChatRequest, CompletionRequest,
-                                    CoupletRequest, FaultRequest, GenerateRequest)
+                                    CoupletRequest, DetokenizeRequest, FaultRequest, GenerateRequest,
+                                    TokenizeRequest)
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
@@ -26,6 +27,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
     "/admin/fault": FaultRequest,           # only with --fault-injection
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 # status -> when it is answered
 GENERATION_ERRORS = {
@@ -111,6 +114,9 @@ def response_schemas() -> dict[str, dict]:
             {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
             {"max_model_len": _INT, "method": _STR, "couplets": _BOOL})}}),
         "Status": _obj({"status": _STR}),
+        "TokenizeResponse": _obj({"count": _INT, "max_model_len": _INT,
+                                  "tokens": {"type": "array", "items": _INT}}),
+        "DetokenizeResponse": _obj({"prompt": _STR}),
     }
 
 
@@ -125,6 +131,7 @@ RESPONSE_BODIES = {     # path -> the 200 answer's JSON schema(s) (the stream's 
     "/v1/completions": ["CompletionResponse"],
     "/v1/chat/completions": ["ChatCompletionResponse"],
     "/v1/models": ["ModelList"],
+    "/tokenize": ["TokenizeResponse"], "/detokenize": ["DetokenizeResponse"],
     "/health": ["Status"], "/healthz": ["Status"], "/ready": ["Status"],
 }
 
@@ -162,6 +169,11 @@ def refine_request(name: str, schema: dict, max_n: int) -> None:
                 items["minLength"] = 1
             elif items.get("type") == "array":
                 items.update({"minItems": 1, "items": {"type": "integer", "minimum": 0}})
+    for branch in props.get("logit_bias", {}).get("anyOf", []):
+        if branch.get("type") == "object":       # token id (decimal string) -> bias
+            branch.update({"propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": MAX_LOGIT_BIAS})
+            branch["additionalProperties"] = {"type": "number", "minimum": -LOGIT_BIAS_RANGE,
+                                              "maximum": LOGIT_BIAS_RANGE}
     if "messages" in props:
         props["messages"]["minItems"] = 1
     if "keywords" in props:
@@ -222,7 +234,11 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
         if "stream" in schema.get("properties", {}):
             content["text/event-stream"] = {"schema": SSE_EVENT}
         responses["200"] = {"description": "OK", "content": content}
-        responses.update(_error_responses(GENERATION_ERRORS))
+        if path in ("/tokenize", "/detokenize"):      # no engine work: no queue, no timeout
+            responses.update(_error_responses({c: GENERATION_ERRORS[c] for c in ("400", "401", "404", "413",
+                                                                                "415", "503")}))
+        else:
+            responses.update(_error_responses(GENERATION_ERRORS))
     elif path == "/metrics":
         responses["200"] = {"description": "Prometheus text exposition format",
                             "content": {"text/plain": {"schema": {"type": "string"}}}}
