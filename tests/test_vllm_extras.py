@@ -73,6 +73,17 @@ def test_engine_output_equals_an_equivalent_logits_processor(method):
         llm.generate(prompt, SamplingParams(max_tokens=4, logit_bias={4096: 1.0}))
 
 
+def test_block_diffusion_honours_the_bias_at_every_position_it_decides():
+    from leapfrog import LLM
+
+    llm = LLM("stories-diffusion", num_threads=1)
+    prompt = ["Once upon a time"]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].token_ids
+    banned = {plain[0]: -100.0, plain[2]: -100.0}
+    biased = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, logit_bias=banned))[0].token_ids
+    assert len(biased) == 16 and not set(banned) & set(biased)
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir):
     s = ServerThread(llama_dir).start()
