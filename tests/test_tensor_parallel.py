@@ -70,7 +70,8 @@ def test_split_model_gives_the_whole_models_logits(family, tp_size, stages, fami
 def test_generate_over_ranks_gives_the_same_tokens(family, tp_size, stages, family_dirs):
     folder = str(family_dirs[family])
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
-    params = [GREEDY, seeded, GREEDY]
+    biased = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={7: 4.0, 9: -100.0})
+    params = [GREEDY, seeded, biased]
     want = [o.token_ids for o in LLM(folder, block_size=4).generate(PROMPTS, params)]
     llm = LLM(folder, block_size=4, tensor_parallel_size=tp_size, pipeline_parallel_size=stages)
     try:

@@ -61,6 +61,9 @@ def test_engine_output_equals_an_equivalent_logits_processor(method):
                                                  logits_processors=[_as_processor(bias)]))[0]
     assert biased.token_ids == oracle.token_ids
     assert plain[0] not in biased.token_ids and plain[1] not in biased.token_ids
+    sampled = [llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=3, **kw))[0].token_ids
+               for kw in ({"logit_bias": bias}, {"logits_processors": [_as_processor(bias)]})]
+    assert sampled[0] == sampled[1] and not {plain[0], plain[1]} & set(sampled[0])
     if method == "ar":
         forced = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                      logit_bias={262: 100.0}))[0]
