@@ -62,7 +62,7 @@ class ModelRunner:
             row += n
         dev = self.device
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
-        meta = AttnMetadata(t(slots), self._groups(batch))
+        meta = AttnMetadata(t(slots), self._groups(batch), batch.attn_bidir_token)
         return t(ids), t(pos), meta, t(logit_rows)
 
     @staticmethod
@@ -78,13 +78,14 @@ class ModelRunner:
             if s.num_query <= self.small_query:
                 small.append((row, s))
             else:
-                groups.append(self._group([(row, s)], batch.attn_block_size))
+                groups.append(self._group([(row, s)], batch.attn_block_size, batch.attn_bidir_token))
             row += s.num_query
         if small:
-            groups.insert(0, self._group(small, batch.attn_block_size))
+            groups.insert(0, self._group(small, batch.attn_block_size, batch.attn_bidir_token))
         return groups
 
-    def _group(self, members: list[tuple[int, ScheduledSeq]], attn_block: int) -> AttnGroup:
+    def _group(self, members: list[tuple[int, ScheduledSeq]], attn_block: int,
+               bidir: int | None = None) -> AttnGroup:
         dev = self.device
         lq = max(s.num_query for _, s in members)
         lk = max(s.start_pos + s.num_query for _, s in members)
@@ -94,7 +95,7 @@ class ModelRunner:
         rows0 = members[0][0]
         contiguous = all(r == rows0 + i * lq and s.num_query == lq for i, (r, s) in enumerate(members))
         if self.cpu_decode_kernel:
-            return self._kernel_group(members, attn_block, tables)
+            return self._kernel_group(members, attn_block, tables, bidir)
         kpos = torch.arange(lk, device=dev)
         kv_slots = tables[:, kpos // self.block_size] * self.block_size + kpos % self.block_size
         qlen = torch.tensor([s.num_query for _, s in members], device=dev)
@@ -103,8 +104,11 @@ class ModelRunner:
         q_valid = qoff.unsqueeze(0) < qlen.unsqueeze(1)                    # [B, Lq]
         qpos = start.unsqueeze(1) + qoff.unsqueeze(0)                       # [B, Lq]
         ctx = (start + qlen).view(-1, 1, 1)
-        allowed = (kpos.view(1, 1, -1) < ctx) & \
-            (kpos.view(1, 1, -1) // attn_block <= qpos.unsqueeze(-1) // attn_block)
+        qend = (qpos // attn_block + 1) * attn_block                        # [B, Lq] first key not seen
+        if bidir is not None and attn_block > 1:    # only rows holding `bidir` see their whole block
+            qids = torch.tensor([s.query_ids + [-1] * (lq - s.num_query) for _, s in members], device=dev)
+            qend = torch.where(qids == bidir, qend, qpos + 1)
+        allowed = (kpos.view(1, 1, -1) < ctx) & (kpos.view(1, 1, -1) < qend.unsqueeze(-1))
         allowed |= ~q_valid.unsqueeze(-1) & (kpos == 0).view(1, 1, -1)       # padding rows: no NaNs
         # One query row per sequence, all with the full context: nothing to mask.
         mask = None if (lq == 1 and bool((ctx == lk).all())) else allowed.unsqueeze(1)
@@ -116,10 +120,11 @@ class ModelRunner:
         return AttnGroup(q_index, kv_slots, mask, out_rows, q_valid)
 
     def _kernel_group(self, members: list[tuple[int, ScheduledSeq]], attn_block: int,
-                      tables: torch.Tensor) -> AttnGroup:
+                      tables: torch.Tensor, bidir: int | None = None) -> AttnGroup:
         """Few-token queries for the CPU paged kernel: every query row becomes a "sequence" of
         its own whose context is a prefix of its sequence's keys. Causal: keys up to its own
-        position; block-causal: up to the end of its block (or of the known keys). Verification
+        position; block-causal: up to the end of its block (or of the known keys), or with
+        `bidir` only for rows holding that token (the others causal). Verification
         and diffusion steps then read the paged cache directly, as decode steps do."""
         rows, lens, owner = [], [], []
         for i, (r, s) in enumerate(members):
@@ -127,7 +132,8 @@ class ModelRunner:
             for j in range(s.num_query):
                 p = s.start_pos + j
                 rows.append(r + j)
-                lens.append(min(end, (p // attn_block + 1) * attn_block))
+                causal = bidir is not None and s.query_ids[j] != bidir
+                lens.append(min(end, p + 1 if causal else (p // attn_block + 1) * attn_block))
                 owner.append(i)
         dev = self.device
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
@@ -213,7 +219,7 @@ def micro_batches(batch: Batch, n: int) -> list[Batch]:
             cur = []
     if cur:
         parts.append(cur)
-    return [Batch(p, batch.attn_block_size, batch.capture_layers) for p in parts]
+    return [Batch(p, batch.attn_block_size, batch.capture_layers, batch.attn_bidir_token) for p in parts]
 
 
 def rotary_anchor(seq, anchor_id: int, known: int) -> int:

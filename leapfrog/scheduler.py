@@ -70,7 +70,8 @@ class Scheduler:
                 scheduled.append(item)
                 budget -= item.num_query
         self._admit(scheduled, budget)
-        return Batch(scheduled, self.method.attn_block_size, self.method.capture_layers)
+        return Batch(scheduled, self.method.attn_block_size, self.method.capture_layers,
+                     self.method.attn_bidir_token)
 
     def _share(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
         """(known, extra) query tokens for `seq` under the budget, or None if none fit.

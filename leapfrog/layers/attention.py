@@ -34,6 +34,9 @@ class AttnGroup:
 class AttnMetadata:
     slot_mapping: torch.Tensor      # [T] where each query token's k/v is written
     groups: list[AttnGroup]
+    # A two-stream diffusion model's mask token (Batch.attn_bidir_token): rows holding it run
+    # the model's mask stream; None: every row runs the model's own layers.
+    mask_token: int | None = None
 
 
 class Attention(nn.Module):

@@ -61,6 +61,9 @@ class Batch:
     seqs: list[ScheduledSeq]
     attn_block_size: int = 1       # 1: causal; B: bidirectional within absolute blocks of B
     capture_layers: tuple[int, ...] = ()
+    # With B > 1: only query rows holding this token attend to their whole block, the others
+    # causally (a two-stream diffusion model's mask rows; None: every row block-wise).
+    attn_bidir_token: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +96,7 @@ class Method:
     name: str = "method"
     attn_block_size: int = 1               # 1: causal; B: bidirectional within absolute blocks of B
     capture_layers: tuple[int, ...] = ()   # target layers whose hidden rows StepOutput.captured holds
+    attn_bidir_token: int | None = None    # see Batch.attn_bidir_token
     # num_extra_tokens() is asked once at most this many known tokens are left to feed: 1, drafts
     # follow the last token; a diffusion canvas follows the prompt's partial block and any
     # committed blocks whose KV is not stored yet.

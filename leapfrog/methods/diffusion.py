@@ -134,6 +134,9 @@ class DiffusionMethod(Method):
         self.family = spec.family
         self.block_size = self.attn_block_size = spec.block_size
         self.mask_token_id = spec.mask_token_id
+        if getattr(ctx.model, "mask_stream", None) is not None:
+            # two-stream model: known rows stay causal (the AR parent), mask rows see their block
+            self.attn_bidir_token = spec.mask_token_id
         self.logit_shift = int(spec.logit_shift)
         self.eos_token_ids = tuple(spec.eos_token_ids)    # the engine stops on these too
         self._eos = set(spec.eos_token_ids)

@@ -21,6 +21,7 @@ from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_pa
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding, coupled_positions
+from leapfrog.models import mask_stream
 
 
 class DecoderAttention(nn.Module):
@@ -210,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A two-stream block-diffusion model: the layers its mask tokens run (models/mask_stream.py).
+        self.mask_stream = (mask_stream.MaskStream(cfg, lambda i: DecoderLayer(cfg, self.flavour, i))
+                            if mask_stream.has_mask_stream(cfg) else None)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -235,6 +239,12 @@ class LlamaForCausalLM(nn.Module):
             if send is not None:
                 send.wait()
             return self.finish_stage(hidden, [local], [input_ids.shape], capture_layers)
+        if self.mask_stream is not None and meta is not None and meta.mask_token is not None:
+            is_mask = input_ids.reshape(-1) == meta.mask_token
+            if bool(is_mask.any()):
+                if capture_layers:
+                    raise ValueError("a two-stream diffusion forward captures no layers")
+                return mask_stream.forward(self, input_ids, positions, meta, is_mask), []
         x = self.embed(input_ids)
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping

@@ -197,6 +197,9 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
 
     model, tok = load(folder)
     cfg = json.loads((Path(folder) / "config.json").read_text())
+    if cfg.get("diffusion_mask_stream"):       # transformers reads only the parent: add the stream
+        from leapfrog.train.mask_stream import from_folder
+        model = from_folder(folder)
     prompts = [story_opening(s) for s in heldout("stories", data_dir)[:num]]
     res = CheckResult("stories-diffusion")
     word_reps, token_reps, new_tokens, forwards = [], [], 0, 0

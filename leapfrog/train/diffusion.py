@@ -67,6 +67,9 @@ class DiffusionSpec:
     t_high: float = 1.0
     margin: float = 0.01            # rho in t_eff = t_high - rho (t_high - t_low)
     eval_multi_views: int = 2       # validation measures both losses, whatever the training mix
+    # Two-stream model (train.mask_stream): known tokens run the frozen parent causally, mask
+    # tokens a trained mask stream block-causally.
+    mask_stream: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,9 +113,12 @@ def chain_masks(groups: np.ndarray, block_size: int, spec: DiffusionSpec,
 # One packed row: ids, attention mask, which hidden state predicts which masked token
 
 
-def attention_mask(groups: list[np.ndarray], block_size: int) -> torch.Tensor:
+def attention_mask(groups: list[np.ndarray], block_size: int,
+                   masks: list[np.ndarray] | None = None) -> torch.Tensor:
     """[S, S] bool (True = may attend) for ``[view_1 ; ... ; view_V ; clean]``, S = (V+1) L;
-    ``groups[v]`` is view v's group id per block (non-decreasing)."""
+    ``groups[v]`` is view v's group id per block (non-decreasing). With ``masks`` (view v's
+    masked positions, the two-stream rule of train.mask_stream) a known token of a view and
+    every token of the clean copy attend causally instead of to their whole block."""
     num_views, num_blocks = len(groups), len(groups[0])
     view = torch.arange(num_views + 1).repeat_interleave(num_blocks * block_size)
     block = torch.arange(num_blocks).repeat_interleave(block_size).repeat(num_views + 1)
@@ -122,6 +128,11 @@ def attention_mask(groups: list[np.ndarray], block_size: int) -> torch.Tensor:
     first = torch.cat([torch.searchsorted(g, g).repeat_interleave(block_size) for g in own])
     clean_q, clean_k = (view == num_views)[:, None], (view == num_views)[None, :]
     earlier_or_same = block[None, :] <= block[:, None]
+    if masks is not None:
+        pos = torch.arange(num_blocks * block_size).repeat(num_views + 1)
+        masked = torch.cat([torch.as_tensor(np.asarray(m, dtype=bool)) for m in masks]
+                           + [torch.zeros(num_blocks * block_size, dtype=torch.bool)])
+        earlier_or_same = earlier_or_same & (masked[:, None] | (pos[None, :] <= pos[:, None]))
     noisy_noisy = ~clean_q & (view[:, None] == view[None, :]) & (group[:, None] == group[None, :]) & earlier_or_same
     noisy_clean = ~clean_q & clean_k & (block[None, :] < first[:, None])
     return noisy_noisy | noisy_clean | (clean_q & clean_k & earlier_or_same)
@@ -164,7 +175,7 @@ def pack(windows: torch.Tensor, masks: list[list[np.ndarray]], groups: list[list
         x0 = windows[r]
         m = torch.as_tensor(np.stack(masks[r]))                                  # [V, L]
         ids.append(torch.cat([torch.where(m, mask_id, x0).reshape(-1), x0]))
-        attn.append(attention_mask(groups[r], spec.block_size))
+        attn.append(attention_mask(groups[r], spec.block_size, masks[r] if spec.mask_stream else None))
         pred = torch.as_tensor(predictor_rows(groups[r], spec.block_size, spec.shift))
         keep = m & (pred >= 0)
         src.append(r * size + pred[keep])
@@ -196,13 +207,19 @@ def make_batch(windows: torch.Tensor, spec: DiffusionSpec, mask_id: int, rng: np
     return pack(windows, masks, groups, kinds, spec, mask_id)
 
 
-def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weight: float = 0.0
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weight: float = 0.0,
+                   mask_id: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked-token CE of a transformers Llama on a packed batch: (loss, parts). Parts hold the
-    mean CE of each view kind and the number of targets it had (a kind with none is left out)."""
+    mean CE of each view kind and the number of targets it had (a kind with none is left out).
+    A model with a mask stream (train.mask_stream) runs its two-stream forward (``mask_id``)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                             attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
+        if getattr(model, "mask_stream", None) is not None:
+            from leapfrog.train import mask_stream
+            hidden = mask_stream.hidden_states(model, batch.input_ids, batch.position_ids,
+                                               batch.attn_mask, mask_id)
+        else:
+            hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                 attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
         logits = model.lm_head(hidden.flatten(0, 1)[batch.src])   # only rows that predict a target
     ce = F.cross_entropy(logits.float(), batch.targets, reduction="none")
     terms, parts = {}, {}
@@ -232,7 +249,7 @@ class DiffusionObjective:
         return make_batch(x, self.spec, self.mask_id, rng, self.spec.eval_multi_views, True)
 
     def loss(self, model, batch: DiffusionBatch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-        return diffusion_loss(model, batch, dtype, self.spec.multi_weight)
+        return diffusion_loss(model, batch, dtype, self.spec.multi_weight, self.mask_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +259,10 @@ class DiffusionObjective:
 
 def contract(spec: DiffusionSpec, mask_id: int) -> dict:
     """config.json keys that tell a decoder how this model was trained."""
-    return {"block_size": spec.block_size, "mask_token_id": mask_id, "diffusion_logit_shift": spec.shift}
+    keys = {"block_size": spec.block_size, "mask_token_id": mask_id, "diffusion_logit_shift": spec.shift}
+    if spec.mask_stream:
+        keys["diffusion_mask_stream"] = True
+    return keys
 
 
 def block_causal_mask(length: int, block_size: int) -> torch.Tensor:
@@ -266,7 +286,13 @@ def reference_decode(model, prompt_ids: list[int], cfg: dict, max_new_tokens: in
         ids += [mask_id] * ((start // bs + 1) * bs - start)
         while mask_id in ids[start:]:
             x = torch.tensor([ids])
-            logits = model(input_ids=x, attention_mask=block_causal_mask(len(ids), bs)).logits[0]
+            if getattr(model, "mask_stream", None) is not None:     # two-stream (train.mask_stream)
+                from leapfrog.train import mask_stream
+                hidden = mask_stream.hidden_states(model, x, torch.arange(len(ids))[None],
+                                                   mask_stream.block_rule_mask(x, bs, mask_id), mask_id)
+                logits = model.lm_head(hidden)[0]
+            else:
+                logits = model(input_ids=x, attention_mask=block_causal_mask(len(ids), bs)).logits[0]
             forwards += 1
             rows = torch.arange(start, len(ids)) - int(shift)
             prob, tok = logits[rows].float().softmax(-1).max(-1)
@@ -294,6 +320,12 @@ def notes(spec: DiffusionSpec) -> list[str]:
                      "hidden state at i-1; the first token of a block from the last position of "
                      "the clean prefix (or, in multi-block decoding, of the still-noisy previous "
                      "block of the same group).")
+    if spec.mask_stream:
+        lines.append("Two-stream model (`leapfrog.train.mask_stream`): every known token runs the "
+                     "frozen AR parent (these weights' ordinary Llama tensors) with causal attention, "
+                     "every mask token runs the mask stream (`mask_stream.*`: its own layers, final "
+                     "norm and input vector) and attends to its whole block; only the mask stream "
+                     "trains. Decoding at threshold 1.0 is then exactly the parent's greedy text.")
     if spec.multi_views:
         lines.append(f"Multi-block teacher forcing (MBD-LMs' MultiTF): {spec.multi_views} extra "
                      f"view{'s' if spec.multi_views > 1 else ''} per window whose blocks form groups of 2..{spec.max_group} "

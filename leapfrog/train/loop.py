@@ -83,6 +83,9 @@ class TrainConfig:
     recipe: str = ""                            # recipe name where it differs from the dataset name
     init_from: str | None = None                # HF folder to start from (its shape and tokenizer)
     diffusion: DiffusionSpec | None = None      # block-diffusion objective instead of next-token
+    # diffusion.mask_stream: the block-diffusion folder whose layers start the mask stream
+    # (train.mask_stream; init_from is then the frozen AR parent)
+    mask_stream_from: str | None = None
     long_repeats: int = 0                       # couplets: extra copies of pairs with long 上联
     rare_chars: int = 0                         # couplets: pairs with out-of-vocabulary 上联 characters
     distill: DistillSpec | None = None          # train on a parent model's own text (train.distill)
@@ -433,6 +436,10 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
     if cfg.diffusion is not None:        # the decoder's contract, saved with config.json
         from leapfrog.train.diffusion import contract
         model.config.update(contract(cfg.diffusion, tok.convert_tokens_to_ids("<mask>")))
+        if cfg.diffusion.mask_stream:
+            from leapfrog.train.mask_stream import attach
+            source = load_pretrained(cfg.mask_stream_from)[0] if cfg.mask_stream_from else None
+            attach(model, source, tok.convert_tokens_to_ids("<mask>"))
     return model, tok
 
 

@@ -187,6 +187,10 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
                f"`{init['folder']}`, then `leapfrog train {summary['recipe']}` continued it into "
                "this folder.", ""]
               if init.get("val_parts") else [])
+    if summary["config"].get("mask_stream_from"):
+        stages += [f"The mask stream started as a copy of `{_repo_relative(summary['config']['mask_stream_from'])}`'s "
+                   "layers, final norm and mask-token embedding (a block-diffusion model of the same "
+                   "shape); the frozen parent is the model this folder was initialised from.", ""]
     distill = summary["config"].get("distill")
     if distill:
         parent = _repo_relative(distill["parent"])

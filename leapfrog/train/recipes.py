@@ -231,15 +231,34 @@ def stories_diffusion_distill() -> TrainConfig:
 
 
 def stories_diffusion_distill2() -> TrainConfig:
-    """stories-diffusion stage 4: stage 3 continued; writes checkpoints/stories-diffusion.
+    """stories-diffusion stage 4: stage 3 continued; writes runs/stories-diffusion-distill2/model.
 
     1,200 more steps on the same distilled stream (cached) at a lower learning rate (3e-4
     cosine to 3e-5), since stage 3 ended with the training loss still falling."""
     cfg = stories_diffusion_distill()
     cfg.recipe, cfg.init_from = "stories-diffusion-distill2", cfg.out_dir
-    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-diffusion")
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2" / "model")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2")
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
+    return cfg
+
+
+def stories_diffusion_stream() -> TrainConfig:
+    """stories-diffusion stage 5: the two-stream model; writes checkpoints/stories-diffusion.
+
+    `stories` itself, frozen, for every known token (causal attention, so decoding at threshold
+    1.0 is exactly `stories`), plus a mask stream (train.mask_stream) for the mask tokens: stage
+    4's layers, final norm and mask embedding, trained with stage 3's objective (0.5 single-block
+    + 0.5 MultiTF on `stories`' own continuations) against the frozen parent's keys and values."""
+    cfg = stories_diffusion_distill()
+    cfg.recipe, cfg.init_from = "stories-diffusion-stream", stories_unrepeat().out_dir
+    cfg.mask_stream_from = stories_diffusion_distill2().out_dir
+    cfg.diffusion = DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
+                                  multi_weight=0.5, max_group=4, mask_stream=True)
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-diffusion")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-stream")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 3e-4, 3e-5, 30
+    cfg.keep_best = True
     return cfg
 
 
@@ -280,6 +299,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
+    "stories-diffusion-stream": stories_diffusion_stream,
 }
 
 
