@@ -379,6 +379,11 @@ static torch::Tensor out_mlp(const torch::Tensor& x, const torch::Tensor& o,
   return x2.add_(norm_swiglu(x2, w, eps));
 }
 
+static torch::Tensor attend_rows(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                 const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                 const torch::Tensor& ctx_lens, int64_t block_size, int64_t H, int64_t KVH,
+                                 int64_t D, double scale);
+
 // The attention half of a layer: input norm, q/k/v with RoPE, the step's keys and values
 // written to the paged cache, attention over it. Returns the heads' outputs [T, H, D].
 static torch::Tensor attention_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
@@ -388,7 +393,16 @@ static torch::Tensor attention_rows(const torch::Tensor& x, const std::vector<to
                                     int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
                                     double eps, double qk_eps) {
   auto qkv = qkv_rope(x, w, cos, sin, H, KVH, D, eps, qk_eps);
-  const int64_t T = x.size(0), width = qkv.size(1);
+  return attend_rows(qkv, k_cache, v_cache, slots, block_tables, ctx_lens, block_size, H, KVH, D, scale);
+}
+
+// The step's keys and values (qkv [T, (H + 2 KVH) D], rotated) written to the paged cache, then
+// every row's attention over its context. Returns the heads' outputs [T, H, D].
+static torch::Tensor attend_rows(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                 const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                 const torch::Tensor& ctx_lens, int64_t block_size, int64_t H, int64_t KVH,
+                                 int64_t D, double scale) {
+  const int64_t T = qkv.size(0), width = qkv.size(1);
   const float* p = qkv.data_ptr<float>();
   auto sl = slots.to(torch::kInt64).contiguous();
   const int64_t* slp = sl.data_ptr<int64_t>();
@@ -486,6 +500,34 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch:
     }
   });
   return out;
+}
+
+// A two-stream block-diffusion layer (models/mask_stream.py): rows [0, num_own) run the model's
+// own weights, the rest the mask stream's (`w_mask`, the same layout), over one shared cache.
+// Every row's key and value is written before any row attends, so a row reads the step's keys
+// of both streams; the rows come regrouped by stream, each with its own context length.
+torch::Tensor two_stream_layer(torch::Tensor x, std::vector<torch::Tensor> w_own,
+                               std::vector<torch::Tensor> w_mask, int64_t num_own, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slots, torch::Tensor block_tables, torch::Tensor ctx_lens,
+                               int64_t block_size, int64_t H, int64_t KVH, int64_t D, double scale,
+                               double eps, double qk_eps) {
+  const int64_t T = x.size(0), k = num_own;
+  TORCH_CHECK(0 <= k && k <= T, "two_stream_layer: num_own out of range");
+  std::vector<torch::Tensor> parts;
+  if (k > 0)
+    parts.push_back(qkv_rope(x.narrow(0, 0, k), w_own, cos.narrow(0, 0, k), sin.narrow(0, 0, k),
+                             H, KVH, D, eps, qk_eps));
+  if (k < T)
+    parts.push_back(qkv_rope(x.narrow(0, k, T - k), w_mask, cos.narrow(0, k, T - k),
+                             sin.narrow(0, k, T - k), H, KVH, D, eps, qk_eps));
+  auto qkv = parts.size() == 1 ? parts[0] : torch::cat(parts);
+  auto o = attend_rows(qkv, k_cache, v_cache, slots, block_tables, ctx_lens, block_size, H, KVH, D,
+                       scale).reshape({T, -1});
+  std::vector<torch::Tensor> out;
+  if (k > 0) out.push_back(out_mlp(x.narrow(0, 0, k), o.narrow(0, 0, k), w_own, eps));
+  if (k < T) out.push_back(out_mlp(x.narrow(0, k, T - k), o.narrow(0, k, T - k), w_mask, eps));
+  return out.size() == 1 ? out[0] : torch::cat(out);
 }
 
 // A DFlash/DSpark drafter layer for one sequence: its T block rows attend, without a causal
@@ -663,6 +705,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_partial", &attention_partial,
         "a tensor-parallel rank's attention and output-projection partial sum (CPU, float32)", nogil);
   m.def("mlp_partial", &mlp_partial, "a tensor-parallel rank's SwiGLU partial sum (CPU, float32)", nogil);
+  m.def("two_stream_layer", &two_stream_layer,
+        "a two-stream diffusion layer: the model's rows and the mask stream's over one cache (CPU, float32)", nogil);
   m.def("draft_layer", &draft_layer, "a DFlash/DSpark drafter layer for one sequence (CPU, float32)", nogil);
   m.def("context_kv", &context_kv, "a drafter's context keys/values from target features (CPU, float32)", nogil);
   m.def("markov_argmax", &markov_argmax, "DSpark's vanilla Markov stage with argmax drafts (CPU, float32)", nogil);

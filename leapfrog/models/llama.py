@@ -239,13 +239,13 @@ class LlamaForCausalLM(nn.Module):
             if send is not None:
                 send.wait()
             return self.finish_stage(hidden, [local], [input_ids.shape], capture_layers)
+        x = self.embed(input_ids)
         if self.mask_stream is not None and meta is not None and meta.mask_token is not None:
             is_mask = input_ids.reshape(-1) == meta.mask_token
             if bool(is_mask.any()):
                 if capture_layers:
                     raise ValueError("a two-stream diffusion forward captures no layers")
-                return mask_stream.forward(self, input_ids, positions, meta, is_mask), []
-        x = self.embed(input_ids)
+                return mask_stream.forward(self, x, positions, meta, is_mask, fused_rows(x, meta)), []
         rope = Rope(self.model.rotary_emb, positions, x.dtype)
         # Submodules are called through .forward: leapfrog registers no hooks, and skipping
         # Module.__call__ saves ~0.4 ms per decode step on a small model.

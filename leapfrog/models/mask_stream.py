@@ -45,13 +45,16 @@ class MaskStream(nn.Module):
             raise ValueError(f"{CONFIG_KEY}: the mask stream needs dense layers (no experts)")
 
 
-def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: "AttnMetadata",
-            is_mask: torch.Tensor) -> torch.Tensor:
-    """Final normed hidden states [T, H] of a forward whose rows ``is_mask`` [T] run the mask
-    stream. Rows are regrouped (known rows first) so that every projection runs once per stream;
-    attention, which writes the cache by slot, sees them in their own order."""
+def forward(model, emb: torch.Tensor, positions: torch.Tensor, meta: "AttnMetadata",
+            is_mask: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """Final normed hidden states [T, H] of a forward (``emb``: the rows' embeddings [T, H])
+    whose rows ``is_mask`` [T] run the mask stream. Rows are regrouped (known rows first) so
+    that every projection runs once per stream; attention, which writes the cache by slot, sees
+    them in their own order. ``fused``: the layers as C++ calls (few rows read straight from the
+    paged cache, float32 CPU inference), where every row's metadata follows the regrouping."""
     stream: MaskStream = model.mask_stream
-    ids, pos = input_ids.reshape(-1), positions.reshape(-1)
+    shape, pos = emb.shape, positions.reshape(-1)
+    emb = emb.reshape(-1, shape[-1])
     perm = torch.cat([(~is_mask).nonzero().flatten(), is_mask.nonzero().flatten()])
     inv = torch.argsort(perm)
     k = int(perm.shape[0] - is_mask.sum())
@@ -63,11 +66,12 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: "Attn
             return own(x)
         return torch.cat([own(x[:k]), masked(x[k:])])
 
-    emb = model.embed(ids)
     x = torch.where(is_mask.unsqueeze(-1), stream.mask_embedding.to(emb.dtype), emb)[perm]
     rotary = model.model.rotary_emb
     cos_sin = rotary.table(pos[perm], x.dtype)
-    for lp, lm in zip(model.model.layers, stream.layers):
+    if fused:
+        x = _fused_layers(model, x, cos_sin, meta, perm, k)
+    for lp, lm in zip(model.model.layers, stream.layers) if not fused else ():
         ap, am = lp.self_attn, lm.self_attn
         h = both(lp.input_layernorm.forward, lm.input_layernorm.forward, x)
         qkv = both(ap.qkv_proj.forward, am.qkv_proj.forward, h)
@@ -85,4 +89,21 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: "Attn
         x = x + both(ap.o_proj.forward, am.o_proj.forward, a)
         h = both(lp.post_attention_layernorm.forward, lm.post_attention_layernorm.forward, x)
         x = x + both(lp.mlp.forward, lm.mlp.forward, h)
-    return both(model.model.norm.forward, stream.norm.forward, x)[inv].view(*input_ids.shape, -1)
+    return both(model.model.norm.forward, stream.norm.forward, x)[inv].view(shape)
+
+
+def _fused_layers(model, x: torch.Tensor, cos_sin, meta: "AttnMetadata", perm: torch.Tensor,
+                  k: int) -> torch.Tensor:
+    """Every layer as one C++ call (cpu_kernels.two_stream_layer) on the regrouped rows."""
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    g, t = meta.groups[0], x.shape[0]
+    cos, sin = cos_sin[0].reshape(t, -1), cos_sin[1].reshape(t, -1)
+    slots, tables, lens = meta.slot_mapping[perm], g.block_tables[perm], g.ctx_lens[perm]
+    kernels = cpu_kernels()
+    for lp, lm in zip(model.model.layers, model.mask_stream.layers):
+        a = lp.self_attn
+        x = kernels.two_stream_layer(
+            x, lp._fused_weights(), lm._fused_weights(), k, cos, sin, a.attn.k_cache, a.attn.v_cache,
+            slots, tables, lens, g.block_size, a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale,
+            lp.input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0)
+    return x
