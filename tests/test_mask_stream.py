@@ -219,13 +219,14 @@ def test_training_moves_only_the_mask_stream(folders):
     assert losses[-1] < losses[0]
 
 
-def test_parallel_runs_refuse_a_mask_stream(monkeypatch):
-    """The two-stream forward runs whole layers in one process: a tensor- or pipeline-parallel
-    rank refuses such a checkpoint with a message naming the key, instead of computing wrong rows."""
+def test_pipeline_stages_refuse_a_mask_stream(monkeypatch):
+    """The two-stream forward runs every layer of both streams: a pipeline stage refuses such a
+    checkpoint with a message naming the key, instead of computing wrong rows (tensor-parallel
+    ranks run it: tests/test_tensor_parallel.py)."""
     from leapfrog.layers import parallel as tp
     from leapfrog.models import mask_stream as engine_side
     cfg = {"diffusion_mask_stream": True, "mask_token_id": 3}
     assert engine_side.has_mask_stream(cfg) and not engine_side.has_mask_stream({})
-    monkeypatch.setattr(tp, "tp_size", lambda: 2)
-    with pytest.raises(ValueError, match="diffusion_mask_stream.*one process"):
+    monkeypatch.setattr(tp, "pp_size", lambda: 2)
+    with pytest.raises(ValueError, match="diffusion_mask_stream.*pipeline stages"):
         engine_side.has_mask_stream(cfg)

@@ -116,11 +116,13 @@ def test_mixture_of_experts_over_ranks(family, tp_size, stages, moe_dirs, tmp_pa
 @pytest.fixture(scope="module")
 def method_models(llama_dir, tmp_path_factory):
     from test_diffusion import MASK, diffusion_folder
+    from test_mask_stream import two_stream_folder
     from test_speculative import write_drafter
     root = tmp_path_factory.mktemp("methods")
     return {"drafter": write_drafter(root / "dspark", llama_dir, "dspark", num_layers=2, block_size=4),
             "diffusion": diffusion_folder(llama_dir, root / "diffusion", block_size=4, mask_token_id=MASK,
-                                          diffusion_logit_shift=True)}
+                                          diffusion_logit_shift=True),
+            "two-stream": two_stream_folder(llama_dir, root / "two-stream", noise=0.05)}
 
 
 @pytest.mark.parametrize("tp_size,stages", [(2, 1), (1, 2)])
@@ -128,10 +130,12 @@ def test_speculative_and_diffusion_over_ranks(tp_size, stages, llama_dir, method
     """DSpark with confidence-scheduled verification (decided from measured time: every rank
     reads rank 0's clock and prices steps by rank 0's profile; the drafter runs whole on every
     rank) gives ar's greedy tokens, and block diffusion gives one process's, over tensor-parallel
-    ranks and over pipeline stages."""
+    ranks and over pipeline stages; a two-stream diffusion model over tensor-parallel ranks."""
     ranks = dict(tensor_parallel_size=tp_size, pipeline_parallel_size=stages, block_size=4)
     cases = [(llama_dir, "dspark", {"draft_model": str(method_models["drafter"]), "verify": "confidence"}),
              (method_models["diffusion"], "diffusion", {"threshold": 0.5})]
+    if stages == 1:
+        cases.append((method_models["two-stream"], "diffusion", {"threshold": 0.6}))
     for folder, method, opts in cases:
         want = [o.token_ids for o in LLM(str(folder), method="ar" if method == "dspark" else method,
                                          block_size=4, **({} if method == "dspark" else opts)).generate(PROMPTS, GREEDY)]

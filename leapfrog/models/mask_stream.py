@@ -27,9 +27,9 @@ def has_mask_stream(cfg: dict) -> bool:
     value = cfg.get(CONFIG_KEY, False)
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}={value!r} must be true or false")
-    if value and (tp.tp_size() > 1 or tp.pp_size() > 1):
-        raise ValueError(f"{CONFIG_KEY}: a two-stream diffusion model runs in one process "
-                         "(tensor and pipeline parallelism do not split its mask stream)")
+    if value and tp.pp_size() > 1:
+        raise ValueError(f"{CONFIG_KEY}: a two-stream diffusion model does not run in pipeline stages "
+                         "(tensor parallelism splits both streams' heads and columns)")
     if value and not isinstance(cfg.get("mask_token_id"), int):
         raise ValueError(f"{CONFIG_KEY} needs mask_token_id")
     return value
@@ -69,9 +69,9 @@ def forward(model, emb: torch.Tensor, positions: torch.Tensor, meta: "AttnMetada
     x = torch.where(is_mask.unsqueeze(-1), stream.mask_embedding.to(emb.dtype), emb)[perm]
     rotary = model.model.rotary_emb
     cos_sin = rotary.table(pos[perm], x.dtype)
-    if fused:
+    if fused and tp.tp_size() == 1:
         x = _fused_layers(model, x, cos_sin, meta, perm, k)
-    for lp, lm in zip(model.model.layers, stream.layers) if not fused else ():
+    for lp, lm in zip(model.model.layers, stream.layers) if not (fused and tp.tp_size() == 1) else ():
         ap, am = lp.self_attn, lm.self_attn
         h = both(lp.input_layernorm.forward, lm.input_layernorm.forward, x)
         qkv = both(ap.qkv_proj.forward, am.qkv_proj.forward, h)
@@ -86,7 +86,8 @@ def forward(model, emb: torch.Tensor, positions: torch.Tensor, meta: "AttnMetada
         qk = rotary.apply(cos_sin, qk)
         q, kk = qk[:, :ap.num_heads][inv], qk[:, ap.num_heads:][inv]
         a = ap.attn.forward(q, kk, v[inv], meta).reshape(q.shape[0], -1)[perm]
-        x = x + both(ap.o_proj.forward, am.o_proj.forward, a)
+        o = both(ap.o_proj.forward, am.o_proj.forward, a)
+        x = x + (tp.all_reduce(o) if ap.split else o)      # the MLPs all-reduce their own sums
         h = both(lp.post_attention_layernorm.forward, lm.post_attention_layernorm.forward, x)
         x = x + both(lp.mlp.forward, lm.mlp.forward, h)
     return both(model.model.norm.forward, stream.norm.forward, x)[inv].view(shape)
