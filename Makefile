@@ -25,11 +25,13 @@ LF := $(VENV)/bin/leapfrog
 DONE := runs/done
 DRAFTERS := dspark-markov-2l dflash-2l dspark-rnn-2l dflash-5l
 .PRECIOUS: $(DONE)/%          # the markers are the record of what is done: never deleted as intermediates
-DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2
+DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill stories-diffusion-distill2 \
+	stories-diffusion-stream
 
 # The models the benchmarks measure first; then couplets (nothing derives from it); last the two
 # drafter variants only the comparison tables use (nothing grows from them).
-models: $(DONE)/stories-large $(DONE)/stories-moe $(DONE)/couplets $(DONE)/drafter-variants   ## retrain the built-in models (resumable)
+models: $(DONE)/stories-large $(DONE)/stories-diffusion-stream $(DONE)/stories-moe $(DONE)/couplets \
+	$(DONE)/drafter-variants   ## retrain the built-in models (resumable)
 
 $(DONE)/stories-run: | setup
 	$(LF) train stories --resume
@@ -66,6 +68,9 @@ $(DONE)/stories-diffusion-distill: $(DONE)/stories-diffusion-mb
 	@touch $@
 $(DONE)/stories-diffusion-distill2: $(DONE)/stories-diffusion-distill
 	$(LF) train stories-diffusion-distill2 --threads 2 --resume
+	@touch $@
+$(DONE)/stories-diffusion-stream: $(DONE)/stories-diffusion-distill2
+	$(LF) train stories-diffusion-stream --threads 2 --resume
 	@touch $@
 
 # stories-large is grown from stories on first use and trained further as a low-rank delta that

@@ -159,7 +159,7 @@ def test_the_shipped_diffusion_recipe_builds_and_decodes_as_its_base(tmp_path, m
     monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     large = LLM("stories-large-diffusion").generate(["Once upon a time"], params)[0]
-    small = LLM("stories-diffusion").generate(["Once upon a time"], params)[0]
+    small = LLM("stories-diffusion-plain").generate(["Once upon a time"], params)[0]
     assert large.token_ids == small.token_ids
     assert large.metrics.num_forwards == small.metrics.num_forwards
 

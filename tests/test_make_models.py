@@ -43,7 +43,7 @@ def test_every_stage_of_make_models_parses(tmp_path):
             trained.add(args[0])
     # the user-facing models, their derived ones, and stories before anything grown from it
     assert {"stories", "stories-polish", "couplets", "stories-large", "stories-moe",
-            "stories-diffusion-distill2"} <= trained
+            "stories-diffusion-distill2", "stories-diffusion-stream"} <= trained
     names = [a[a.index("train") + 1] for a in commands]
     assert names.index("stories") < names.index("stories-polish") < names.index("stories-large")
 

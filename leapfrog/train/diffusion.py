@@ -325,7 +325,9 @@ def notes(spec: DiffusionSpec) -> list[str]:
                      "frozen AR parent (these weights' ordinary Llama tensors) with causal attention, "
                      "every mask token runs the mask stream (`mask_stream.*`: its own layers, final "
                      "norm and input vector) and attends to its whole block; only the mask stream "
-                     "trains. Decoding at threshold 1.0 is then exactly the parent's greedy text.")
+                     "trains. Decoding at threshold 1.0 is then exactly the parent's greedy text. "
+                     "transformers loads the folder as the parent alone (it ignores the "
+                     "`mask_stream.*` tensors); leapfrog's `diffusion` method runs both streams.")
     if spec.multi_views:
         lines.append(f"Multi-block teacher forcing (MBD-LMs' MultiTF): {spec.multi_views} extra "
                      f"view{'s' if spec.multi_views > 1 else ''} per window whose blocks form groups of 2..{spec.max_group} "

@@ -231,13 +231,13 @@ def stories_diffusion_distill() -> TrainConfig:
 
 
 def stories_diffusion_distill2() -> TrainConfig:
-    """stories-diffusion stage 4: stage 3 continued; writes runs/stories-diffusion-distill2/model.
+    """stories-diffusion stage 4: stage 3 continued; writes checkpoints/stories-diffusion-plain.
 
     1,200 more steps on the same distilled stream (cached) at a lower learning rate (3e-4
     cosine to 3e-5), since stage 3 ended with the training loss still falling."""
     cfg = stories_diffusion_distill()
     cfg.recipe, cfg.init_from = "stories-diffusion-distill2", cfg.out_dir
-    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2" / "model")
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-diffusion-plain")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-distill2")
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
     return cfg
