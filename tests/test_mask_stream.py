@@ -98,8 +98,8 @@ def test_engine_equals_two_stream_full_recompute(folders, rule, kernel):
 
 def test_the_mask_stream_decides_what_it_proposes(folders):
     """The stream's weights reach the output: the same parent with another mask stream (an
-    exact copy of the parent's layers) decodes other text at the same threshold, and the
-    reference tells the two apart too (so the comparison above can fail)."""
+    exact copy of the parent's layers) decodes other text at the same threshold, so an engine
+    that ignored the stream could not pass the comparison with the reference above."""
     a = LLM(str(folders["stream"]), method="diffusion", threshold=0.6, **ENGINE).generate(PROMPTS, GREEDY)
     b = LLM(str(folders["copy"]), method="diffusion", threshold=0.6, **ENGINE).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in a] != [o.token_ids for o in b]

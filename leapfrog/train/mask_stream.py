@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapfrog.train.fast import _rotate
+
 CONFIG_KEY = "diffusion_mask_stream"
 PREFIX = "mask_stream."
 
@@ -77,12 +79,6 @@ def attach(model, source=None, mask_id: int = 0) -> MaskStream:
     model.mask_stream = stream
     model.config.update({CONFIG_KEY: True})
     return stream
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attn_mask: torch.Tensor,
