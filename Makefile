@@ -74,7 +74,7 @@ $(DONE)/stories-diffusion-stream: $(DONE)/stories-diffusion-distill2
 	@touch $@
 
 # stories-large is grown from stories on first use and trained further as a low-rank delta that
-# ships in its recipe folder; stories-large-diffusion is grown from stories-diffusion. Their
+# ships in its recipe folder; stories-large-diffusion is grown from stories-diffusion-plain. Their
 # recipes then need the checksums of what they now build.
 $(DONE)/stories-large-delta: $(DONE)/stories
 	$(LF) train stories-large --resume

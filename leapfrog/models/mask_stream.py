@@ -69,9 +69,10 @@ def forward(model, emb: torch.Tensor, positions: torch.Tensor, meta: "AttnMetada
     x = torch.where(is_mask.unsqueeze(-1), stream.mask_embedding.to(emb.dtype), emb)[perm]
     rotary = model.model.rotary_emb
     cos_sin = rotary.table(pos[perm], x.dtype)
-    if fused and tp.tp_size() == 1:
+    if fused and tp.tp_size() == 1:      # a tensor-parallel rank takes the layer-by-layer path
         x = _fused_layers(model, x, cos_sin, meta, perm, k)
-    for lp, lm in zip(model.model.layers, stream.layers) if not (fused and tp.tp_size() == 1) else ():
+        return both(model.model.norm.forward, stream.norm.forward, x)[inv].view(shape)
+    for lp, lm in zip(model.model.layers, stream.layers):
         ap, am = lp.self_attn, lm.self_attn
         h = both(lp.input_layernorm.forward, lm.input_layernorm.forward, x)
         qkv = both(ap.qkv_proj.forward, am.qkv_proj.forward, h)
