@@ -37,7 +37,7 @@ def rope_table(model, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Te
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -66,8 +66,8 @@ def hidden_states(model, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
         h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, eps)
         qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
         q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
-        q = _rotate(q.view(b, t, n_heads, head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(k.view(b, t, n_kv, head_dim).transpose(1, 2), cos, sin)
+        q = apply_rope(q.view(b, t, n_heads, head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, t, n_kv, head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, t, n_kv, head_dim).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != n_heads)
         a = attn.o_proj(a.transpose(1, 2).reshape(b, t, n_heads * head_dim))

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leapfrog.train.fast import _rotate
+from leapfrog.train.fast import apply_rope
 
 CONFIG_KEY = "diffusion_mask_stream"
 PREFIX = "mask_stream."
@@ -110,7 +110,7 @@ def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor, at
         q = both(ap.q_proj, am.q_proj, h).view(-1, heads, dim)
         kk = both(ap.k_proj, am.k_proj, h).view(-1, kv_heads, dim)
         v = both(ap.v_proj, am.v_proj, h).view(-1, kv_heads, dim)
-        q, kk = _rotate(q, cos, sin), _rotate(kk, cos, sin)
+        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
         # back to sequence order for attention
         q, kk, v = (t[inv].view(r, s, -1, dim).transpose(1, 2) for t in (q, kk, v))
         o = F.scaled_dot_product_attention(q, kk, v, attn_mask=attn_mask, scale=dim ** -0.5,
