@@ -123,3 +123,25 @@ def test_two_floors_run_every_config_twice_and_compare_within_their_floor():
     assert targets["multi_block"] == ["N=2 τ=0.8 leftmost"] and targets["vs_ar"] == []
     args.floors = ["confident"]
     assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.8", "N=2 τ=0.8"]
+
+
+def test_verify_adds_a_verified_copy_compared_with_its_own_single_block():
+    """--verify runs each config twice, plain and verified; threshold 0 (draft everything) only
+    verified; a verified multi-block row is measured against the verified single-block row."""
+    import argparse
+
+    from leapfrog.bench.diffusion import check_targets, configs
+
+    args = argparse.Namespace(ar_model="stories", model="stories-diffusion", num_blocks=[1, 2],
+                              thresholds=[0.0, 0.8], verify=True)
+    cfgs = configs(args)
+    assert [c.label for c in cfgs] == ["ar", "N=1 τ=0.8", "N=2 τ=0.8", "N=1 τ=0 verified", "N=1 τ=0.8 verified",
+                                       "N=2 τ=0 verified", "N=2 τ=0.8 verified"]
+    assert [c.options.get("verify", False) for c in cfgs] == [False] * 3 + [True] * 4
+    rows = [{"config": c.label, **c.options, "speedup": 1.0, "judge_ppl": 2.0, "tokens_per_forward": tpf}
+            for c, tpf in zip(cfgs, [1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 2.1])]
+    check_targets(rows)
+    assert rows[2]["tpf_vs_single"] == 1.2 / 1.1 and rows[6]["tpf_vs_single"] == 2.1 / 1.4
+    assert rows[5]["tpf_vs_single"] == 1.6 / 1.3
+    args.verify = False
+    assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.8", "N=2 τ=0.8"]

@@ -64,7 +64,7 @@ class TwoStream:
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mask_stream")
     llama = build_model(root / "src", "llama")
-    return {"stream": two_stream_folder(llama, root / "stream", noise=0.05),
+    return {"src": llama, "stream": two_stream_folder(llama, root / "stream", noise=0.05),
             "copy": two_stream_folder(llama, root / "copy", noise=0.0)}
 
 
@@ -114,6 +114,119 @@ def test_seeded_sampling_equals_the_reference(folders):
     for prompt, p, out in zip(PROMPTS, params, llm.generate(PROMPTS[:4], params)):
         ids, _ = reference(ref, prompt, p, block=4, shift=True, threshold=0.7)
         assert out.token_ids == ids
+
+
+# --- verified decoding ---------------------------------------------------------------------------
+def verified_reference(model, prompt: list[int], params: SamplingParams, *, threshold: float,
+                       num_blocks: int = 1, add: float = 0.1, block: int = 4) -> tuple[list[int], int]:
+    """Slow greedy verified decoding, no KV cache: (output ids, forwards). Each forward feeds the
+    committed text, the drafts, then masks to the end of the block window; the parent's rows
+    (before each draft) accept drafts while they agree and give one token more; when every draft
+    held, the mask rows' confident predictions after that token are the next drafts."""
+    B, P = block, len(prompt)
+    text, drafts, active, steps = list(prompt), [], 1, 0
+    while len(text) < P + params.max_tokens:
+        n, front = len(text), len(text) // B
+        ids = text + drafts + [MASK] * ((front + num_blocks) * B - n - len(drafts))
+        logits = model(torch.tensor([ids])).logits[0]
+        steps += 1
+        need = list(range(n, min(P + params.max_tokens, (front + active) * B)))
+        x = logits[[p - 1 for p in need]]
+        x[:, MASK] = float("-inf")
+        conf, tok = x.softmax(-1).max(-1)
+        conf, tok = conf.tolist(), tok.tolist()
+        m = min(len(drafts), len(need) - 1)
+        k = 0
+        while k < m and drafts[k] == tok[k]:
+            k += 1
+        out = tok[:k + 1]                         # accepted drafts are the parent's own tokens
+        held = k == m == len(drafts)
+        drafts = []
+        if held:
+            for i in range(len(out), len(need)):
+                if conf[i] <= threshold:
+                    break
+                drafts.append(tok[i])
+        text += out
+        n2 = len(text)
+        active = max(1, front + active - n2 // B)
+        while (active < num_blocks and (n2 // B + active) * B < P + params.max_tokens
+               and sum(p < n2 for p in range((n2 // B + active - 1) * B, (n2 // B + active) * B)) / B > add):
+            active += 1
+    return text[P:], steps
+
+
+@pytest.mark.parametrize("which", ["stream", "copy"])
+@pytest.mark.parametrize("rule", [dict(threshold=0.0), dict(threshold=0.5),
+                                  dict(threshold=0.0, num_blocks=3, add=0.2)])
+def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule):
+    """verify=True: the text is `ar`'s token for token at any threshold, and the engine (paged KV,
+    carried rows, stored blocks, batching) takes the forwards the slow verified sampler takes,
+    so the drafts it feeds and keeps are the rule's; drafts were accepted (fewer forwards than
+    tokens)."""
+    folder = str(folders[which])
+    opts = {("add_threshold" if k == "add" else k): v for k, v in rule.items()}
+    ar = LLM(folder, **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(folder, method="diffusion", verify=True, **opts, **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    ref = TwoStream(folders[which])
+    for prompt, out in zip(PROMPTS, outs):
+        ids, steps = verified_reference(ref, prompt, GREEDY, **rule)
+        assert (out.token_ids, out.metrics.num_forwards) == (ids, steps), f"prompt {prompt}"
+    stats = llm.engine.method.stats()
+    assert stats["num_accepted_tokens"] > 0
+    assert sum(o.metrics.num_forwards for o in outs) < sum(len(o.token_ids) for o in outs)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_verified_logprobs_are_the_parents(folders):
+    folder = str(folders["copy"])
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2)
+    ar = LLM(folder, **ENGINE).generate(PROMPTS, params)
+    dif = LLM(folder, method="diffusion", verify=True, threshold=0.0, **ENGINE).generate(PROMPTS, params)
+    assert sum(d.metrics.num_forwards for d in dif) < sum(len(d.token_ids) for d in dif)
+    for a, d in zip(ar, dif):
+        assert d.token_ids == a.token_ids
+        assert [e["token_id"] for e in d.logprobs] == d.token_ids
+        np.testing.assert_allclose([e["logprob"] for e in d.logprobs], [e["logprob"] for e in a.logprobs],
+                                   atol=1e-4)
+
+
+def test_verified_sampling_keeps_the_parents_distribution(folders):
+    """Sampled requests: the rejection rule against each draft's own distribution. One position's
+    token frequencies over many seeds match the parent's softmax there (the first token is the
+    parent's own draw; the second is a verified draft or the residual's)."""
+    folder = folders["copy"]
+    prompt = PROMPTS[5]
+    temp = 1.5
+    params = [SamplingParams(max_tokens=3, temperature=temp, seed=i, ignore_eos=True) for i in range(400)]
+    llm = LLM(str(folder), method="diffusion", verify=True, threshold=0.0, **ENGINE)
+    outs = llm.generate([prompt] * len(params), params)
+    assert llm.engine.method.stats()["num_drafted_tokens"] > 0
+    ref = TwoStream(folder)
+    first = outs[0].token_ids[0]
+    seconds = [o.token_ids[1] for o in outs if o.token_ids[0] == first]
+    # the parent's distribution of the second token after (prompt, first): causal, so masks do not matter
+    logits = ref(torch.tensor([prompt + [first]])).logits[0, -1]
+    logits[MASK] = float("-inf")
+    p = (logits / temp).softmax(-1)
+    top = p.argsort(descending=True)[:3].tolist()
+    freq = [sum(t == k for t in seconds) / len(seconds) for k in top]
+    assert len(seconds) >= 60
+    for k, f in zip(top, freq):
+        assert abs(f - float(p[k])) < 4 * (float(p[k]) * (1 - float(p[k])) / len(seconds)) ** 0.5 + 0.02, (k, f, float(p[k]))
+
+
+def test_verify_needs_a_two_stream_model(folders, tmp_path):
+    """A one-stream diffusion model's rows all see their block: nothing would verify the drafts."""
+    from test_diffusion import diffusion_folder
+    plain = diffusion_folder(folders["src"], tmp_path / "plain", block_size=4, mask_token_id=MASK,
+                             diffusion_logit_shift=True)
+    with pytest.raises(ValueError, match="diffusion_mask_stream"):
+        LLM(str(plain), method="diffusion", verify=True, **ENGINE)
+    with pytest.raises(ValueError, match="verify='yes'"):
+        LLM(str(folders["stream"]), method="diffusion", verify="yes", **ENGINE)
 
 
 def test_transformers_reads_the_folder_as_its_parent(folders):

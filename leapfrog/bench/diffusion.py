@@ -9,7 +9,10 @@ really produced.
 Configs: `ar` on --ar-model (default `stories`, the AR model the diffusion model was made from:
 `ar` on the diffusion checkpoint is nobody's baseline), and `diffusion` on --model (default
 `stories-diffusion`) for every N in --num-blocks (N = 1 is single-block decoding) and every
-threshold in --thresholds. Each config is its own engine, all in this process.
+threshold in --thresholds; with --verify (two-stream models), each of those configs also
+verified (`verify=True`: the parent checks the mask stream's drafts, so the text is the parent's
+and the threshold only decides what is drafted). Each config is its own engine, all in this
+process. The `same as ar` column counts the openings whose tokens equal `ar`'s.
 
 Speed at batch 1 (latency): each config decodes each prompt alone; configs take turns prompt by
 prompt, so a machine that slows mid-run slows all alike. Reported: tokens per forward, output
@@ -43,11 +46,17 @@ def configs(args: argparse.Namespace) -> list[Contender]:
     out = [Contender("ar", "ar", model=args.ar_model)]
     semi = getattr(args, "semi_threshold", None)
     floors = getattr(args, "floors", None) or [None]
-    for floor in floors:
+    modes = [False, True] if getattr(args, "verify", False) else [False]
+    for verify, floor in ((v, f) for v in modes for f in floors):
         for n in args.num_blocks:
             for t in args.thresholds:
+                if t <= 0 and not verify:      # threshold 0 means "draft everything": verified only
+                    continue
                 opts = {"num_blocks": n, "threshold": t}
                 label = f"N={n} τ={t:g}"
+                if verify:
+                    opts["verify"] = True
+                    label += " verified"
                 if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
                     opts["semi_threshold"] = semi
                     label += f" τ_semi={semi:g}"
@@ -114,12 +123,15 @@ def _rel(a: float | None, b: float | None) -> float | None:
 def check_targets(rows: list[dict]) -> dict:
     """Per-row target fields, and the summary: which rows meet each target."""
     ar = rows[0]
-    single = {(r.get("floor"), r["threshold"]): r for r in rows if r.get("num_blocks") == 1}
+    def key(r: dict) -> tuple:
+        return r.get("floor"), r["threshold"], r.get("verify", False)
+
+    single = {key(r): r for r in rows if r.get("num_blocks") == 1}
     for r in rows[1:]:
         d = _rel(r["judge_ppl"], ar["judge_ppl"])
         r["ppl_vs_ar"] = d
         r["meets_ar_target"] = r["speedup"] >= AR_SPEED and d is not None and d <= AR_PPL
-        base = single.get((r.get("floor"), r["threshold"]))
+        base = single.get(key(r))
         if r["num_blocks"] > 1 and base is not None:
             r["tpf_vs_single"] = r["tokens_per_forward"] / base["tokens_per_forward"]
             r["speed_vs_single"] = r["speedup"] / base["speedup"]
@@ -165,6 +177,7 @@ def run(args: argparse.Namespace) -> dict:
                      "mean_output_tokens": n / len(os_), "tokens_per_forward": n / max(1, sum(
                          o.metrics.num_forwards for o in os_)), "wall_s": w, "tokens_per_s": n / w,
                      "batched_tokens_per_s": b, "active_blocks_per_step": st.get("active_blocks_per_step"),
+                     "same_as_ar": sum(o.token_ids == a.token_ids for o, a in zip(os_, outs[0])),
                      **q, "samples": ts[:2]})
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
@@ -182,9 +195,9 @@ def _pct(x: float | None) -> str:
 
 def markdown(result: dict) -> str:
     head = (f"| config | tokens / forward | tok/s (batch 1) | speed-up vs ar | tok/s (batch {result['num_prompts']}) "
-            f"| judge ppl | rep-4 | coherence | vs N=1: speed, tokens/forward, ppl (>1x, ≤+{MB_PPL:.0%}) "
+            f"| same as ar | judge ppl | rep-4 | coherence | vs N=1: speed, tokens/forward, ppl (>1x, ≤+{MB_PPL:.0%}) "
             f"| vs ar: ppl (≥{AR_SPEED:g}x, ≤+{AR_PPL:.0%}) |")
-    lines = [head, "|---" * 10 + "|"]
+    lines = [head, "|---" * 11 + "|"]
     mark = lambda ok: " ✓" if ok else " ✗"
     for r in result["rows"]:
         ppl = "—" if r["judge_ppl"] is None else f"{r['judge_ppl']:.2f}"
@@ -193,7 +206,8 @@ def markdown(result: dict) -> str:
               if "tpf_vs_single" in r else "—")
         vs_ar = f"{_pct(r['ppl_vs_ar'])}{mark(r['meets_ar_target'])}" if "ppl_vs_ar" in r else "—"
         lines.append(f"| {r['config']} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x "
-                     f"| {r['batched_tokens_per_s']:.0f} ({r['batched_vs_ar']:.2f}x) | {ppl} | {r['rep_4']:.3f} "
+                     f"| {r['batched_tokens_per_s']:.0f} ({r['batched_vs_ar']:.2f}x) "
+                     f"| {r.get('same_as_ar', '—')}/{result['num_prompts']} | {ppl} | {r['rep_4']:.3f} "
                      f"| {r['coherence']:.3f} | {mb} | {vs_ar} |")
     t = result["targets"]
     best = t["fastest_within_ar_ppl"]
@@ -211,9 +225,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] if r["judge_ppl"] is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for n, floor in sorted({(r.get("num_blocks", 0), r.get("floor") or "") for r in rows}):
-        pts = [r for r in rows if (r.get("num_blocks", 0), r.get("floor") or "") == (n, floor)]
-        name = "ar" if n == 0 else f"N={n} {floor}".rstrip()
+    def group(r: dict) -> tuple:
+        return r.get("num_blocks", 0), r.get("floor") or "", r.get("verify", False)
+
+    for n, floor, verify in sorted({group(r) for r in rows}):
+        pts = [r for r in rows if group(r) == (n, floor, verify)]
+        name = "ar" if n == 0 else f"N={n} {floor} {'verified' if verify else ''}".replace("  ", " ").rstrip()
         ax.plot([r["speedup"] for r in pts], [r["judge_ppl"] for r in pts], "*" if n == 0 else "o-",
                 ms=12 if n == 0 else 6, color="k" if n == 0 else None, label=name)
         for r in pts:
@@ -242,6 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--floors", nargs="+", choices=FLOORS, default=None,
                    help="the progress floor's rule(s): which position a step forces when none clears "
                         "the threshold (default: the method's, leftmost); two values run every config twice")
+    g.add_argument("--verify", action="store_true",
+                   help="also run every diffusion config verified (verify=True; two-stream models only)")
     g.add_argument("--semi-threshold", type=float, default=None,
                    help="τ_semi for the N > 1 configs: a later block may be forced forward once its "
                         "predecessor is this far decided (default: the method's, 0.9)")

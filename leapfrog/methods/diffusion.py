@@ -34,6 +34,18 @@ Logit shift (Fast-dLLM v2): position i is predicted from the row of position i-1
 first position of a block then needs the last row of the previous block; once that block is
 cached its row is no longer fed, so the row is carried from the step that stored it.
 
+Verified decoding (verify=True, two-stream models only; TiDAR's draft-and-verify in one forward,
+Liu et al. 2025): the known rows are the AR parent, causal, so the row before the first undecided
+position predicts it exactly. Each step then (1) verifies the drafts the mask stream proposed in
+the previous step, fed as known tokens after the committed text: the parent's prediction from the
+row before each draft accepts it or replaces it (greedy: equal to the argmax; sampled: the lossless
+rejection rule against the draft's own distribution, as `speculative` verifies), and the token
+after the last accepted draft comes from the parent too; (2) when every draft held, takes the
+mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run) as
+the next step's drafts. The text is the parent's, token for token (greedy) or in distribution
+(sampled), whatever the threshold; a step commits accepted drafts + 1 tokens, like a speculative
+verify, with the drafter riding in the verifying forward.
+
 End of text: a decided end token (EOS unless ignore_eos, or a stop token) caps the canvas:
 nothing after it is decoded, no later block is activated, and the text ends once every
 position before it is decided. Positions past max_tokens are never decoded either.
@@ -46,6 +58,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
+from leapfrog.methods.speculative import greedy_accept, verify_drafts
 from leapfrog.models.diffusion_families import diffusion_spec
 from leapfrog.sampling import Sampler, apply_penalties, token_logprobs
 from leapfrog.sequence import Sequence
@@ -63,6 +76,8 @@ class Canvas:
     num_active: int = 1                                       # active slots from the first unfinished block
     carry: torch.Tensor | None = None                         # shift: logits row predicting carry_pos
     carry_pos: int = -1
+    drafts: list[int] = field(default_factory=list)           # verify: proposals for positions n, n+1, ...
+    draft_probs: list[torch.Tensor] = field(default_factory=list)   # their distributions (sampled requests)
 
 
 @dataclass(slots=True)
@@ -84,6 +99,8 @@ class DiffusionCounters:
     num_decided_tokens: int = 0
     num_active_blocks: int = 0      # summed over steps
     num_stored_blocks: int = 0      # blocks holding generated tokens whose exact KV was kept
+    num_drafted_tokens: int = 0     # verify: drafts the parent checked
+    num_accepted_tokens: int = 0    # verify: drafts it accepted
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {"num_denoise_steps": self.num_steps,
@@ -94,6 +111,10 @@ class DiffusionCounters:
             out["committed_tokens_per_step"] = self.num_committed_tokens / self.num_steps
             out["decided_tokens_per_step"] = self.num_decided_tokens / self.num_steps
             out["active_blocks_per_step"] = self.num_active_blocks / self.num_steps
+        if self.num_drafted_tokens:
+            out["num_drafted_tokens"] = self.num_drafted_tokens
+            out["num_accepted_tokens"] = self.num_accepted_tokens
+            out["draft_acceptance_rate"] = self.num_accepted_tokens / self.num_drafted_tokens
         return out
 
 
@@ -117,13 +138,12 @@ class DiffusionMethod(Method):
 
     def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float = 0.9,
                  add_threshold: float = 0.1, semi_threshold: float = 0.9, floor: str = "leftmost",
-                 **options: object) -> None:
+                 verify: bool = False, **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method 'diffusion': {', '.join(sorted(options))}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"method 'diffusion': num_blocks={num_blocks!r}: must be an integer >= 1")
         self.num_blocks = num_blocks
-        self.threshold = _fraction("threshold", threshold, low_open=True)
         self.add_threshold = _fraction("add_threshold", add_threshold, low_open=False)
         self.semi_threshold = _fraction("semi_threshold", semi_threshold, low_open=False)
         if floor not in FLOORS:
@@ -134,9 +154,19 @@ class DiffusionMethod(Method):
         self.family = spec.family
         self.block_size = self.attn_block_size = spec.block_size
         self.mask_token_id = spec.mask_token_id
-        if getattr(ctx.model, "mask_stream", None) is not None:
+        two_stream = getattr(ctx.model, "mask_stream", None) is not None
+        if two_stream:
             # two-stream model: known rows stay causal (the AR parent), mask rows see their block
             self.attn_bidir_token = spec.mask_token_id
+        if not isinstance(verify, bool):
+            raise ValueError(f"method 'diffusion': verify={verify!r}: must be true or false")
+        if verify and not (two_stream and spec.logit_shift):
+            raise ValueError("method 'diffusion': verify=true needs a two-stream model (config.json "
+                             "\"diffusion_mask_stream\": true), whose known rows are the causal AR parent; "
+                             "this model's rows all see their whole block")
+        self.verify = verify
+        # verify: the confidence a mask row's prediction needs to be drafted (0 drafts them all)
+        self.threshold = _fraction("threshold", threshold, low_open=not verify)
         self.logit_shift = int(spec.logit_shift)
         self.eos_token_ids = tuple(spec.eos_token_ids)    # the engine stops on these too
         self._eos = set(spec.eos_token_ids)
@@ -180,7 +210,9 @@ class DiffusionMethod(Method):
                 s.num_logits = self.logit_shift
                 continue
             canvas, n = self._canvas(seq), len(seq.token_ids)
-            s.query_ids = s.query_ids + [canvas.decided.get(p, self.mask_token_id) for p in range(n, end)]
+            drafts = canvas.drafts
+            s.query_ids = s.query_ids + [drafts[p - n] if p - n < len(drafts) else
+                                         canvas.decided.get(p, self.mask_token_id) for p in range(n, end)]
             # Rows that predict the undecided positions (>= n); with the shift, from row n-1 when fed.
             s.num_logits = end - max(s.start_pos, n - self.logit_shift)
 
@@ -278,12 +310,16 @@ class DiffusionMethod(Method):
         front = n // bs
         tokens, conf, logits = cand
         progress = [self._progress(canvas, n, front + j) for j in range(canvas.num_active)]
-        table = {p: (t, c) for p, t, c in zip(st.need, tokens, conf)}
-        picked = self._decide(seq, canvas, front, n, table, st.limit, progress)
+        if self.verify:
+            picked = self._verified(seq, canvas, n, st, cand)
+        else:
+            table = {p: (t, c) for p, t, c in zip(st.need, tokens, conf)}
+            picked = self._decide(seq, canvas, front, n, table, st.limit, progress)
         if seq.params.logprobs is not None and picked:
             at = {p: i for i, p in enumerate(st.need)}
             chosen = logits[torch.tensor([at[p] for p in picked], device=logits.device)]
-            for p, entry in zip(picked, token_logprobs(chosen, [table[p][0] for p in picked], [seq] * len(picked))):
+            picked_ids = [canvas.decided[p] for p in picked]
+            for p, entry in zip(picked, token_logprobs(chosen, picked_ids, [seq] * len(picked))):
                 canvas.logprobs[p] = entry
         if self.logit_shift and start < n:    # row n-1 (rows[0]) is fed: carry it for position n
             canvas.carry, canvas.carry_pos = rows[0].clone(), n
@@ -316,6 +352,45 @@ class DiffusionMethod(Method):
                 if self._ends(seq, cand[p][0]):
                     limit = min(limit, p + 1)                     # nothing after the end is decoded
             picked += pick
+        return picked
+
+    def _verified(self, seq: Sequence, canvas: Canvas, n: int, st: _Step, cand: tuple) -> list[int]:
+        """Verify the drafts against the parent's rows, then draft again from the mask rows.
+        Decides positions n, n+1, ... (accepted drafts + one token) and returns them."""
+        tokens, conf, logits = cand
+        need, limit = st.need, st.limit              # need = n .. top-1: nothing is decided ahead
+        drafts, q = canvas.drafts, canvas.draft_probs
+        m = min(len(drafts), len(need) - 1)          # drafts with a parent row after them this step
+        p_greedy = seq.params.greedy
+        if p_greedy:
+            out = greedy_accept(tokens[:m + 1], drafts[:m])
+        else:
+            p = self.sampler.probs(logits[:m + 1], [seq] * (m + 1))
+            qm = torch.stack(q[:m]) if m and len(q) >= m else None
+            ids = torch.tensor(drafts[:m], dtype=torch.long, device=p.device)
+            out = verify_drafts(p, ids, qm, seq.generator or self.sampler.generator)
+        self.counters.num_drafted_tokens += m
+        self.counters.num_accepted_tokens += len(out) - 1
+        held = len(out) == m + 1 and m == len(drafts)   # every draft accepted: the mask rows saw the truth
+        canvas.drafts, canvas.draft_probs = [], []
+        picked = []
+        for i, t in enumerate(out):
+            if n + i >= limit:
+                held = False
+                break
+            canvas.decided[n + i] = t
+            picked.append(n + i)
+            if self._ends(seq, t):
+                held = False
+                break
+        if held:
+            # the mask rows after the last decided position: the next step's drafts, while confident
+            for i in range(len(out), len(need)):
+                if need[i] >= limit or conf[i] <= self.threshold:
+                    break
+                canvas.drafts.append(tokens[i])
+                if not p_greedy:
+                    canvas.draft_probs.append(self.sampler.probs(logits[i:i + 1], [seq])[0])
         return picked
 
     def _commit_prefix(self, seq: Sequence, canvas: Canvas, n: int) -> tuple[list[int], int]:
