@@ -95,8 +95,9 @@ def test_semi_threshold_reaches_the_multi_block_configs_only():
     args = argparse.Namespace(ar_model="stories", model="stories-diffusion", num_blocks=[1, 3],
                               thresholds=[0.7], semi_threshold=0.5)
     got = {c.label: c.options for c in configs(args)}
-    assert got == {"ar": {}, "N=1 τ=0.7": {"num_blocks": 1, "threshold": 0.7},
-                   "N=3 τ=0.7 τ_semi=0.5": {"num_blocks": 3, "threshold": 0.7, "semi_threshold": 0.5}}
+    assert got == {"ar": {}, "N=1 τ=0.7": {"num_blocks": 1, "threshold": 0.7, "verify": False},
+                   "N=3 τ=0.7 τ_semi=0.5": {"num_blocks": 3, "threshold": 0.7, "verify": False,
+                                            "semi_threshold": 0.5}}
     args.semi_threshold = None
     assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.7", "N=3 τ=0.7"]
 

@@ -153,13 +153,20 @@ def toy_runs(tmp_path_factory):
         two.recipe, two.diffusion = "stories-diffusion-mb", DiffusionSpec(
             block_size=4, complementary=False, multi_views=1, multi_weight=0.5)
         second = train(two)
+        # stage 5's shape: stage 1's folder as the frozen parent, a mask stream from stage 2
+        three = tiny("stories", root / "stream", root / "run3")
+        three.data_dir, three.max_steps, three.eval_interval, three.init_from = str(data_dir), 2, 2, one.out_dir
+        three.recipe, three.mask_stream_from = "stories-diffusion-stream", two.out_dir
+        three.diffusion = DiffusionSpec(block_size=4, complementary=False, multi_views=1, multi_weight=0.5,
+                                        mask_stream=True)
+        train(three)
     finally:
         data.CACHE_DIR = old
-    return (one, first), (two, second)
+    return (one, first), (two, second), three
 
 
 def test_toy_run_lowers_the_loss(toy_runs):
-    (one, first), (two, second) = toy_runs
+    (one, first), (two, second), _ = toy_runs
     history = torch.load(Path(one.run_dir) / "state.pt", weights_only=False)["history"]
     losses = [loss for _, loss in history["train"]]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
@@ -175,7 +182,7 @@ def test_exported_folder_carries_the_contract_and_loads_alike(toy_runs, monkeypa
     from leapfrog.loader import load_model
     from leapfrog.train.export import verify_sha256sums
 
-    _, (two, _) = toy_runs
+    _, (two, _), _ = toy_runs
     folder = Path(two.out_dir)
     cfg = json.loads((folder / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(folder)
@@ -199,13 +206,35 @@ def test_exported_folder_carries_the_contract_and_loads_alike(toy_runs, monkeypa
     assert not torch.allclose(block, ref)                  # the diffusion mask reaches the model
 
 
+def test_an_exported_two_stream_model_decodes_its_parents_text_by_default(toy_runs):
+    """Stage 5's export: the parent's folder plus the stream, and leapfrog.json makes verified
+    decoding the method's default there, so `diffusion` on the folder writes the parent's greedy
+    text (the server's and CLI's default method for it is `diffusion`)."""
+    from leapfrog import LLM, SamplingParams
+    from leapfrog.train.export import verify_sha256sums
+
+    (one, _), _, three = toy_runs
+    folder = Path(three.out_dir)
+    assert json.loads((folder / "leapfrog.json").read_text()) == {
+        "default_method": "diffusion", "method_options": {"diffusion": {"verify": True, "threshold": 0.0}}}
+    assert json.loads((folder / "config.json").read_text())["diffusion_mask_stream"] is True
+    assert verify_sha256sums(folder) == []
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["the cat saw a big dog", "once there was"]
+    llm = LLM(str(folder), method="diffusion", num_threads=1)
+    assert llm.engine.method.verify
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    want = [o.token_ids for o in LLM(one.out_dir, method="ar", num_threads=1).generate(prompts, greedy)]
+    assert got == want
+
+
 def test_reference_decoder_and_readme(toy_runs):
     from transformers import AutoModelForCausalLM
 
     from leapfrog.train.check import CheckResult
     from leapfrog.train.readme import render
 
-    _, (two, summary) = toy_runs
+    _, (two, summary), _ = toy_runs
     folder = Path(two.out_dir)
     cfg = json.loads((folder / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

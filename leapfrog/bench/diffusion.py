@@ -52,11 +52,9 @@ def configs(args: argparse.Namespace) -> list[Contender]:
             for t in args.thresholds:
                 if t <= 0 and not verify:      # threshold 0 means "draft everything": verified only
                     continue
-                opts = {"num_blocks": n, "threshold": t}
-                label = f"N={n} τ={t:g}"
-                if verify:
-                    opts["verify"] = True
-                    label += " verified"
+                # verify always named: a two-stream folder's own default is verified
+                opts = {"num_blocks": n, "threshold": t, "verify": verify}
+                label = f"N={n} τ={t:g}" + (" verified" if verify else "")
                 if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
                     opts["semi_threshold"] = semi
                     label += f" τ_semi={semi:g}"
