@@ -216,13 +216,14 @@ def test_an_exported_two_stream_model_decodes_its_parents_text_by_default(toy_ru
     (one, _), _, three = toy_runs
     folder = Path(three.out_dir)
     assert json.loads((folder / "leapfrog.json").read_text()) == {
-        "default_method": "diffusion", "method_options": {"diffusion": {"verify": True, "threshold": 0.0}}}
+        "default_method": "diffusion", "method_options": {"diffusion": {"verify": True}}}
     assert json.loads((folder / "config.json").read_text())["diffusion_mask_stream"] is True
     assert verify_sha256sums(folder) == []
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["the cat saw a big dog", "once there was"]
     llm = LLM(str(folder), method="diffusion", num_threads=1)
-    assert llm.engine.method.verify
+    assert llm.engine.method.verify and llm.engine.method.threshold == 0.0
+    assert LLM(str(folder), method="diffusion", verify=False, num_threads=1).engine.method.threshold == 0.9
     got = [o.token_ids for o in llm.generate(prompts, greedy)]
     want = [o.token_ids for o in LLM(one.out_dir, method="ar", num_threads=1).generate(prompts, greedy)]
     assert got == want

@@ -41,8 +41,8 @@ the previous step, fed as known tokens after the committed text: the parent's pr
 row before each draft accepts it or replaces it (greedy: equal to the argmax; sampled: the lossless
 rejection rule against the draft's own distribution, as `speculative` verifies), and the token
 after the last accepted draft comes from the parent too; (2) when every draft held, takes the
-mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run) as
-the next step's drafts. The text is the parent's, token for token (greedy) or in distribution
+mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run;
+default 0 here, every one) as the next step's drafts. The text is the parent's, token for token (greedy) or in distribution
 (sampled), whatever the threshold; a step commits accepted drafts + 1 tokens, like a speculative
 verify, with the drafter riding in the verifying forward.
 
@@ -136,7 +136,7 @@ class DiffusionMethod(Method):
     # forward when the budget allows) and committed blocks whose KV is not stored yet.
     max_known_with_extra = 1 << 62
 
-    def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float = 0.9,
+    def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float | None = None,
                  add_threshold: float = 0.1, semi_threshold: float = 0.9, floor: str = "leftmost",
                  verify: bool = False, **options: object) -> None:
         if options:
@@ -165,7 +165,10 @@ class DiffusionMethod(Method):
                              "\"diffusion_mask_stream\": true), whose known rows are the causal AR parent; "
                              "this model's rows all see their whole block")
         self.verify = verify
-        # verify: the confidence a mask row's prediction needs to be drafted (0 drafts them all)
+        # verify: the confidence a mask row's prediction needs to be drafted (default 0: draft them
+        # all, a wrong draft costs only the row it took); otherwise to be decided (default 0.9)
+        if threshold is None:
+            threshold = 0.0 if verify else 0.9
         self.threshold = _fraction("threshold", threshold, low_open=not verify)
         self.logit_shift = int(spec.logit_shift)
         self.eos_token_ids = tuple(spec.eos_token_ids)    # the engine stops on these too

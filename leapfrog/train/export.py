@@ -57,7 +57,7 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
     if cfg.diffusion is not None:
         decoding["default_method"] = "diffusion"
         if cfg.diffusion.mask_stream:   # the parent verifies the stream's drafts: its own text
-            decoding["method_options"] = {"diffusion": {"verify": True, "threshold": 0.0}}
+            decoding["method_options"] = {"diffusion": {"verify": True}}
     if cfg.coupled_positions:       # the rotary positions restart after this token (train.fast)
         decoding["coupled_positions"] = cfg.coupled_positions
     if decoding:
