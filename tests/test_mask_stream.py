@@ -208,7 +208,8 @@ def test_verified_sampling_keeps_the_parents_distribution(folders):
     first = outs[0].token_ids[0]
     seconds = [o.token_ids[1] for o in outs if o.token_ids[0] == first]
     # the parent's distribution of the second token after (prompt, first): causal, so masks do not matter
-    logits = ref(torch.tensor([prompt + [first]])).logits[0, -1]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + [first]])).logits[0, -1]
     logits[MASK] = float("-inf")
     p = (logits / temp).softmax(-1)
     top = p.argsort(descending=True)[:3].tolist()

@@ -44,7 +44,9 @@ after the last accepted draft comes from the parent too; (2) when every draft he
 mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run;
 default 0 here, every one) as the next step's drafts. The text is the parent's, token for token (greedy) or in distribution
 (sampled), whatever the threshold; a step commits accepted drafts + 1 tokens, like a speculative
-verify, with the drafter riding in the verifying forward.
+verify, with the drafter riding in the verifying forward. Its KV is kept as a speculative
+verify keeps it: every position fed as a known row with its final token (the rows are causal),
+so no block is fed again to be stored.
 
 End of text: a decided end token (EOS unless ignore_eos, or a stop token) caps the canvas:
 nothing after it is decoded, no later block is activated, and the text ends once every
@@ -313,8 +315,9 @@ class DiffusionMethod(Method):
         front = n // bs
         tokens, conf, logits = cand
         progress = [self._progress(canvas, n, front + j) for j in range(canvas.num_active)]
+        exact = 0
         if self.verify:
-            picked = self._verified(seq, canvas, n, st, cand)
+            picked, exact = self._verified(seq, canvas, n, st, cand)
         else:
             table = {p: (t, c) for p, t, c in zip(st.need, tokens, conf)}
             picked = self._decide(seq, canvas, front, n, table, st.limit, progress)
@@ -333,9 +336,16 @@ class DiffusionMethod(Method):
         c.num_committed_tokens += len(committed)
         c.num_decided_tokens += len(picked)
         c.num_active_blocks += len(progress)
-        c.num_stored_blocks += max(0, front - max(start, seq.num_prompt_tokens) // bs)
+        keep = front * bs
+        if self.verify:
+            # Known rows are the causal parent's: the KV of every position fed with its final
+            # token is exact, so keep it (as a speculative verify does) and leave the last
+            # committed token to be fed again, its row predicting the next position (no carry).
+            keep = max(keep, min(n + exact, n + len(committed) - 1))
+        else:
+            c.num_stored_blocks += max(0, front - max(start, seq.num_prompt_tokens) // bs)
         logprobs = [canvas.logprobs.pop(p, {}) for p in range(n, n + len(committed))]
-        return Commit(committed, front * bs - start, logprobs if seq.params.logprobs is not None else None)
+        return Commit(committed, keep - start, logprobs if seq.params.logprobs is not None else None)
 
     def _decide(self, seq: Sequence, canvas: Canvas, front: int, n: int, cand: dict,
                 limit: int, progress: list[float]) -> list[int]:
@@ -357,12 +367,14 @@ class DiffusionMethod(Method):
             picked += pick
         return picked
 
-    def _verified(self, seq: Sequence, canvas: Canvas, n: int, st: _Step, cand: tuple) -> list[int]:
+    def _verified(self, seq: Sequence, canvas: Canvas, n: int, st: _Step, cand: tuple) -> tuple[list[int], int]:
         """Verify the drafts against the parent's rows, then draft again from the mask rows.
-        Decides positions n, n+1, ... (accepted drafts + one token) and returns them."""
+        Decides positions n, n+1, ... (accepted drafts + one token); returns them and how many
+        of them, from n, were fed this step holding their final token (their KV is exact)."""
         tokens, conf, logits = cand
         need, limit = st.need, st.limit              # need = n .. top-1: nothing is decided ahead
         drafts, q = canvas.drafts, canvas.draft_probs
+        fed = drafts[:len(need)]
         m = min(len(drafts), len(need) - 1)          # drafts with a parent row after them this step
         p_greedy = seq.params.greedy
         if p_greedy:
@@ -394,7 +406,10 @@ class DiffusionMethod(Method):
                 canvas.drafts.append(tokens[i])
                 if not p_greedy:
                     canvas.draft_probs.append(self.sampler.probs(logits[i:i + 1], [seq])[0])
-        return picked
+        exact = 0
+        while exact < min(len(picked), len(fed)) and fed[exact] == out[exact]:
+            exact += 1
+        return picked, exact
 
     def _commit_prefix(self, seq: Sequence, canvas: Canvas, n: int) -> tuple[list[int], int]:
         """Pop the decided run that starts at the committed text; stop after an end token."""
