@@ -19,13 +19,7 @@ Growth, on Hugging Face Llama tensors (names as in the checkpoint):
 The grown model computes the base model's logits (up to float rounding: tested).
 
 The delta: for each listed weight, W += B @ A (B: [out, r], A: [r, in]), float32 arithmetic,
-then float16, as LoRA training produced it (leapfrog.train.large); `delta` may list several
-files (paths relative to the recipe folder), applied in order.
-
-A shared-stream block-diffusion model (`"diffusion_shared_stream"` in the recipe's `config`)
-also names `mask_embedding`: a file holding the base model's trained input vector of the mask
-token (`mask_embedding`, [hidden]), grown as the embedding is (copied `width` times) and written
-into the mask token's row of the embedding after the delta.
+then float16, as LoRA training produced it (leapfrog.train.large).
 """
 from __future__ import annotations
 
@@ -212,18 +206,6 @@ def apply_delta(tensors: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
 
 
 # --- the recipe folder --------------------------------------------------------------------------
-def set_mask_row(tensors: dict[str, torch.Tensor], cfg: dict, vec: dict[str, torch.Tensor], width: int,
-                 where: Path) -> None:
-    """The mask token's embedding row := the trained vector, grown to the model's width (in
-    place; a tied LM head shares the row)."""
-    mask, v = cfg.get("mask_token_id"), vec.get("mask_embedding")
-    emb = tensors["model.embed_tokens.weight"]
-    if not isinstance(mask, int) or v is None or v.numel() * width != emb.shape[1]:
-        raise BuildError(f"{where}: mask_embedding needs mask_token_id in config and a "
-                         f"[{emb.shape[1] // width}] tensor named mask_embedding")
-    emb[mask] = v.float().repeat(width)
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -289,40 +271,22 @@ def ship_drafter(recipe_dir: Path, dst: str) -> Path:
     return write_sums(recipe_dir)
 
 
-def ship_mask_embedding(model_dir: Path, recipe_dir: Path) -> Path:
-    """Take a trained shared-stream model's mask-token row (its embedding's row ``mask_token_id``)
-    into the recipe as ``mask_embedding.safetensors`` (the CLI then rewrites its SHA256SUMS)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    if not cfg.get("diffusion_shared_stream") or not isinstance(cfg.get("mask_token_id"), int):
-        raise BuildError(f"{model_dir / 'config.json'}: not a shared-stream diffusion model")
-    row = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"][cfg["mask_token_id"]]
-    out = recipe_dir / "mask_embedding.safetensors"
-    save_file({"mask_embedding": row.float().contiguous()}, str(out), metadata={"format": "pt"})
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m leapfrog.build``: refresh recipe folders' SHA256SUMS after what they grow from
     changed (--write-sums), ship a drafter trained for the built model (--ship-drafter), or print
-    the built model's folder, building it if needed (--path), or take a trained shared-stream
-    model's mask-token row into a recipe (--ship-mask-embedding)."""
+    the built model's folder, building it if needed (--path)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m leapfrog.build", description=main.__doc__)
     p.add_argument("--write-sums", nargs="+", default=[], metavar="FOLDER",
                    help="recipe folders (with build.json) whose SHA256SUMS to rewrite")
     p.add_argument("--ship-drafter", nargs=2, metavar=("FOLDER", "DRAFTER"),
                    help="recipe folder and a drafter folder inside it (e.g. drafters/dflash-2l-narrow) to ship as is")
-    p.add_argument("--ship-mask-embedding", nargs=2, metavar=("MODEL", "FOLDER"),
-                   help="a trained shared-stream model and the recipe folder to take its mask-token row into")
     p.add_argument("--path", metavar="FOLDER", help="print where FOLDER's model is built (building it now if needed)")
     args = p.parse_args(argv)
     for folder in args.write_sums:
         print(f"wrote {write_sums(Path(folder))}")
     if args.ship_drafter:
         print(f"wrote {ship_drafter(Path(args.ship_drafter[0]), args.ship_drafter[1])}")
-    if args.ship_mask_embedding:
-        model_dir, recipe_dir = (Path(f) for f in args.ship_mask_embedding)
-        print(f"wrote {ship_mask_embedding(model_dir, recipe_dir)}, {write_sums(recipe_dir)}")
     if args.path:
         print(materialize(Path(args.path)))
     return 0
@@ -336,13 +300,9 @@ def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check:
     cfg = json.loads((base / "config.json").read_text())
     tensors, new_cfg = grow_tensors(load_file(str(base / "model.safetensors")), cfg,
                                     int(recipe.get("width", 1)), int(recipe.get("depth", 1)))
-    deltas = recipe.get("delta") or []
-    for name in [deltas] if isinstance(deltas, str) else deltas:
-        apply_delta(tensors, load_file(str(recipe_dir / name)))
+    if recipe.get("delta"):
+        apply_delta(tensors, load_file(str(recipe_dir / recipe["delta"])))
     new_cfg.update(recipe.get("config", {}))
-    if recipe.get("mask_embedding"):
-        set_mask_row(tensors, new_cfg, load_file(str(recipe_dir / recipe["mask_embedding"])),
-                     int(recipe.get("width", 1)), recipe_dir / BUILD_FILE)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({n: t.to(torch.float16).contiguous() for n, t in sorted(tensors.items())},

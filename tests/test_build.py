@@ -143,43 +143,6 @@ def test_a_narrow_drafter_on_the_wrong_target_is_refused(llama_dir, tmp_path, mo
         LLM(str(root / "base"), method="dspark", draft_model=str(built / "drafters" / "dspark"))
 
 
-def test_a_shared_stream_grows_with_its_mask_embedding(llama_dir, tmp_path, monkeypatch):
-    """A shared-stream diffusion recipe: the base grown, then the mask token's row set to the
-    shipped vector copied to the new width. The grown model decodes (verified and not) exactly
-    as the small shared-stream model with that row, forwards included."""
-    monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
-    mask, keys = 3, {"block_size": 4, "mask_token_id": 3, "diffusion_logit_shift": True,
-                     "diffusion_shared_stream": True}
-    base = json.loads((llama_dir / "config.json").read_text())
-    vec = torch.randn(base["hidden_size"], generator=torch.Generator().manual_seed(3))
-    root = tmp_path / "ckpts"
-    shutil.copytree(llama_dir, root / "base")
-    small = tmp_path / "small"                     # the base with the row, by hand
-    shutil.copytree(llama_dir, small)
-    tensors = load_file(str(small / "model.safetensors"))
-    tensors["model.embed_tokens.weight"][mask] = vec.to(tensors["model.embed_tokens.weight"].dtype)
-    save_file(tensors, str(small / "model.safetensors"))
-    (small / "config.json").write_text(json.dumps({**base, **keys}))
-    recipe = write_recipe(root, "base")
-    save_file({"mask_embedding": vec}, str(recipe / "mask.safetensors"))
-    spec = json.loads((recipe / "build.json").read_text())
-    (recipe / "build.json").write_text(json.dumps({**spec, "config": keys, "mask_embedding": "mask.safetensors"}))
-    built = materialize(recipe)
-    row = load_file(str(built / "model.safetensors"))["model.embed_tokens.weight"][mask]
-    torch.testing.assert_close(row.float(), vec.repeat(2).half().float())
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = ["Once upon a time", "The dog"]
-    for opts in (dict(verify=True), dict(verify=False, threshold=0.6)):
-        want = LLM(str(small), method="diffusion", **opts).generate(prompts, params)
-        got = LLM(str(recipe), method="diffusion", **opts).generate(prompts, params)
-        assert [(o.token_ids, o.metrics.num_forwards) for o in got] == [
-            (o.token_ids, o.metrics.num_forwards) for o in want]
-    save_file({"mask_embedding": vec[:5]}, str(recipe / "mask.safetensors"))
-    shutil.rmtree(tmp_path / "cache")
-    with pytest.raises(BuildError, match="build.json.*mask_embedding"):
-        materialize(recipe)
-
-
 def test_the_shipped_stories_large_recipe_builds_and_decodes_as_stories(tmp_path, monkeypatch):
     """A fresh clone: `stories-large` builds from the shipped `stories` weights, its files match
     the recipe's SHA256SUMS, and dspark on it (with its grown drafter) writes stories' greedy text."""

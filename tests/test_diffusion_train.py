@@ -160,20 +160,13 @@ def toy_runs(tmp_path_factory):
         three.diffusion = DiffusionSpec(block_size=4, complementary=False, multi_views=1, multi_weight=0.5,
                                         mask_stream=True)
         train(three)
-        # the shared stream: stage 1's folder itself for the mask rows, only their input vector trains
-        four = tiny("stories", root / "shared", root / "run4")
-        four.data_dir, four.max_steps, four.eval_interval, four.init_from = str(data_dir), 2, 2, one.out_dir
-        four.recipe, four.lr = "stories-diffusion-shared", 1e-2
-        four.diffusion = DiffusionSpec(block_size=4, complementary=False, multi_views=1, multi_weight=0.5,
-                                       mask_stream=True, shared_stream=True)
-        train(four)
     finally:
         data.CACHE_DIR = old
-    return (one, first), (two, second), three, four
+    return (one, first), (two, second), three
 
 
 def test_toy_run_lowers_the_loss(toy_runs):
-    (one, first), (two, second), _, _ = toy_runs
+    (one, first), (two, second), _ = toy_runs
     history = torch.load(Path(one.run_dir) / "state.pt", weights_only=False)["history"]
     losses = [loss for _, loss in history["train"]]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
@@ -189,7 +182,7 @@ def test_exported_folder_carries_the_contract_and_loads_alike(toy_runs, monkeypa
     from leapfrog.loader import load_model
     from leapfrog.train.export import verify_sha256sums
 
-    _, (two, _), _, _ = toy_runs
+    _, (two, _), _ = toy_runs
     folder = Path(two.out_dir)
     cfg = json.loads((folder / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(folder)
@@ -220,7 +213,7 @@ def test_an_exported_two_stream_model_decodes_its_parents_text_by_default(toy_ru
     from leapfrog import LLM, SamplingParams
     from leapfrog.train.export import verify_sha256sums
 
-    (one, _), _, three, _ = toy_runs
+    (one, _), _, three = toy_runs
     folder = Path(three.out_dir)
     assert json.loads((folder / "leapfrog.json").read_text()) == {
         "default_method": "diffusion", "method_options": {"diffusion": {"verify": True}}}
@@ -236,48 +229,13 @@ def test_an_exported_two_stream_model_decodes_its_parents_text_by_default(toy_ru
     assert got == want
 
 
-def test_an_exported_shared_stream_is_the_parent_with_one_row_trained(toy_runs):
-    """The shared stream's export: the parent's tensors except the mask token's embedding row,
-    which holds the trained vector (a build recipe takes it: --ship-mask-embedding); the contract
-    key; `ar` on the folder never writes the mask; verified decoding is the parent's."""
-    from safetensors.torch import load_file
-
-    from leapfrog import LLM, SamplingParams
-    from leapfrog.build import ship_mask_embedding
-
-    (one, _), _, _, four = toy_runs
-    folder, parent = Path(four.out_dir), Path(one.out_dir)
-    cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["diffusion_shared_stream"] is True and "diffusion_mask_stream" not in cfg
-    mask = cfg["mask_token_id"]
-    got, base = load_file(folder / "model.safetensors"), load_file(parent / "model.safetensors")
-    assert set(got) == set(base)
-    recipe = Path(four.run_dir) / "recipe"
-    recipe.mkdir()
-    ship_mask_embedding(folder, recipe)
-    vec = load_file(recipe / "mask_embedding.safetensors")["mask_embedding"]
-    emb = got["model.embed_tokens.weight"]
-    torch.testing.assert_close(emb[mask].float(), vec.to(emb.dtype).float())
-    assert not torch.equal(emb[mask], base["model.embed_tokens.weight"][mask])       # it trained
-    others = torch.arange(emb.shape[0]) != mask
-    assert torch.equal(emb[others], base["model.embed_tokens.weight"][others])
-    assert all(torch.equal(got[k], base[k]) for k in got if k != "model.embed_tokens.weight"
-               and not (k == "lm_head.weight" and cfg.get("tie_word_embeddings")))
-    assert json.loads((folder / "generation_config.json").read_text())["suppress_tokens"] == [mask]
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = ["the cat saw a big dog", "once there was"]
-    ours = LLM(str(folder), method="diffusion", num_threads=1).generate(prompts, greedy)
-    want = LLM(str(parent), method="ar", num_threads=1).generate(prompts, greedy)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in want]
-
-
 def test_reference_decoder_and_readme(toy_runs):
     from transformers import AutoModelForCausalLM
 
     from leapfrog.train.check import CheckResult
     from leapfrog.train.readme import render
 
-    _, (two, summary), _, _ = toy_runs
+    _, (two, summary), _ = toy_runs
     folder = Path(two.out_dir)
     cfg = json.loads((folder / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

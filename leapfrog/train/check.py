@@ -200,9 +200,6 @@ def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 12
     if cfg.get("diffusion_mask_stream"):       # transformers reads only the parent: add the stream
         from leapfrog.train.mask_stream import from_folder
         model = from_folder(folder)
-    elif cfg.get("diffusion_shared_stream"):   # the parent's own layers for the mask rows
-        from leapfrog.train.mask_stream import attach
-        attach(model, None, cfg["mask_token_id"])
     prompts = [story_opening(s) for s in heldout("stories", data_dir)[:num]]
     res = CheckResult("stories-diffusion")
     word_reps, token_reps, new_tokens, forwards = [], [], 0, 0

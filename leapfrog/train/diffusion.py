@@ -70,9 +70,6 @@ class DiffusionSpec:
     # Two-stream model (train.mask_stream): known tokens run the frozen parent causally, mask
     # tokens a trained mask stream block-causally.
     mask_stream: bool = False
-    # ... whose stream is the parent's own layers and final norm: only the mask token's input
-    # vector trains, and the export is the parent with that embedding row ("diffusion_shared_stream")
-    shared_stream: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +261,7 @@ def contract(spec: DiffusionSpec, mask_id: int) -> dict:
     """config.json keys that tell a decoder how this model was trained."""
     keys = {"block_size": spec.block_size, "mask_token_id": mask_id, "diffusion_logit_shift": spec.shift}
     if spec.mask_stream:
-        keys["diffusion_shared_stream" if spec.shared_stream else "diffusion_mask_stream"] = True
+        keys["diffusion_mask_stream"] = True
     return keys
 
 

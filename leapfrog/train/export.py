@@ -43,11 +43,6 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
         # model must never emit it (a small model's spread first-token distribution can make the
         # marker the argmax); transformers' generate and leapfrog's loader honour the key.
         small.generation_config.suppress_tokens = [tok.convert_tokens_to_ids(cfg.tokenizer.end_of_prompt)]
-    if cfg.diffusion is not None and cfg.diffusion.shared_stream:
-        from leapfrog.train.mask_stream import bake_shared
-        mask_id = tok.convert_tokens_to_ids("<mask>")
-        bake_shared(small, mask_id)
-        small.generation_config.suppress_tokens = [mask_id]     # `ar` on the folder never writes it
     small.save_pretrained(out, safe_serialization=True)
     if cfg.init_from:      # the tokenizer the weights were trained with, byte for byte
         for name in TOKENIZER_FILES:

@@ -439,7 +439,7 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
         if cfg.diffusion.mask_stream:
             from leapfrog.train.mask_stream import attach
             source = load_pretrained(cfg.mask_stream_from)[0] if cfg.mask_stream_from else None
-            attach(model, source, tok.convert_tokens_to_ids("<mask>"), shared=cfg.diffusion.shared_stream)
+            attach(model, source, tok.convert_tokens_to_ids("<mask>"))
     return model, tok
 
 

@@ -57,20 +57,12 @@ class MaskStream(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
 
 
-def attach(model, source=None, mask_id: int = 0, shared: bool = False) -> MaskStream:
+def attach(model, source=None, mask_id: int = 0) -> MaskStream:
     """Freeze ``model`` (the parent) and give it a mask stream, copied from the block-diffusion
     model ``source`` (its layers, final norm and the mask token's embedding) or, without one,
-    from the parent itself with the mask token's embedding. ``shared``: the stream's layers and
-    final norm are the parent's own modules (frozen); only the input vector trains."""
+    from the parent itself with the mask token's embedding."""
     for p in model.parameters():
         p.requires_grad_(False)
-    if shared:
-        stream = MaskStream.__new__(MaskStream)
-        nn.Module.__init__(stream)
-        stream.layers, stream.norm = model.model.layers, model.model.norm
-        stream.mask_embedding = nn.Parameter(model.model.embed_tokens.weight[mask_id].detach().clone().float())
-        model.mask_stream = stream
-        return stream
     stream = MaskStream(model.config).to(model.dtype)
     if source is None:
         source = model
@@ -128,17 +120,6 @@ def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor, at
         h = both(lp.post_attention_layernorm, lm.post_attention_layernorm, x)
         x = x + both(lp.mlp, lm.mlp, h)
     return both(model.model.norm, stream.norm, x)[inv].view(r, s, -1)
-
-
-def bake_shared(model, mask_id: int) -> torch.Tensor:
-    """A shared stream's export: its input vector becomes the mask token's embedding row and the
-    stream goes (the folder is the parent plus ``"diffusion_shared_stream": true``; a grown
-    model's build recipe widens that row: leapfrog/build.py). Returns the vector (float32)."""
-    vec = model.mask_stream.mask_embedding.detach().float().clone()
-    with torch.no_grad():
-        model.model.embed_tokens.weight[mask_id] = vec.to(model.model.embed_tokens.weight.dtype)
-    del model.mask_stream
-    return vec
 
 
 def state(model) -> dict[str, torch.Tensor]:

@@ -7,8 +7,6 @@ of a shipped checkpoint (its training.json and README name the chain), apart fro
 """
 from __future__ import annotations
 
-import dataclasses
-
 import os
 from pathlib import Path
 from typing import Callable
@@ -264,23 +262,6 @@ def stories_diffusion_stream() -> TrainConfig:
     return cfg
 
 
-def stories_diffusion_shared() -> TrainConfig:
-    """A shared-stream block-diffusion model: `stories` itself for every row; only the mask
-    token's input vector trains (under the two-stream rule, stage 5's objective and data).
-
-    Mask rows then run the parent's own layers, so a forward reads one set of weights, which a
-    model bound by memory needs: the trained vector is what `stories-large-diffusion`'s build
-    recipe widens into `stories-large` (checkpoints/stories-large-diffusion/mask_embedding.safetensors).
-    Writes runs/stories-diffusion-shared/model (the parent's weights plus that embedding row)."""
-    cfg = stories_diffusion_stream()
-    cfg.recipe, cfg.mask_stream_from = "stories-diffusion-shared", None
-    cfg.diffusion = dataclasses.replace(cfg.diffusion, shared_stream=True)
-    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-diffusion-shared" / "model")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-diffusion-shared")
-    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.eval_interval = 200, 5e-3, 1e-4, 10, 50
-    return cfg
-
-
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -319,7 +300,6 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-stream": stories_diffusion_stream,
-    "stories-diffusion-shared": stories_diffusion_shared,
 }
 
 
