@@ -62,26 +62,10 @@ class TwoStream:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    from test_diffusion import diffusion_folder
     root = tmp_path_factory.mktemp("mask_stream")
     llama = build_model(root / "src", "llama")
-    # the shared stream: the parent's own layers for mask rows, only the rule differs
-    shared = diffusion_folder(llama, root / "shared", block_size=4, mask_token_id=MASK,
-                              diffusion_logit_shift=True, diffusion_shared_stream=True)
-    gen = json.loads((shared / "generation_config.json").read_text())
-    (shared / "generation_config.json").write_text(json.dumps({**gen, "suppress_tokens": [MASK]}))
     return {"src": llama, "stream": two_stream_folder(llama, root / "stream", noise=0.05),
-            "copy": two_stream_folder(llama, root / "copy", noise=0.0), "shared": shared}
-
-
-class SharedStream(TwoStream):
-    """The shared-stream folder as a two-stream reference: a mask stream copied from the parent's
-    own layers, final norm and the mask token's embedding (train.mask_stream.attach)."""
-
-    def __init__(self, folder: Path) -> None:
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        mask_stream.attach(self.model, None, MASK)
+            "copy": two_stream_folder(llama, root / "copy", noise=0.0)}
 
 
 def test_threshold_one_decodes_exactly_the_parent(folders):
@@ -172,7 +156,7 @@ def verified_reference(model, prompt: list[int], params: SamplingParams, *, thre
     return text[P:], steps
 
 
-@pytest.mark.parametrize("which", ["stream", "copy", "shared"])
+@pytest.mark.parametrize("which", ["stream", "copy"])
 @pytest.mark.parametrize("rule", [dict(threshold=0.0), dict(threshold=0.5),
                                   dict(threshold=0.0, num_blocks=3, add=0.2)])
 def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule):
@@ -186,7 +170,7 @@ def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule)
     llm = LLM(folder, method="diffusion", verify=True, **opts, **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
-    ref = (SharedStream if which == "shared" else TwoStream)(folders[which])
+    ref = TwoStream(folders[which])
     for prompt, out in zip(PROMPTS, outs):
         ids, steps = verified_reference(ref, prompt, GREEDY, **rule)
         assert (out.token_ids, out.metrics.num_forwards) == (ids, steps), f"prompt {prompt}"
@@ -194,32 +178,6 @@ def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule)
     assert stats["num_accepted_tokens"] > 0
     assert sum(o.metrics.num_forwards for o in outs) < sum(len(o.token_ids) for o in outs)
     assert llm.engine.block_manager.num_used_blocks == 0
-
-
-@pytest.mark.parametrize("rule", [dict(threshold=0.6), dict(num_blocks=3, threshold=0.8, add=0.2, semi=0.5)])
-def test_a_shared_stream_decodes_as_its_two_stream_reference(folders, rule):
-    """Unverified too: the plain model's forward with the per-row rule (mask rows see their
-    block) equals the full-recompute sampler over the two-stream forward whose stream is a copy
-    of the parent's layers."""
-    folder = folders["shared"]
-    opts = {("add_threshold" if k == "add" else "semi_threshold" if k == "semi" else k): v for k, v in rule.items()}
-    llm = LLM(str(folder), method="diffusion", verify=False, **opts, **ENGINE)
-    assert llm.engine.method.attn_bidir_token == MASK
-    ref = SharedStream(folder)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
-        ids, steps = reference(ref, prompt, GREEDY, block=4, shift=True, **rule)
-        assert (out.token_ids, out.metrics.num_forwards) == (ids, steps), f"prompt {prompt}"
-
-
-def test_a_broken_shared_stream_key_is_named(folders, tmp_path):
-    import shutil
-    bad = tmp_path / "bad"
-    shutil.copytree(folders["shared"], bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    for change in ({"diffusion_shared_stream": "yes"}, {"diffusion_mask_stream": True}):
-        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(CheckpointError, match="config.json.*diffusion_shared_stream"):
-            load_model(bad)
 
 
 def test_verified_logprobs_are_the_parents(folders):

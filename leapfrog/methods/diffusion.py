@@ -156,8 +156,7 @@ class DiffusionMethod(Method):
         self.family = spec.family
         self.block_size = self.attn_block_size = spec.block_size
         self.mask_token_id = spec.mask_token_id
-        two_stream = (getattr(ctx.model, "mask_stream", None) is not None
-                      or bool(getattr(ctx.model, "shared_stream", False)))
+        two_stream = getattr(ctx.model, "mask_stream", None) is not None
         if two_stream:
             # two-stream model: known rows stay causal (the AR parent), mask rows see their block
             self.attn_bidir_token = spec.mask_token_id
@@ -165,8 +164,8 @@ class DiffusionMethod(Method):
             raise ValueError(f"method 'diffusion': verify={verify!r}: must be true or false")
         if verify and not (two_stream and spec.logit_shift):
             raise ValueError("method 'diffusion': verify=true needs a two-stream model (config.json "
-                             "\"diffusion_mask_stream\" or \"diffusion_shared_stream\": true), whose known "
-                             "rows are the causal AR parent; this model's rows all see their whole block")
+                             "\"diffusion_mask_stream\": true), whose known rows are the causal AR parent; "
+                             "this model's rows all see their whole block")
         self.verify = verify
         # verify: the confidence a mask row's prediction needs to be drafted (default 0: draft them
         # all, a wrong draft costs only the row it took); otherwise to be decided (default 0.9)

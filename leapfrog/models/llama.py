@@ -214,8 +214,6 @@ class LlamaForCausalLM(nn.Module):
         # A two-stream block-diffusion model: the layers its mask tokens run (models/mask_stream.py).
         self.mask_stream = (mask_stream.MaskStream(cfg, lambda i: DecoderLayer(cfg, self.flavour, i))
                             if mask_stream.has_mask_stream(cfg) else None)
-        # ... or one whose mask tokens run these same layers (only their attention differs)
-        self.shared_stream = mask_stream.has_shared_stream(cfg)
 
     @property
     def attention_layers(self) -> list[Attention]:

@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from leapfrog.layers.attention import AttnMetadata
 
 CONFIG_KEY = "diffusion_mask_stream"
-# A shared stream: mask rows run the model's own layers (one weight read a step); they differ
-# only by their input vector (the mask token's embedding row, trained) and their attention.
-SHARED_KEY = "diffusion_shared_stream"
 
 
 def has_mask_stream(cfg: dict) -> bool:
@@ -35,17 +32,6 @@ def has_mask_stream(cfg: dict) -> bool:
                          "(tensor parallelism splits both streams' heads and columns)")
     if value and not isinstance(cfg.get("mask_token_id"), int):
         raise ValueError(f"{CONFIG_KEY} needs mask_token_id")
-    return value
-
-
-def has_shared_stream(cfg: dict) -> bool:
-    value = cfg.get(SHARED_KEY, False)
-    if not isinstance(value, bool):
-        raise ValueError(f"{SHARED_KEY}={value!r} must be true or false")
-    if value and cfg.get(CONFIG_KEY):
-        raise ValueError(f"{SHARED_KEY} and {CONFIG_KEY}: a model has one mask stream or the other")
-    if value and not isinstance(cfg.get("mask_token_id"), int):
-        raise ValueError(f"{SHARED_KEY} needs mask_token_id")
     return value
 
 
