@@ -42,9 +42,9 @@ row before each draft accepts it or replaces it (greedy: equal to the argmax; sa
 rejection rule against the draft's own distribution, as `speculative` verifies), and the token
 after the last accepted draft comes from the parent too; (2) when every draft held, takes the
 mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run;
-default 0 here, every one) as the next step's drafts. The text is the parent's, token for token (greedy) or in distribution
-(sampled), whatever the threshold; a step commits accepted drafts + 1 tokens, like a speculative
-verify, with the drafter riding in the verifying forward. Its KV is kept as a speculative
+default 0 here, every one) as the next step's drafts. The text is the parent's, token for token
+(greedy) or in distribution (sampled), whatever the threshold; a step commits accepted drafts
++ 1 tokens, like a speculative verify, with the drafter riding in the verifying forward. Its KV is kept as a speculative
 verify keeps it: every position fed as a known row with its final token (the rows are causal),
 so no block is fed again to be stored.
 
@@ -381,7 +381,7 @@ class DiffusionMethod(Method):
             out = greedy_accept(tokens[:m + 1], drafts[:m])
         else:
             p = self.sampler.probs(logits[:m + 1], [seq] * (m + 1))
-            qm = torch.stack(q[:m]) if m and len(q) >= m else None
+            qm = torch.stack(q[:m]) if m else None     # each draft's distribution, kept with it
             ids = torch.tensor(drafts[:m], dtype=torch.long, device=p.device)
             out = verify_drafts(p, ids, qm, seq.generator or self.sampler.generator)
         self.counters.num_drafted_tokens += m
