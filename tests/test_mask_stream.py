@@ -160,10 +160,10 @@ def verified_reference(model, prompt: list[int], params: SamplingParams, *, thre
 @pytest.mark.parametrize("rule", [dict(threshold=0.0), dict(threshold=0.5),
                                   dict(threshold=0.0, num_blocks=3, add=0.2)])
 def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule):
-    """verify=True: the text is `ar`'s token for token at any threshold, and the engine (paged KV,
-    carried rows, stored blocks, batching) takes the forwards the slow verified sampler takes,
-    so the drafts it feeds and keeps are the rule's; drafts were accepted (fewer forwards than
-    tokens)."""
+    """verify=True: the text is `ar`'s token for token at any threshold, and the engine (paged KV
+    kept per verified position, batching, multi-block windows) takes the forwards the slow
+    verified sampler takes, so the drafts it feeds and keeps are the rule's; drafts were accepted
+    (fewer forwards than tokens)."""
     folder = str(folders[which])
     opts = {("add_threshold" if k == "add" else k): v for k, v in rule.items()}
     ar = LLM(folder, **ENGINE).generate(PROMPTS, GREEDY)

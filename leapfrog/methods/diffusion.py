@@ -44,9 +44,9 @@ after the last accepted draft comes from the parent too; (2) when every draft he
 mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run;
 default 0 here, every one) as the next step's drafts. The text is the parent's, token for token
 (greedy) or in distribution (sampled), whatever the threshold; a step commits accepted drafts
-+ 1 tokens, like a speculative verify, with the drafter riding in the verifying forward. Its KV is kept as a speculative
-verify keeps it: every position fed as a known row with its final token (the rows are causal),
-so no block is fed again to be stored.
++ 1 tokens, like a speculative verify, with the drafter riding in the verifying forward. Its KV
+is kept as a speculative verify keeps it: every position fed as a known row with its final token
+(the rows are causal), so no block is fed again to be stored and no row is carried.
 
 End of text: a decided end token (EOS unless ignore_eos, or a stop token) caps the canvas:
 nothing after it is decoded, no later block is activated, and the text ends once every
