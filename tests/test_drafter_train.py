@@ -150,25 +150,3 @@ def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
                           init_from=str(tmp_path / "first"), **TINY)
     with pytest.raises(ValueError, match="first"):
         train_drafter(other)
-
-
-def test_loss_mix_weights_the_dspark_loss_and_is_checked(llama_dir, tmp_path, one_thread):
-    """DrafterRecipe.loss_mix (`--loss-mix CE,TV,CONF`): the DSpark loss is that weighted sum of
-    its parts; the default is DeepSpec's 0.1 / 0.9 / 1.0; malformed mixes are refused."""
-    from leapfrog.train.drafter import recipe_for
-
-    seq = _sequence(llama_dir)
-    r, d = _setup(llama_dir, tmp_path, "dspark")
-    assert r.loss_mix == (0.1, 0.9, 1.0)
-    for mix in ((0.1, 0.9, 1.0), (1.0, 0.0, 0.5)):
-        r.loss_mix = mix
-        out = d.loss(seq, torch.Generator().manual_seed(0))
-        expect = mix[0] * out["ce"] + mix[1] * out["tv"] + mix[2] * out["conf"]
-        assert torch.isclose(out["loss"], expect), (mix, out)
-    parsed, _ = recipe_for(["dspark-markov-2l", "--loss-mix", "0.9,0.1,1"])
-    assert parsed.loss_mix == (0.9, 0.1, 1.0) and "--loss-mix 0.9,0.1,1" in parsed.command
-    for bad in ("1,2", "a,b,c"):
-        with pytest.raises(SystemExit):
-            recipe_for(["dspark-markov-2l", "--loss-mix", bad])
-    with pytest.raises(ValueError, match="loss_mix"):
-        DrafterRecipe(loss_mix=(0.0, 0.0, 1.0))

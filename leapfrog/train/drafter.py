@@ -143,7 +143,7 @@ class Distiller:
         logits, conf = teacher_forced_heads(base, hidden, prev, self.drafter.markov_head,
                                             self.drafter.confidence_head)
         rows = (anchors.unsqueeze(1) + torch.arange(self.gamma)).clamp(max=ids.numel() - 1)
-        return dspark_loss(logits, tlogits[rows], conf, labels, valid, self.weights, self.r.loss_mix)
+        return dspark_loss(logits, tlogits[rows], conf, labels, valid, self.weights)
 
     @torch.no_grad()
     def drafted_paths(self, seqs: list[dict], stride: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,8 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
     p.add_argument("--init-from", default=None, help="drafter folder of the same shape to continue from")
-    p.add_argument("--loss-mix", default=None,
-                   help="DSpark's loss weights CE,TV,CONF (default 0.1,0.9,1.0, DeepSpec's)")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt")
     return p
 
@@ -379,15 +377,7 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
         opts["run_dir"] = args.run_dir
     if args.taps:
         opts["taps"] = [int(t) for t in args.taps.split(",")]
-    if args.loss_mix:
-        try:
-            opts["loss_mix"] = tuple(float(m) for m in args.loss_mix.split(","))
-        except ValueError:
-            raise SystemExit(f"--loss-mix {args.loss_mix!r}: expected three numbers CE,TV,CONF") from None
-    try:
-        r = DrafterRecipe(**opts, command="leapfrog train drafter " + shlex.join(a for a in argv if a != "--resume"))
-    except ValueError as e:
-        raise SystemExit(f"leapfrog train drafter: {e}") from None
+    r = DrafterRecipe(**opts, command="leapfrog train drafter " + shlex.join(a for a in argv if a != "--resume"))
     return r, args
 
 

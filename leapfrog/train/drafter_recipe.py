@@ -23,9 +23,6 @@ class DrafterRecipe:
     min_lr: float = 5e-5
     warmup: int = 60
     decay: float = 4.0                    # position-weight decay constant (DeepSpec: 4)
-    # DSpark's loss weights (CE, TV, confidence BCE); DeepSpec's 0.1 / 0.9 / 1.0 aim at acceptance
-    # by sampling at T = 1, a CE-heavy mix at the argmax greedy verification checks.
-    loss_mix: tuple[float, float, float] = (0.1, 0.9, 1.0)
     grad_clip: float = 1.0
     eval_interval: int = 250
     ckpt_interval: int = 100
@@ -43,10 +40,6 @@ class DrafterRecipe:
     def __post_init__(self) -> None:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
-        self.loss_mix = tuple(float(m) for m in self.loss_mix)
-        if len(self.loss_mix) != 3 or any(m < 0 for m in self.loss_mix) or not any(self.loss_mix[:2]):
-            raise ValueError(f"loss_mix={self.loss_mix}: expected three weights >= 0 (CE, TV, "
-                             "confidence), CE or TV above 0")
         self.out_dir = self.out_dir or str(REPO_ROOT / "checkpoints" / self.target / "drafters" / self.name)
         self.run_dir = self.run_dir or str(REPO_ROOT / "runs" / f"drafter-{self.target}-{self.name}")
 
