@@ -80,12 +80,14 @@ $(DONE)/stories-large-delta: $(DONE)/stories
 	$(LF) train stories-large --resume
 	@touch $@
 
-# Its default (narrow) drafters start as stories' drafters read through the wider features, then
-# are distilled against stories-large itself and shipped in its recipe folder (7 MB each).
+# Its default (narrow) drafters start as stories' drafters read through the wider features (built
+# --derived: not the copy shipped before), then are distilled against stories-large itself and
+# shipped in its recipe folder (7 MB each).
 $(DONE)/large-drafter-%: $(DONE)/stories-large-delta $(DONE)/drafter-%
 	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large
+	$(PY) -m leapfrog.build --derived checkpoints/stories-large runs/stories-large-derived-$*
 	$(LF) train drafter $* --target stories-large --steps 600 --num-regen 3200 --threads 2 --resume \
-		--init-from "$$($(PY) -m leapfrog.build --path checkpoints/stories-large | tail -1)/drafters/$*-narrow" \
+		--init-from runs/stories-large-derived-$*/drafters/$*-narrow \
 		--out checkpoints/stories-large/drafters/$*-narrow --run-dir runs/drafter-stories-large-$*
 	$(PY) -m leapfrog.build --ship-drafter checkpoints/stories-large drafters/$*-narrow
 	@touch $@

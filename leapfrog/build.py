@@ -232,12 +232,15 @@ def read_sums(path: Path) -> dict[str, str]:
     return sums
 
 
-def build(recipe_dir: Path, out_dir: Path, checkpoints: Path, check: bool = True) -> Path:
+def build(recipe_dir: Path, out_dir: Path, checkpoints: Path, check: bool = True,
+          derived: bool = False) -> Path:
     """Build the recipe's model into out_dir (atomically: a temporary folder renamed at the end,
-    removed if anything fails); ``check`` compares the result with the recipe's SHA256SUMS."""
+    removed if anything fails); ``check`` compares the result with the recipe's SHA256SUMS.
+    ``derived``: a shipped drafter that records where it came from (``{"copy": ..., "from":
+    ...}``) is derived from there instead, as it was before it was trained and shipped."""
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     try:
-        return _build(recipe_dir, out_dir, checkpoints, tmp, check)
+        return _build(recipe_dir, out_dir, checkpoints, tmp, check, derived)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -266,7 +269,11 @@ def ship_drafter(recipe_dir: Path, dst: str) -> Path:
     recipe = json.loads(path.read_text())
     if not (recipe_dir / dst / "model.safetensors").is_file():
         raise BuildError(f"{recipe_dir / dst}: no drafter weights to ship")
-    recipe.setdefault("drafters", {})[dst] = {"copy": dst}
+    drafters = recipe.setdefault("drafters", {})
+    spec = drafters.get(dst)                  # keep where it came from: `--derived` rebuilds that
+    origin = {"from": spec} if isinstance(spec, str) else \
+        {k: v for k, v in (spec or {}).items() if k in ("from", "narrow")}
+    drafters[dst] = {"copy": dst, **origin}
     path.write_text(json.dumps(recipe, indent=2) + "\n")
     return write_sums(recipe_dir)
 
@@ -282,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ship-drafter", nargs=2, metavar=("FOLDER", "DRAFTER"),
                    help="recipe folder and a drafter folder inside it (e.g. drafters/dflash-2l-narrow) to ship as is")
     p.add_argument("--path", metavar="FOLDER", help="print where FOLDER's model is built (building it now if needed)")
+    p.add_argument("--derived", nargs=2, metavar=("FOLDER", "OUT"),
+                   help="build FOLDER's model into OUT with each shipped drafter derived from where it "
+                        "came from (the start a retrained drafter distils from) and print OUT")
     args = p.parse_args(argv)
     for folder in args.write_sums:
         print(f"wrote {write_sums(Path(folder))}")
@@ -289,10 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {ship_drafter(Path(args.ship_drafter[0]), args.ship_drafter[1])}")
     if args.path:
         print(materialize(Path(args.path)))
+    if args.derived:
+        recipe_dir, out = Path(args.derived[0]), Path(args.derived[1])
+        shutil.rmtree(out, ignore_errors=True)     # never an earlier derivation's leftovers
+        print(build(recipe_dir, out, recipe_dir.parent, check=False, derived=True))
     return 0
 
 
-def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check: bool = True) -> Path:
+def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check: bool = True,
+           derived: bool = False) -> Path:
     recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
     base = checkpoints / recipe["base"]
     if not (base / "model.safetensors").is_file():
@@ -316,7 +331,8 @@ def _build(recipe_dir: Path, out_dir: Path, checkpoints: Path, tmp: Path, check:
     tied = bool(cfg.get("tie_word_embeddings", False))
     base_tensors = None
     for dst, spec in recipe.get("drafters", {}).items():   # drafters grown to match, kept narrow, or shipped
-        if isinstance(spec, dict) and "copy" in spec:      # a drafter trained for the grown model itself
+        if isinstance(spec, dict) and "copy" in spec and not (derived and "from" in spec):
+            # a drafter trained for the grown model itself
             shutil.copytree(recipe_dir / spec["copy"], tmp / dst,
                             ignore=shutil.ignore_patterns("*.png", "README.md", "training.json", "SHA256SUMS"))
             continue

@@ -225,12 +225,20 @@ def test_a_narrow_drafter_distils_against_the_grown_target_and_ships_in_the_reci
     # shipped in the recipe: the build copies it; dspark on the grown model is still lossless
     from leapfrog.build import main as build_main
     assert build_main(["--ship-drafter", str(recipe), "drafters/dspark"]) == 0
-    assert json.loads((recipe / "build.json").read_text())["drafters"] == {"drafters/dspark": {"copy": "drafters/dspark"}}
+    assert json.loads((recipe / "build.json").read_text())["drafters"] == {
+        "drafters/dspark": {"copy": "drafters/dspark", "from": "base/drafters/dspark", "narrow": True}}
     sums = (recipe / "SHA256SUMS").read_text()
     assert "drafters/dspark/model.safetensors" in sums
     rebuilt = materialize(recipe)
     assert load_file(str(rebuilt / "drafters" / "dspark" / "model.safetensors"))["fc.weight"].equal(after["fc.weight"])
     assert not (rebuilt / "drafters" / "dspark" / "SHA256SUMS").exists()
+    # `--derived` (make models' start for a retrained drafter): derived again, not the shipped copy;
+    # shipping once more keeps the origin
+    assert build_main(["--derived", str(recipe), str(tmp_path / "derived")]) == 0
+    again = load_file(str(tmp_path / "derived" / "drafters" / "dspark" / "model.safetensors"))
+    assert again.keys() == before.keys() and all(torch.equal(again[k], before[k]) for k in before)
+    assert build_main(["--ship-drafter", str(recipe), "drafters/dspark"]) == 0
+    assert json.loads((recipe / "build.json").read_text())["drafters"]["drafters/dspark"]["from"] == "base/drafters/dspark"
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["Once upon a time", "The cat liked to play"]
     want = LLM(str(rebuilt)).generate(prompts, params)
