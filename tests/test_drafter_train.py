@@ -4,6 +4,7 @@ means what it says, and calibration lowers the confidence head's calibration err
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -103,6 +104,7 @@ def test_train_drafter_end_to_end_writes_a_usable_lossless_drafter(llama_dir, tm
                       out_dir=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **TINY)
     s = train_drafter(r)
     assert 1.0 <= s["offline_tau"] <= 1 + r.num_draft
+    assert len(s["acceptance_by_position"]) == r.num_draft and "draft k accepted" in (tmp_path / "out" / "README.md").read_text()
     assert s["calibration"] and len(s["calibration"]["temperatures"]) == r.num_draft
     out = tmp_path / "out"
     cfg = json.loads((out / "config.json").read_text())
@@ -150,3 +152,13 @@ def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
                           init_from=str(tmp_path / "first"), **TINY)
     with pytest.raises(ValueError, match="first"):
         train_drafter(other)
+
+
+def test_acceptance_by_position_is_conditional_on_the_drafts_before():
+    """Blocks that accepted 0, 1, 1, 2 and 3 leading drafts of 3: draft 1 held in 4 of 5 blocks,
+    draft 2 in 2 of those 4, draft 3 in 1 of those 2; a position no block reached is NaN."""
+    from leapfrog.train.drafter import acceptance_by_position
+    got = acceptance_by_position(torch.tensor([0, 1, 1, 2, 3]), 3)
+    assert got == [4 / 5, 2 / 4, 1 / 2]
+    assert acceptance_by_position(torch.tensor([0, 0]), 2)[0] == 0.0
+    assert math.isnan(acceptance_by_position(torch.tensor([0, 0]), 2)[1])

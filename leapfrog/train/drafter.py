@@ -199,6 +199,13 @@ class Distiller:
         return emitted / steps if steps else float("nan")
 
 
+def acceptance_by_position(accepted: torch.Tensor, gamma: int) -> list[float]:
+    """From the leading accepted drafts of each block (``Distiller.drafted_paths``): the share of
+    blocks whose draft k held given drafts 1..k-1 did, k = 1..γ (NaN where none got that far)."""
+    reached = [int((accepted >= k).sum()) for k in range(gamma + 1)]
+    return [reached[k + 1] / reached[k] if reached[k] else float("nan") for k in range(gamma)]
+
+
 def calibrate(distiller: Distiller, seqs: list[dict]) -> dict:
     """Fit STS temperatures on held-out drafted paths; ECE of the survival product before/after."""
     from leapfrog.train.drafter_objectives import (
@@ -282,10 +289,12 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     if not history["val"]:                                 # no steps (an init_from folder as is)
         history["val"].append((step, _val_loss(d, val)))
     calib = calibrate(d, val) if drafter.confidence_head is not None else None
+    by_position = acceptance_by_position(d.drafted_paths(val, stride=1)[0], d.gamma)
     summary = {"recipe": asdict(r), "num_params": n_params, "steps": step,
                "narrow": drafter.embed_tokens is not None,
                "wall_s": round(history["wall_s"], 1), "blocks_seen": history["blocks"],
                "val_loss": round(history["val"][-1][1], 4), "offline_tau": round(history["tau"][-1][1], 3),
+               "acceptance_by_position": [round(a, 3) for a in by_position],
                "num_train_sequences": len(train), "num_val_sequences": len(val), "calibration": calib}
     export(r, d.drafter, tcfg, mask_id, history, summary)
     return summary

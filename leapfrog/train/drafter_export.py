@@ -120,7 +120,9 @@ def render_readme(r: DrafterRecipe, s: dict) -> str:
         + (f", continuing `{r.init_from}`" if r.init_from else "") + " |",
         f"| wall time | {s['wall_s'] / 60:.1f} min on {r.threads} CPU thread(s) |",
         f"| validation loss | {s['val_loss']} |",
-        f"| offline τ (greedy, held-out) | {s['offline_tau']} |", "",
+        f"| offline τ (greedy, held-out) | {s['offline_tau']} |",
+        f"| draft k accepted given 1..k-1 were (held-out, greedy) | "
+        f"{' / '.join(f'{a:.2f}' for a in s.get('acceptance_by_position', []))} |", "",
         "Offline τ: on greedy continuations of held-out story openings, each block is drafted "
         "along the drafted path; its leading drafts equal to the target's greedy tokens are "
         "accepted, plus one bonus token, and the next block starts where the engine's would. "
