@@ -162,3 +162,83 @@ def test_acceptance_by_position_is_conditional_on_the_drafts_before():
     assert got == [4 / 5, 2 / 4, 1 / 2]
     assert acceptance_by_position(torch.tensor([0, 0]), 2)[0] == 0.0
     assert math.isnan(acceptance_by_position(torch.tensor([0, 0]), 2)[1])
+
+
+def test_dspark_on_the_masks_block_drafts_as_dflash_without_its_head(llama_dir, tmp_path, one_thread):
+    """`--block masks`: a DSpark drafter on DFlash's block (the anchor and γ masks, draft 1 from
+    the first mask's slot). Its config says so (block γ + 1, draft_from_anchor false); with DFlash's
+    weights and the Markov bias at zero it drafts exactly what the DFlash drafter does; its loss
+    falls; and the engine decodes with it losslessly."""
+    from safetensors.torch import save_file
+
+    _, flash = _setup(llama_dir, tmp_path / "flash", "dflash")
+    r = DrafterRecipe(name="dspark-masks", target=str(llama_dir), kind="dspark", block="masks",
+                      out_dir=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **TINY)
+    cfg = drafter_config(r, read_config(llama_dir), mask_token_id(llama_dir))
+    assert cfg["block_size"] == r.num_draft + 1 and cfg["draft_from_anchor"] is False
+    target = load_model(llama_dir).requires_grad_(False)
+    masks = Distiller(r, target, init_drafter(cfg, 0, target))
+    assert masks.gamma == r.num_draft == masks.drafter.drafter.num_draft_tokens
+    missing = masks.drafter.load_state_dict(flash.drafter.state_dict(), strict=False).missing_keys
+    assert missing and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
+    with torch.no_grad():
+        masks.drafter.markov_head.markov_w2.weight.zero_()
+    seq = _sequence(llama_dir)
+    assert torch.equal(masks.drafted_paths([seq], stride=1)[0], flash.drafted_paths([seq], stride=1)[0])
+    anchor_cfg = drafter_config(DrafterRecipe(**{**TINY, "kind": "dspark"}, target=str(llama_dir)),
+                                read_config(llama_dir), 3)
+    assert anchor_cfg["block_size"] == r.num_draft and "draft_from_anchor" not in anchor_cfg
+
+    masks.drafter.markov_head.markov_w2.weight.data.normal_(std=0.02)
+    opt = torch.optim.AdamW(masks.drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        out = masks.loss(seq, torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(hf_state_dict(masks.drafter), str(folder / "model.safetensors"))
+    assert load_drafter(folder).drafter.num_draft_tokens == r.num_draft
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat liked to play"]
+    want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
+    got = LLM(str(llama_dir), method="dspark", draft_model=str(folder)).generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+
+
+def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tmp_path, one_thread):
+    """--init-from a DFlash drafter and --heads-from a DSpark one: a DSpark drafter on DFlash's
+    block whose backbone is the first's and whose Markov and confidence heads are the second's
+    (zero steps give exactly those); heads from a drafter without them are refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    folders = {}
+    for kind in ("dflash", "dspark"):
+        r, d = _setup(llama_dir, tmp_path / kind, kind)
+        d.drafter.requires_grad_(False)
+        for p in d.drafter.parameters():       # distinct weights, so the origin of each shows
+            p.add_(torch.randn_like(p) * 0.01)
+        folders[kind] = tmp_path / kind / "export"
+        folders[kind].mkdir(parents=True)
+        (folders[kind] / "config.json").write_text(json.dumps(drafter_config(r, read_config(llama_dir), 3)))
+        save_file(hf_state_dict(d.drafter), str(folders[kind] / "model.safetensors"))
+    r = DrafterRecipe(name="dspark-masks", target=str(llama_dir), kind="dspark", block="masks",
+                      out_dir=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), init_from=str(folders["dflash"]),
+                      heads_from=str(folders["dspark"]), **{**TINY, "steps": 0})
+    train_drafter(r)
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    flash, spark = (load_file(str(folders[k] / "model.safetensors")) for k in ("dflash", "dspark"))
+    heads = [k for k in got if k.startswith(("markov_head.", "confidence_head."))]
+    assert heads and set(got) == set(flash) | set(heads)
+    assert all(torch.equal(got[k], spark[k]) for k in heads)
+    assert all(torch.equal(got[k], flash[k]) for k in flash)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_from_anchor"] is False
+    import dataclasses
+    with pytest.raises(ValueError, match="not a DSpark drafter"):
+        train_drafter(dataclasses.replace(r, heads_from=str(folders["dflash"]), run_dir=str(tmp_path / "run2")))

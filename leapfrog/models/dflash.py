@@ -50,11 +50,14 @@ class DrafterConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None   # leapfrog's key for fitted STS temperatures
+    # leapfrog's key `draft_from_anchor`: false puts a DSpark drafter on DFlash's block (anchor +
+    # B-1 masks, draft 1 from the first mask's slot) instead of DeepSpec's (draft 1 from the anchor's).
+    draft_from_anchor: bool = True
 
     @property
     def num_draft_tokens(self) -> int:
         # DSpark makes the anchor slot its first prediction; DFlash reads slots 1..B-1.
-        return self.block_size if self.kind == "dspark" else self.block_size - 1
+        return self.block_size if self.kind == "dspark" and self.draft_from_anchor else self.block_size - 1
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
@@ -74,7 +77,7 @@ class DrafterConfig:
                    int(cfg.get("markov_rank", 0) or 0), str(cfg.get("markov_head_type", "vanilla")),
                    bool(cfg.get("enable_confidence_head", False)),
                    bool(cfg.get("confidence_head_with_markov", True)),
-                   cfg.get("confidence_temperatures"))
+                   cfg.get("confidence_temperatures"), bool(cfg.get("draft_from_anchor", True)))
 
 
 @dataclass(slots=True)

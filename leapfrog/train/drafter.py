@@ -82,12 +82,21 @@ def narrow_shape(cfg: dict, init_from: str | None) -> dict:
     return {**cfg, **{k: saved[k] for k in NARROW_KEYS if k in saved}}
 
 
-def _continue_from(drafter, folder: str) -> None:
+def _continue_from(drafter, folder: str, heads_from: str | None = None) -> None:
     """Copy a saved drafter's weights (a folder `load_drafter` reads) into `drafter`, which must
-    have the same shape: a longer run continues a shipped one instead of starting over."""
+    have the same shape: a longer run continues a shipped one instead of starting over. With
+    `heads_from`, the DSpark heads (Markov, confidence) come from that drafter instead: a DSpark
+    drafter on DFlash's block starts from a DFlash drafter's backbone and a DSpark drafter's heads."""
     from leapfrog.methods.drafters import load_drafter
 
     saved = load_drafter(folder).state_dict()
+    if heads_from:
+        heads = {k: v for k, v in load_drafter(heads_from).state_dict().items()
+                 if k.startswith(("markov_head.", "confidence_head."))}
+        if not heads:
+            raise ValueError(f"{heads_from}: not a DSpark drafter (no Markov or confidence head)")
+        saved.update(heads)
+        folder = f"{folder} with the heads of {heads_from}"
     mine = drafter.state_dict()
     wrong = sorted(k for k in mine if k not in saved or saved[k].shape != mine[k].shape)
     if wrong or set(saved) - set(mine):
@@ -259,8 +268,10 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         r.command += " --taps " + ",".join(map(str, taps))
     train, val = load_data(r, target_dir)
     drafter = init_drafter(narrow_shape(drafter_config(r, tcfg, mask_id), r.init_from), r.seed, target)
+    if r.heads_from and not r.init_from:
+        raise ValueError("--heads-from needs --init-from (the drafter the rest starts from)")
     if r.init_from:
-        _continue_from(drafter, r.init_from)
+        _continue_from(drafter, r.init_from, r.heads_from)
     for table in (drafter.embed_tokens, drafter.lm_head):    # a narrow drafter's: kept as given
         if table is not None:
             table.weight.requires_grad_(False)
@@ -366,7 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
+    p.add_argument("--block", choices=("anchor", "masks"), default=None,
+                   help="DSpark's block: anchor (DeepSpec's, the default: γ slots, draft 1 from the anchor's) "
+                        "or masks (DFlash's: the anchor and γ masks, draft 1 from the first mask's)")
     p.add_argument("--init-from", default=None, help="drafter folder of the same shape to continue from")
+    p.add_argument("--heads-from", default=None,
+                   help="DSpark drafter folder whose Markov and confidence heads start this drafter "
+                        "(the rest from --init-from, which may be a DFlash drafter)")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt")
     return p
 
@@ -377,7 +394,7 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
     args = build_parser().parse_args(argv)
     opts = dict(VARIANTS[args.variant], name=args.variant, target=args.target)
     for key in ("data_dir", "steps", "seqs_per_step", "anchors", "lr", "num_draft", "markov_rank",
-                "num_regen", "eval_interval", "threads", "seed", "init_from"):
+                "num_regen", "eval_interval", "threads", "seed", "init_from", "heads_from", "block"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.out:

@@ -38,9 +38,12 @@ def drafter_config(r: DrafterRecipe, target_cfg: dict, mask_id: int, temperature
         cfg.update(architectures=["DFlashDraftModel"], block_size=r.num_draft + 1,
                    dflash_config={"mask_token_id": mask_id, "target_layer_ids": list(r.taps)})
     else:
-        cfg.update(architectures=["Qwen3DSparkModel"], block_size=r.num_draft, mask_token_id=mask_id,
+        masks = r.block == "masks"
+        cfg.update(architectures=["Qwen3DSparkModel"], block_size=r.num_draft + masks, mask_token_id=mask_id,
                    target_layer_ids=list(r.taps), num_anchors=r.anchors, markov_rank=r.markov_rank,
                    markov_head_type=r.head, enable_confidence_head=True, confidence_head_with_markov=True)
+        if masks:
+            cfg["draft_from_anchor"] = False
         if temperatures:
             cfg["confidence_temperatures"] = [round(t, 4) for t in temperatures]
     return cfg
@@ -108,7 +111,8 @@ def render_readme(r: DrafterRecipe, s: dict) -> str:
         "| | |", "|---|---|",
         f"| draft layers | {r.num_layers} (Qwen3 decoder layers, hidden {s.get('hidden', '')}) |".replace(", hidden )", ")"),
         f"| parameters | {s['num_params'] / 1e6:.2f}M |",
-        f"| drafts per block γ | {r.num_draft} |",
+        f"| drafts per block γ | {r.num_draft}"
+        + (" (DFlash's block: the anchor and γ masks)" if r.kind == "dspark" and r.block == "masks" else "") + " |",
         f"| target layers tapped | {r.taps} |",
         f"| sequential head | {r.head + ' (rank ' + str(r.markov_rank) + ')' if r.kind == 'dspark' else 'none'} |",
         f"| confidence head | {'yes, STS-calibrated' if r.kind == 'dspark' else 'no'} |",
@@ -117,7 +121,8 @@ def render_readme(r: DrafterRecipe, s: dict) -> str:
         f"| objective | {'0.1 CE + 0.9 TV + 1.0 confidence BCE' if r.kind == 'dspark' else 'CE'}, "
         f"position weights exp(-(k-1)/{r.decay:g}) |",
         f"| steps | {s['steps']} x {r.seqs_per_step} sequences x {r.anchors} anchors"
-        + (f", continuing `{r.init_from}`" if r.init_from else "") + " |",
+        + (f", continuing `{r.init_from}`" if r.init_from else "")
+        + (f" with the heads of `{r.heads_from}`" if r.heads_from else "") + " |",
         f"| wall time | {s['wall_s'] / 60:.1f} min on {r.threads} CPU thread(s) |",
         f"| validation loss | {s['val_loss']} |",
         f"| offline τ (greedy, held-out) | {s['offline_tau']} |",

@@ -16,6 +16,8 @@ class DrafterRecipe:
     markov_rank: int = 64
     num_draft: int = 8                    # γ: drafts per block (DFlash block = γ + 1, DSpark block = γ)
     taps: list[int] = field(default_factory=lambda: [0, 2, 4])
+    block: str = "anchor"                 # DSpark's block: anchor (DeepSpec: γ slots, draft 1 from the
+                                          # anchor's) | masks (DFlash's: anchor + γ masks)
     steps: int = 1500
     seqs_per_step: int = 4
     anchors: int = 48                     # blocks per sequence
@@ -33,6 +35,8 @@ class DrafterRecipe:
     threads: int = 1
     data_dir: str | None = None
     init_from: str | None = None          # a drafter folder of this shape to continue from
+    heads_from: str | None = None         # a DSpark drafter whose Markov and confidence heads start this
+                                          # one, the rest from init_from (e.g. a DFlash drafter)
     out_dir: str = ""
     run_dir: str = ""
     command: str = ""
@@ -40,6 +44,8 @@ class DrafterRecipe:
     def __post_init__(self) -> None:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
+        if self.block not in ("anchor", "masks"):
+            raise ValueError(f"block={self.block!r}: expected anchor or masks")
         self.out_dir = self.out_dir or str(REPO_ROOT / "checkpoints" / self.target / "drafters" / self.name)
         self.run_dir = self.run_dir or str(REPO_ROOT / "runs" / f"drafter-{self.target}-{self.name}")
 
