@@ -33,6 +33,15 @@ def _sequence(llama_dir) -> dict:
     return {"ids": out.prompt_token_ids + out.token_ids, "start": len(out.prompt_token_ids), "greedy": True}
 
 
+def _assert_dspark_decodes_as_ar(llama_dir, drafter_folder) -> None:
+    """Greedy `dspark` with the drafter in `drafter_folder` gives `ar`'s tokens (lossless)."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat liked to play"]
+    want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
+    got = LLM(str(llama_dir), method="dspark", draft_model=str(drafter_folder)).generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+
+
 @pytest.mark.parametrize("kind,head", [("dflash", "vanilla"), ("dspark", "vanilla"), ("dspark", "rnn")])
 def test_distillation_loss_falls_on_a_repeated_sequence(llama_dir, tmp_path, one_thread, kind, head):
     r, d = _setup(llama_dir, tmp_path, kind, head)
@@ -125,11 +134,7 @@ def test_train_drafter_end_to_end_writes_a_usable_lossless_drafter(llama_dir, tm
     save_file(weights, str(other / "model.safetensors"))
     with pytest.raises(ValueError, match="retrained"):
         train_drafter(dataclasses.replace(r, target=str(other), steps=r.steps + 3), resume=True)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = ["Once upon a time", "The cat liked to play"]
-    want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
-    got = LLM(str(llama_dir), method="dspark", draft_model=str(out)).generate(prompts, params)
-    assert [o.token_ids for o in got] == want
+    _assert_dspark_decodes_as_ar(llama_dir, out)
 
 
 def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
@@ -205,11 +210,7 @@ def test_dspark_on_the_masks_block_drafts_as_dflash_without_its_head(llama_dir, 
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file(hf_state_dict(masks.drafter), str(folder / "model.safetensors"))
     assert load_drafter(folder).drafter.num_draft_tokens == r.num_draft
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = ["Once upon a time", "The cat liked to play"]
-    want = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
-    got = LLM(str(llama_dir), method="dspark", draft_model=str(folder)).generate(prompts, params)
-    assert [o.token_ids for o in got] == want
+    _assert_dspark_decodes_as_ar(llama_dir, folder)
 
 
 def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tmp_path, one_thread):
