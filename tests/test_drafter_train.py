@@ -240,6 +240,15 @@ def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tm
     assert all(torch.equal(got[k], spark[k]) for k in heads)
     assert all(torch.equal(got[k], flash[k]) for k in flash)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_from_anchor"] is False
+    # Continuing it without --block keeps it on DFlash's block (the recorded command says so).
+    again = DrafterRecipe(name="dspark-masks", target=str(llama_dir), kind="dspark", out_dir=str(tmp_path / "again"),
+                          run_dir=str(tmp_path / "run3"), init_from=str(tmp_path / "out"), command="x",
+                          **{**TINY, "steps": 0})
+    train_drafter(again)
+    assert again.block == "masks" and again.command.endswith("--block masks")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["block_size"] == r.num_draft + 1
+    assert torch.equal(load_file(str(tmp_path / "again" / "model.safetensors"))["markov_head.markov_w2.weight"],
+                       spark["markov_head.markov_w2.weight"])
     import dataclasses
     with pytest.raises(ValueError, match="not a DSpark drafter"):
         train_drafter(dataclasses.replace(r, heads_from=str(folders["dflash"]), run_dir=str(tmp_path / "run2")))

@@ -70,6 +70,13 @@ def saved_taps(folder: str) -> list[int] | None:
     return [int(t) for t in taps] if taps else None
 
 
+def _drafts_from_masks(folder: str) -> bool:
+    """A saved DSpark drafter on DFlash's block (`draft_from_anchor: false`)."""
+    from leapfrog.models.dflash import DrafterConfig
+    d = DrafterConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
+    return d.kind == "dspark" and not d.draft_from_anchor
+
+
 def narrow_shape(cfg: dict, init_from: str | None) -> dict:
     """``cfg`` with the shape of a narrow drafter (narrower than its target, its own embedding and
     LM head: ``target_hidden_size`` in its config) when ``init_from`` is one; ``cfg`` otherwise.
@@ -266,6 +273,9 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     if taps and taps != r.taps:          # continue on the taps the saved drafter reads; the
         r.taps = taps                    # recorded command names them (it must rebuild this recipe)
         r.command += " --taps " + ",".join(map(str, taps))
+    if r.init_from and r.kind == "dspark" and r.block != "masks" and _drafts_from_masks(r.init_from):
+        r.block = "masks"                # continuing a DSpark drafter on DFlash's block keeps it there
+        r.command += " --block masks"
     train, val = load_data(r, target_dir)
     drafter = init_drafter(narrow_shape(drafter_config(r, tcfg, mask_id), r.init_from), r.seed, target)
     if r.heads_from and not r.init_from:
