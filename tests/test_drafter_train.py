@@ -249,6 +249,11 @@ def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tm
     assert json.loads((tmp_path / "again" / "config.json").read_text())["block_size"] == r.num_draft + 1
     assert torch.equal(load_file(str(tmp_path / "again" / "model.safetensors"))["markov_head.markov_w2.weight"],
                        spark["markov_head.markov_w2.weight"])
+    from leapfrog.train.drafter import recipe_for
+    with pytest.raises(SystemExit):       # refused before any data is regenerated
+        recipe_for(["dspark-markov-2l", "--heads-from", str(folders["dspark"])])
+    with pytest.raises(SystemExit):
+        recipe_for(["dflash-2l", "--init-from", str(folders["dflash"]), "--heads-from", str(folders["dspark"])])
     import dataclasses
     with pytest.raises(ValueError, match="not a DSpark drafter"):
         train_drafter(dataclasses.replace(r, heads_from=str(folders["dflash"]), run_dir=str(tmp_path / "run2")))

@@ -278,8 +278,6 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         r.command += " --block masks"
     train, val = load_data(r, target_dir)
     drafter = init_drafter(narrow_shape(drafter_config(r, tcfg, mask_id), r.init_from), r.seed, target)
-    if r.heads_from and not r.init_from:
-        raise ValueError("--heads-from needs --init-from (the drafter the rest starts from)")
     if r.init_from:
         _continue_from(drafter, r.init_from, r.heads_from)
     for table in (drafter.embed_tokens, drafter.lm_head):    # a narrow drafter's: kept as given
@@ -413,7 +411,10 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
         opts["run_dir"] = args.run_dir
     if args.taps:
         opts["taps"] = [int(t) for t in args.taps.split(",")]
-    r = DrafterRecipe(**opts, command="leapfrog train drafter " + shlex.join(a for a in argv if a != "--resume"))
+    try:
+        r = DrafterRecipe(**opts, command="leapfrog train drafter " + shlex.join(a for a in argv if a != "--resume"))
+    except ValueError as e:               # a bad combination of flags: a usage error, before any work
+        build_parser().error(str(e))
     return r, args
 
 

@@ -46,6 +46,9 @@ class DrafterRecipe:
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
+        if self.heads_from and (self.kind != "dspark" or not self.init_from):
+            raise ValueError("heads_from (--heads-from) is for a DSpark drafter and needs init_from "
+                             "(--init-from, the drafter the rest starts from)")
         self.out_dir = self.out_dir or str(REPO_ROOT / "checkpoints" / self.target / "drafters" / self.name)
         self.run_dir = self.run_dir or str(REPO_ROOT / "runs" / f"drafter-{self.target}-{self.name}")
 
