@@ -168,7 +168,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
         cls = model_class(archs[0])
         with torch.device(device):
             model = cls(cfg)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
     load_weights(model, weight_files(folder))
@@ -327,7 +327,7 @@ def load_drafter(folder: str | os.PathLike, device: torch.device | str = "cpu",
     try:
         with torch.device(device):
             model = DFlashDraftModel(cfg)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
     params = dict(model.named_parameters())

@@ -27,6 +27,23 @@ def test_unsupported_architecture(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("patch, message", [
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps must be a number between 0 and 1"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, not '64'"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+])
+def test_config_values_the_decoder_would_misread_are_refused(ckpt, patch, message):
+    """These loaded before (a GELU model decoded with SiLU, wrong text and no error) or failed
+    only inside a request's step."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(patch)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"config\\.json: {message}"):
+        load_model(ckpt)
+
+
 def test_missing_config_and_weights(ckpt):
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):

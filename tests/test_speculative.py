@@ -162,6 +162,38 @@ def test_drafter_loader_names_the_problem(drafters, tmp_path):
         load_drafter(folder)
 
 
+@pytest.mark.parametrize("name, patch, message", [
+    ("dspark", {"block_size": [9]}, "block_size must be an integer, not \\[9\\]"),
+    ("dspark", {"block_size": 0}, "block_size must be at least 1"),
+    ("dflash", {"block_size": 1}, "block_size 1 leaves no draft for a dflash drafter"),
+    ("dspark", {"dflash_config": {"mask_token_id": 3, "target_layer_ids": "0,2"}},
+     "target_layer_ids must be a non-empty list"),
+    ("dspark", {"dflash_config": {"mask_token_id": 10**6}}, "mask_token_id 1000000 is outside the vocabulary"),
+    ("dspark", {"draft_from_anchor": "false"}, "draft_from_anchor must be true or false, not 'false'"),
+    ("dspark", {"enable_confidence_head": 1}, "enable_confidence_head must be true or false"),
+    ("dspark", {"confidence_temperatures": "hot"}, "confidence_temperatures must be a list of positive numbers"),
+    ("dspark", {"confidence_temperatures": [1.0, 0.0]}, "confidence_temperatures must be a list of positive"),
+    ("dspark", {"markov_rank": 2.5}, "markov_rank must be an integer"),
+])
+def test_a_drafter_config_with_a_wrong_value_is_refused_naming_the_file_and_key(drafters, tmp_path, name, patch,
+                                                                                 message):
+    """Each of these once loaded (or failed with a bare TypeError) and then broke a request while
+    drafting: the string "false" read as true, a mask id outside the embedding, a temperature of 0."""
+    import shutil
+    folder = tmp_path / "drafter"
+    shutil.copytree(drafters[name], folder)
+    (folder / "SHA256SUMS").unlink(missing_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(patch)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"{folder / 'config.json'}: {message}"):
+        load_drafter(folder)
+    cfg = {k: v for k, v in cfg.items() if k not in patch}       # and the same folder, mended, loads
+    cfg.update({k: v for k, v in json.loads((drafters[name] / "config.json").read_text()).items() if k in patch})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    load_drafter(folder)
+
+
 def assert_greedy_match(model, outs, want: list[list[int]], tie: float = 1e-3) -> None:
     """Token-for-token equality with ar greedy. Different kernels (a k+1-token verify vs a
     1-token decode) may round differently, so a divergence is accepted only where the target's

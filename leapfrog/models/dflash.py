@@ -61,6 +61,8 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        """Read and check the keys; a wrong type or value is a ValueError naming the key, so a
+        broken drafter is refused at load time instead of failing a request later."""
         archs = cfg.get("architectures") or []
         kind = "dspark" if any("DSpark" in a for a in archs) or "markov_rank" in cfg else "dflash"
         sub = cfg.get("dflash_config") or {}
@@ -72,12 +74,46 @@ class DrafterConfig:
             raise ValueError("drafter config.json needs block_size and mask_token_id "
                              "(top level or in dflash_config)")
         if taps is None:
-            taps = build_target_layer_ids(int(cfg["num_target_layers"]), int(cfg["num_hidden_layers"]))
-        return cls(kind, int(block), int(mask), [int(t) for t in taps],
-                   int(cfg.get("markov_rank", 0) or 0), str(cfg.get("markov_head_type", "vanilla")),
-                   bool(cfg.get("enable_confidence_head", False)),
-                   bool(cfg.get("confidence_head_with_markov", True)),
-                   cfg.get("confidence_temperatures"), bool(cfg.get("draft_from_anchor", True)))
+            taps = build_target_layer_ids(_int(cfg.get("num_target_layers"), "num_target_layers", 1),
+                                          _int(cfg.get("num_hidden_layers"), "num_hidden_layers", 1))
+        if not isinstance(taps, list) or not taps:
+            raise ValueError(f"target_layer_ids must be a non-empty list of layer indices, not {taps!r}")
+        temps = cfg.get("confidence_temperatures")
+        if temps is not None and (not isinstance(temps, list) or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf") for t in temps)):
+            raise ValueError(f"confidence_temperatures must be a list of positive numbers, not {temps!r}")
+        d = cls(kind, _int(block, "block_size", 1), _int(mask, "mask_token_id", 0),
+                [_int(t, "target_layer_ids", 0) for t in taps],
+                _int(cfg.get("markov_rank", 0) or 0, "markov_rank", 0), str(cfg.get("markov_head_type", "vanilla")),
+                _flag(cfg, "enable_confidence_head", False), _flag(cfg, "confidence_head_with_markov", True),
+                [float(t) for t in temps] if temps is not None else None, _flag(cfg, "draft_from_anchor", True))
+        if d.num_draft_tokens < 1:
+            raise ValueError(f"block_size {d.block_size} leaves no draft for a {kind} drafter")
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and d.mask_token_id >= vocab:
+            raise ValueError(f"mask_token_id {d.mask_token_id} is outside the vocabulary ({vocab})")
+        return d
+
+
+def _int(value, key: str, least: int) -> int:
+    """A JSON integer >= least (an integral float such as 9.0 passes; true, "9" and [9] do not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{key} must be an integer, not {value!r}")
+    if value < least:
+        raise ValueError(f"{key} must be at least {least}, not {value!r}")
+    return int(value)
+
+
+def _flag(cfg: dict, key: str, default: bool) -> bool:
+    """A JSON true/false (absent or null: the default); the string "false" is refused, not read
+    as true."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, not {value!r}")
+    return value
 
 
 @dataclass(slots=True)

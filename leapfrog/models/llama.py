@@ -159,6 +159,30 @@ class PipelineGap(nn.Module):
     """Where a decoder layer of another pipeline stage would be: no weights, never called."""
 
 
+# The MLP computes SiLU(gate) * up; HF's ACT2FN has "swish" as another name for it.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse config.json values this decoder would misread or fail on only in a request: an
+    activation it does not compute (the weights would load and the text would be wrong), a
+    non-numeric or non-positive size, norm epsilon or context length. ValueError naming the key."""
+    act = cfg.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported (the MLP computes SiLU: "
+                         f"{' or '.join(map(repr, SUPPORTED_ACTIVATIONS))})")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+        value = cfg.get(key)
+        if value is None and key not in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, not {value!r}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps must be a number between 0 and 1, not {eps!r}")
+
+
 class DecoderModel(nn.Module):
     """Under pipeline parallelism the layers of this stage only (the others are PipelineGap,
     so that weight names keep their layer numbers); every stage keeps the embedding, the final
@@ -166,6 +190,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: dict, flavour: str) -> None:
         super().__init__()
+        check_config(cfg)
         # under tensor parallelism, this rank's rows of the vocabulary (Megatron's vocab-parallel
         # embedding: other ranks' tokens embed as zeros here, and the all-reduce sums them in)
         self.vocab_start, local_vocab = tp.shard(cfg["vocab_size"], "vocab_size")
