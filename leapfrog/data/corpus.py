@@ -93,19 +93,26 @@ def heldout(name: str, data_dir: str | None = None) -> list:
     raise ValueError(f"unknown dataset {name!r}; expected 'stories' or 'couplets'")
 
 
-def train_items(name: str, data_dir: str | None = None) -> dict[str, list]:
+def train_items(name: str, data_dir: str | None = None, truecase: bool = False) -> dict[str, list]:
     """Training items by source: stories -> {"stories": [...]}; couplets -> pairs and triples.
 
     Couplet sources: "pairs" (上联, 下联) from couplets.tsv + poetry, "spring" (上联, 下联, 横批).
     Any record whose first side is a held-out 上联 is dropped, whatever file it comes from.
+    ``truecase`` (stories): the lowercased file's stories get their capitals back, from the
+    casing of the cased training stories (data.truecase).
     """
     root = data_root(data_dir)
     if name == "stories":
         kept = [s for s in _story_pool(root) if not is_heldout(s, name)]
+        table = None
+        if truecase:
+            from leapfrog.data.truecase import CasingTable
+            table = CasingTable.learn(kept)
         for fname in STORY_TRAIN_ONLY_FILES:
             path = root / "stories" / fname
             if path.exists():
-                kept += [s for s in read_stories(path) if not is_heldout(s, name)]
+                extra = [s for s in read_stories(path) if not is_heldout(s, name)]
+                kept += [table.apply(s) for s in extra] if table else extra
         return {"stories": kept}
     if name == "couplets":
         held = {p[0] for p in heldout(name, data_dir)} | {p[1] for p in heldout(name, data_dir)}

@@ -95,6 +95,9 @@ class TrainConfig:
     # Training-only sources (prepare's ``extra``) and the share of windows drawn from each; the
     # rest come from the dataset's own training stream.
     mix: tuple[tuple[str, float], ...] = ()
+    # stories: train on the lowercased TinyStories file with its capitals restored (data.truecase);
+    # the tokenizer stays the one trained on the files as they are.
+    truecase: bool = False
     dropout: float = 0.0                        # residual and embedding dropout (fast forward)
     fast: bool = False                          # train.fast forward + fused AdamW where supported
     compile: bool = False                       # torch.compile the fast step (static shapes)
@@ -401,7 +404,7 @@ def training_data(cfg: TrainConfig):
     from leapfrog.train.prepare import prepare
 
     prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
-                   cfg.long_repeats, tuple(source for source, _ in cfg.mix))
+                   cfg.long_repeats, tuple(source for source, _ in cfg.mix), cfg.truecase)
     if cfg.distill is not None:
         from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)

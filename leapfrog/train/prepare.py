@@ -28,15 +28,19 @@ class Prepared:
     extra: dict[str, np.memmap] = field(default_factory=dict)
 
 
-def _texts(name: str, data_dir: str | None, seed: int, long_repeats: int = 0
+def _texts(name: str, data_dir: str | None, seed: int, long_repeats: int = 0, truecase: bool = False
            ) -> tuple[list[str], list[str], list[str]]:
     """(train texts, validation texts, tokenizer texts); each text becomes <s> text </s> in the
     stream. The tokenizer is trained on the plain examples, so oversampling long couplets
-    (`long_repeats`) changes the stream, never the vocabulary."""
+    (`long_repeats`) changes the stream, never the vocabulary, and so does truecasing the
+    lowercased stories (`truecase`): a truecased stage can continue any stories model."""
     items = data.train_items(name, data_dir)
     held = data.heldout(name, data_dir)
     if name == "stories":
-        return items["stories"], held, items["stories"]
+        train = data.train_items(name, data_dir, truecase=True)["stories"] if truecase else items["stories"]
+        return train, held, items["stories"]
+    if truecase:
+        raise ValueError(f"truecase applies to the stories data only, not {name!r}")
     base = couplets.build_examples(items["pairs"], items["spring"], seed=seed)
     train = couplets.build_examples(items["pairs"], items["spring"], seed=seed,
                                     long_repeats=long_repeats) if long_repeats else base
@@ -50,14 +54,17 @@ def _data_stamp(data_dir: str | None, name: str) -> list[tuple[str, int, int]]:
 
 
 def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: int = 0,
-            max_length: int = 512, long_repeats: int = 0, extra: tuple[str, ...] = ()) -> Prepared:
+            max_length: int = 512, long_repeats: int = 0, extra: tuple[str, ...] = (),
+            truecase: bool = False) -> Prepared:
     """Build (or reuse) the tokenizer and token streams for dataset ``name``, and a stream for
     each training-only source in ``extra`` (encoded with the same tokenizer)."""
     key_extra = [long_repeats] if long_repeats else []      # existing caches keep their keys
+    if truecase:
+        key_extra.append("truecase")
     tag = data.fingerprint(FORMAT_VERSION, name, asdict(spec), _data_stamp(data_dir, name), seed, *key_extra)
     root = data.CACHE_DIR / name / tag
     tok_dir, train_bin, val_bin = root / "tokenizer", root / "train.bin", root / "val.bin"
-    train_texts, val_texts, tok_texts = _texts(name, data_dir, seed, long_repeats)
+    train_texts, val_texts, tok_texts = _texts(name, data_dir, seed, long_repeats, truecase)
     if not (train_bin.exists() and val_bin.exists() and (tok_dir / "tokenizer.json").exists()):
         # The tokenizer sees training text only, so validation loss is honest.
         sp_model = train_sentencepiece(tok_texts, spec, root / "sentencepiece")
