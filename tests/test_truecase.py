@@ -68,3 +68,21 @@ def test_truecased_training_keeps_the_tokenizer_and_the_validation_split(data_di
     assert restored[:n] == lowered[:n]                      # the cased files are untouched
     assert any(r != low for r, low in zip(restored[n:], lowered[n:]))
     assert all(r.lower() == low for r, low in zip(restored[n:], lowered[n:]))
+
+
+def test_leapfrog_train_truecase_flag(data_dir, tmp_path, private_cache):
+    """`leapfrog train <stories recipe> --truecase` trains on the restored text and records it;
+    on the couplets data it is a usage error."""
+    import pytest
+
+    from leapfrog.train.cli import config_for
+    from leapfrog.train.loop import train
+
+    cfg, _ = config_for(["tiny", "--truecase", "--data-dir", str(data_dir), "--steps", "2",
+                         "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "run")])
+    assert cfg.truecase and " --truecase " in cfg.command
+    summary = train(cfg)
+    assert summary["config"]["truecase"] is True and summary["steps"] == 2
+    assert not config_for(["stories-polish"])[0].truecase
+    with pytest.raises(SystemExit):
+        config_for(["couplets", "--truecase"])

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads for this process (default: the recipe's; stories uses every core)")
     p.add_argument("--no-compile", action="store_true",
                    help="run the fast forward uncompiled (no compiler warm-up; slower steps)")
+    p.add_argument("--truecase", action="store_true",
+                   help="stories: train on the lowercased TinyStories file with its capitals restored "
+                        "(the tokenizer stays the same; docs/models.md)")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt if present")
     p.add_argument("--no-readme", action="store_true",
                    help="skip sampling/metrics after training (README then lacks samples)")
@@ -82,6 +85,10 @@ def config_for(argv: list[str]):
             setattr(cfg, field_name, value)
     if args.no_compile:
         cfg.compile = False
+    if args.truecase:
+        if cfg.name != "stories":
+            build_parser().error(f"--truecase applies to the stories data, not {args.recipe}'s ({cfg.name})")
+        cfg.truecase = True
     if cfg.lora is not None and args.out:     # a low-rank run writes into a recipe folder
         cfg.lora.recipe = args.out
     cfg.lr = max(cfg.lr, cfg.min_lr)
