@@ -6,7 +6,8 @@ token caches are written, under the ignored ``data_cache/``.
 Which files are used, and why:
 - stories: ``tinystories_cased.txt`` + ``tinystories_valid.txt`` (cased TinyStories, both split
   into train/held-out) and ``tinystories_lowercase.txt`` (train only: it doubles the data, and a
-  cased prompt keeps the continuation cased). ``classics.txt`` (public-domain children's books, a
+  cased prompt keeps the continuation cased; ``train_items(..., truecase=True)`` gives it its
+  capitals back, see data.truecase). ``classics.txt`` (public-domain children's books, a
   19th-century register) is a separate training-only source (``extra_items``) that a recipe may
   mix in at a set share of its windows: more text to repeat less of TinyStories' one million
   tokens on a long run; it never enters the tokenizer or the validation split.

@@ -10,7 +10,7 @@ language. Restoring the casing makes it in-distribution text:
   own at least ``MIN_SHARE`` of the time: names (Lily, Ben, Spot), "I" and its contractions;
 * the first word of a sentence, of a paragraph and of a quotation is capitalised, except after
   a quotation ending in ! or ? ("Ow!" he cried.), where TinyStories continues in lower case;
-* a word after "named" that the cased stories never write in lower case is a name.
+* a word after "named" that the cased stories write in lower case fewer than 3 times is a name.
 
 The table is learned from the cased training split only (never from held-out stories), so
 validation stays honest. Deterministic: same stories, same table, same text.
