@@ -99,3 +99,23 @@ def test_bfloat16_products_add_llama_cpps_bfloat16_gguf(fake_cpp, tmp_path, monk
     assert set(peers.llama_cpp_peers(args, tmp_path)) == {"f16", "f32"}
     assert asked == ["f16", "f32", "bf16", "f16", "f32"]
 
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "0"], "--threads 0: must be at least 1"),
+    (["--concurrency", "1", "0"], "--concurrency 0: must be at least 1"),
+    (["--suite", "speculative", "--num-prompts", "-2"], "--num-prompts -2: must be at least 1"),
+])
+def test_bad_counts_are_usage_errors(argv, message, capsys, tmp_path):
+    # these once reached torch.set_num_threads or a loop and ended in a traceback
+    with pytest.raises(SystemExit) as e:
+        bench_main(argv + ["--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_model_is_an_error_not_a_traceback(capsys, tmp_path):
+    rc = bench_main(["--model", str(tmp_path / "nothing"), "--repeats", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "nothing" in err
+    assert not (tmp_path / "out").exists()

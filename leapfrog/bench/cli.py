@@ -35,6 +35,11 @@ from pathlib import Path
 from leapfrog.bench import couplets, diffusion, parallel, peers, reliability, soak, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
+from leapfrog.loader import CheckpointError
+
+# Counts that must be at least 1 wherever a suite reads them (None: the suite's default).
+COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "num_prompts", "gamma", "num_blocks",
+          "candidates", "clients", "fuzz_examples", "burst_factor")
 
 SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,
           "reliability": reliability, "soak": soak, "parallel": parallel}
@@ -77,13 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     if "--serve" in argv:          # load against a running server: serve.py
         from leapfrog.bench import serve
         return serve.main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in COUNTS:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v < 1:
+                parser.error(f"--{name.replace('_', '-')} {v}: must be at least 1")
     suite = SUITES[args.suite]
     if args.suite == "speculative":
         args.concurrency = args.concurrency or [1, 8, 32]
     elif args.suite == "peers":
         args.concurrency = args.concurrency or [1, 4, 16, 64]
-    result = suite.run(args)
+    try:
+        result = suite.run(args)
+    except (FileNotFoundError, CheckpointError) as e:    # a model or drafter that is not there or broken
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
