@@ -71,6 +71,8 @@ class EngineConfig:
                 raise ValueError(f"engine option {name}={getattr(self, name)!r}: {why}")
         check("device", self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
               "expected auto, cpu, cuda or cuda:N")
+        check("device", _device_present(self.device),
+              f"no such device here (torch {torch.__version__}: {_devices_here()}); use auto or cpu")
         check("dtype", self.dtype == "auto" or self.dtype in _DTYPES, f"expected auto or one of {sorted(_DTYPES)}")
         check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
               f"expected auto or one of {sorted(_DTYPES)}")
@@ -120,3 +122,22 @@ def resolve_model(model: str | os.PathLike) -> Path:
     builtin = sorted(p.name for root in CHECKPOINT_DIRS if root.is_dir() for p in root.iterdir() if p.is_dir())
     raise FileNotFoundError(f"model {str(model)!r}: no such folder and no built-in model of that name "
                             f"(built-in: {', '.join(builtin) or 'none'})")
+
+
+def _device_present(device: str) -> bool:
+    """Whether `device` (already of the form auto, cpu, cuda[:N] or mps) exists on this machine:
+    asked for here so that a missing GPU is a configuration error, not an assertion deep in torch."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        return not index or (index.isdigit() and int(index) < torch.cuda.device_count())
+    if kind == "mps":
+        return torch.backends.mps.is_available()
+    return True
+
+
+def _devices_here() -> str:
+    if not torch.cuda.is_available():
+        return "built without CUDA" if torch.version.cuda is None else "no CUDA GPU visible"
+    return f"{torch.cuda.device_count()} CUDA device(s)"

@@ -218,3 +218,18 @@ def test_a_request_whose_output_fails_fails_alone(llm, monkeypatch):
     assert final["bad"].finish_reason == "error:RuntimeError: boom"
     assert final["good"].token_ids == want.token_ids and final["good"].text == want.text
     assert eng.block_manager.num_used_blocks == 0 and not eng.requests
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "mps"])
+def test_a_device_this_machine_lacks_is_a_configuration_error(llama_dir, device):
+    # device="cuda" on a CPU-only torch once failed inside torch with a bare AssertionError
+    import torch
+    from leapfrog.config import EngineConfig
+    present = {"cuda": torch.cuda.is_available(), "cuda:7": torch.cuda.device_count() > 7,
+               "mps": torch.backends.mps.is_available()}[device]
+    if present:
+        pytest.skip(f"{device} exists here")
+    with pytest.raises(ValueError, match=rf"device='{device}': no such device here"):
+        LLM(str(llama_dir), device=device)
+    EngineConfig(device="cpu").validate()
+    EngineConfig(device="auto").validate()
