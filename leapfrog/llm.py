@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from numbers import Integral
 from typing import Sequence as Seq
 
 from tqdm import tqdm
@@ -35,19 +36,35 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: int | Seq[int] = 0) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts may be strings or token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, int)) or prompts is None or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params_list) != n or len(prios) != n:
             raise ValueError("params and priority lists must have one entry per prompt")
-        ids = [self.engine.add_request(p, sp, priority=pr, stream=False) for p, sp, pr in zip(prompts, params_list, prios)]
+        for p in prompts:
+            if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and
+                                           all(isinstance(t, Integral) and not isinstance(t, bool) for t in p))):
+                raise TypeError(f"a prompt must be a string or a list of token ids, not {type(p).__name__} "
+                                f"{str(p)[:60]!r}")
+        for sp in params_list:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"params must be SamplingParams (or one per prompt), not {type(sp).__name__}")
+        ids: list[str] = []
+        try:
+            for p, sp, pr in zip(prompts, params_list, prios):
+                ids.append(self.engine.add_request(p, sp, priority=pr, stream=False))
+        except BaseException:
+            for rid in ids:       # a bad prompt refuses the whole call: none of it stays queued
+                self.engine.abort(rid)
+            raise
+        wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, disable=not use_tqdm, file=sys.stderr, desc="generate")
         while len(results) < n:
             for out in self.engine.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     results[out.request_id] = out
                     bar.update(1)
         bar.close()

@@ -233,3 +233,26 @@ def test_a_device_this_machine_lacks_is_a_configuration_error(llama_dir, device)
         LLM(str(llama_dir), device=device)
     EngineConfig(device="cpu").validate()
     EngineConfig(device="auto").validate()
+
+
+def test_a_bad_prompt_refuses_the_whole_generate_call_and_leaves_nothing_queued(llama_dir):
+    # the good prompts before a bad one used to stay queued; finishing first in the next call,
+    # they were counted among its results, which then lacked one of its own (KeyError)
+    llm = LLM(str(llama_dir), block_size=4)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["Once upon a time", [10 ** 6]], SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished()
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.prompt for o in outs] == PROMPTS[:2] and all(len(o.token_ids) == 16 for o in outs)
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    (5, None, "a prompt must be a string or a list of token ids, not int"),
+    ([None], None, "not NoneType"),
+    ([[1, 2.5]], None, "not list"),
+    (["hi"], {"max_tokens": 4}, "params must be SamplingParams"),
+])
+def test_prompts_and_params_of_the_wrong_type_are_named(llm, prompts, params, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished()
