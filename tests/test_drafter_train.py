@@ -257,3 +257,17 @@ def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tm
     import dataclasses
     with pytest.raises(ValueError, match="not a DSpark drafter"):
         train_drafter(dataclasses.replace(r, heads_from=str(folders["dflash"]), run_dir=str(tmp_path / "run2")))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "steps=0: must be a positive integer"),
+    (["--num-draft", "0"], "num_draft=0: must be a positive integer"),
+    (["--lr", "0"], "lr=0.0: must be a positive number"),
+    (["--taps", "0,-2"], "must be target layer ids"),
+    (["--taps", "x"], "invalid literal"),                       # once a traceback
+])
+def test_drafter_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    from leapfrog.train.drafter import recipe_for
+    with pytest.raises(SystemExit) as e:
+        recipe_for(["dspark-markov-2l"] + flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err

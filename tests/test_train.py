@@ -394,3 +394,34 @@ def test_a_couplets_export_never_generates_its_end_of_prompt_marker(data_dir, tm
 def test_a_stories_export_suppresses_nothing(trained):
     cfg, _ = trained
     assert "suppress_tokens" not in json.loads((Path(cfg.out_dir) / "generation_config.json").read_text())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),        # once wrote a model with val loss nan
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--seq-len", "1"], "--seq-len 1: must be at least 2"),
+    (["--eval-interval", "0"], "--eval-interval 0: must be at least 1"),   # once ZeroDivisionError
+    (["--threads", "0"], "--threads 0: must be at least 1"),
+    (["--lr", "-1"], "--lr -1.0: must be a positive number"),   # once silently raised to min_lr
+])
+def test_train_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    from leapfrog.train.cli import config_for
+    with pytest.raises(SystemExit) as e:
+        config_for(["tiny"] + flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_recipe_passes_the_flag_checks():
+    from leapfrog.train.cli import config_for
+    from leapfrog.train.recipes import RECIPES
+    for name in RECIPES:
+        cfg, _ = config_for([name])
+        assert cfg.max_steps >= 1
+
+
+def test_a_missing_data_folder_is_an_error_not_a_traceback(tmp_path, capsys):
+    from leapfrog.train.cli import main
+    rc = main(["tiny", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
+               "--run-dir", str(tmp_path / "r"), "--steps", "1"])
+    assert rc == 2 and "none does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

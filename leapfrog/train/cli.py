@@ -4,6 +4,7 @@ drafter (leapfrog.train.drafter). The recipes and their descriptions are in reci
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 
@@ -74,6 +75,20 @@ OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "st
              "threads": "threads"}
 
 
+# The flag of each config field, and its least value (a usage error below it, before any work).
+LEAST = {"max_steps": ("--steps", 1), "batch_size": ("--batch-size", 1), "grad_accum": ("--grad-accum", 1),
+         "seq_len": ("--seq-len", 2), "warmup_steps": ("--warmup", 0), "eval_interval": ("--eval-interval", 1),
+         "ckpt_interval": ("--ckpt-interval", 1), "threads": ("--threads", 1)}
+
+
+def _check_numbers(cfg) -> None:
+    for field_name, (flag, least) in LEAST.items():
+        if getattr(cfg, field_name) < least:
+            build_parser().error(f"{flag} {getattr(cfg, field_name)}: must be at least {least}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        build_parser().error(f"--lr {cfg.lr}: must be a positive number")
+
+
 def config_for(argv: list[str]):
     """(TrainConfig, parsed flags) of `leapfrog train ARGV`: the recipe's config with the flags
     applied."""
@@ -83,6 +98,7 @@ def config_for(argv: list[str]):
         value = getattr(args, arg_name)
         if value is not None:
             setattr(cfg, field_name, value)
+    _check_numbers(cfg)
     if args.no_compile:
         cfg.compile = False
     if args.truecase:
@@ -104,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = config_for(argv)
     from leapfrog.train.loop import train
 
-    summary = train(cfg, resume=args.resume)
+    try:
+        summary = train(cfg, resume=args.resume)
+    except FileNotFoundError as e:        # the data folder, a data file or an init_from folder is not there
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not args.no_readme and cfg.lora is None:      # a delta's recipe folder keeps its own README
         from leapfrog.train.readme import finish_folder
 

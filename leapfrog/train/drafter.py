@@ -409,9 +409,9 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
         opts["out_dir"] = args.out
     if args.run_dir:
         opts["run_dir"] = args.run_dir
-    if args.taps:
-        opts["taps"] = [int(t) for t in args.taps.split(",")]
     try:
+        if args.taps:
+            opts["taps"] = [int(t) for t in args.taps.split(",")]
         r = DrafterRecipe(**opts, command="leapfrog train drafter " + shlex.join(a for a in argv if a != "--resume"))
     except ValueError as e:               # a bad combination of flags: a usage error, before any work
         build_parser().error(str(e))
@@ -420,7 +420,11 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     r, args = recipe_for(list(sys.argv[1:] if argv is None else argv))
-    s = train_drafter(r, resume=args.resume)
+    try:
+        s = train_drafter(r, resume=args.resume)
+    except FileNotFoundError as e:        # the data folder, the target or an --init-from folder is not there
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {r.out_dir}: offline τ {s['offline_tau']}, val loss {s['val_loss']}, {s['wall_s'] / 60:.1f} min")
     return 0
 

@@ -46,6 +46,15 @@ class DrafterRecipe:
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
+        for name in ("num_layers", "markov_rank", "num_draft", "steps", "seqs_per_step", "anchors",
+                     "eval_interval", "ckpt_interval", "num_regen", "num_val", "regen_tokens", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and self.lr < float("inf")):
+            raise ValueError(f"lr={self.lr!r}: must be a positive number")
+        if not self.taps or any(not isinstance(t, int) or t < 0 for t in self.taps):
+            raise ValueError(f"taps={self.taps!r}: must be target layer ids (integers >= 0)")
         if self.heads_from and (self.kind != "dspark" or not self.init_from):
             raise ValueError("heads_from (--heads-from) is for a DSpark drafter and needs init_from "
                              "(--init-from, the drafter the rest starts from)")
