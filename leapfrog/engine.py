@@ -77,8 +77,14 @@ class LLMEngine:
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
                             self.device, self.dtype, draft_model, self._paged_runner)
         # The model folder's defaults for this method (leapfrog.json), under the caller's own.
-        method_options = {**model_method_options(self.model_path, method), **method_options}
-        self.method: Method = method_class(method)(ctx, **method_options)
+        folder_options = model_method_options(self.model_path, method)
+        try:
+            self.method: Method = method_class(method)(ctx, **{**folder_options, **method_options})
+        except ValueError as e:
+            if folder_options:      # say where options the caller did not pass came from
+                raise ValueError(f"{e} (the model folder's defaults for {method!r}, from "
+                                 f"{self.model_path / 'leapfrog.json'}: {folder_options})") from None
+            raise
         self.method_name = method
         if (self.device.type == "cpu" and self.config.matmul_precision == "bfloat16"
                 and not linear_layers.bf16_products_available()):

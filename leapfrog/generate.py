@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     from leapfrog.engine import LLMEngine
-    kwargs = engine_kwargs(args)
     try:
+        kwargs = engine_kwargs(args)       # reads the model folder's leapfrog.json (default method)
         from leapfrog.distributed import num_ranks, start
         if num_ranks(kwargs) > 1:
             engine = start(args.model, kwargs)

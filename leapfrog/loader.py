@@ -271,7 +271,32 @@ def model_meta(model_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{meta}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{meta}: expected a JSON object")
+    check_meta(data, meta)
     return data
+
+
+def check_meta(data: dict, meta: Path) -> None:
+    """Refuse leapfrog.json values of the wrong shape (they were ignored, or failed inside the
+    engine without the file's name). Keys it does not know are left alone, for newer folders."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{meta}: {key} must be {what}, not {json.dumps(data.get(key))[:80]}")
+    if "default_method" in data:
+        need(isinstance(data["default_method"], str) and bool(data["default_method"]), "default_method",
+             "a method's name")
+    if "coupled_positions" in data:
+        need(data["coupled_positions"] is None or isinstance(data["coupled_positions"], str),
+             "coupled_positions", "a token (a string)")
+    if "drafters" in data:
+        d = data["drafters"]
+        need(d is None or (isinstance(d, dict) and all(isinstance(v, str) and v for v in d.values())),
+             "drafters", "an object of method -> folder or model name")
+    for key in ("engine_options", "method_options"):
+        if key in data:
+            need(data[key] is None or isinstance(data[key], dict), key, "an object")
+    for method, options in (data.get("method_options") or {}).items():
+        if options is not None and not isinstance(options, dict):
+            raise CheckpointError(f"{meta}: method_options.{method} must be an object, not {json.dumps(options)[:80]}")
 
 
 def named_drafter(model_dir: str | os.PathLike, method: str) -> Path | None:

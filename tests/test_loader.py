@@ -33,6 +33,8 @@ def test_unsupported_architecture(ckpt):
     ({"hidden_size": "64"}, "hidden_size must be a positive integer, not '64'"),
     ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, not 'false'"),
+    ({"attention_bias": "no"}, "attention_bias must be true or false"),
 ])
 def test_config_values_the_decoder_would_misread_are_refused(ckpt, patch, message):
     """These loaded before (a GELU model decoded with SiLU, wrong text and no error) or failed
@@ -106,3 +108,35 @@ def test_sha256sums_manifest_is_enforced(ckpt):
     (ckpt / "config.json").write_text(cfg.replace('"vocab_size"', ' "vocab_size"'))
     with pytest.raises(CheckpointError, match=r"config\.json: SHA256 mismatch"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"default_method": 5}, "default_method must be a method's name, not 5"),
+    ({"drafters": "drafters/dspark"}, "drafters must be an object of method -> folder or model name"),
+    ({"drafters": {"dspark": 3}}, "drafters must be an object"),
+    ({"method_options": [1]}, "method_options must be an object, not \\[1\\]"),
+    ({"method_options": {"ar": "fast"}}, "method_options.ar must be an object"),
+    ({"coupled_positions": 7}, "coupled_positions must be a token"),
+])
+def test_leapfrog_json_of_the_wrong_shape_is_refused_naming_it(ckpt, meta, message):
+    """These were ignored (a list of method options failed with an AttributeError)."""
+    from leapfrog.loader import model_meta
+    (ckpt / "leapfrog.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"leapfrog\\.json: {message}"):
+        model_meta(ckpt)
+
+
+def test_a_default_method_that_is_not_one_is_refused(ckpt):
+    from leapfrog.methods import default_method
+    (ckpt / "leapfrog.json").write_text(json.dumps({"default_method": "dspakr", "future_key": 1}))
+    with pytest.raises(CheckpointError, match="default_method 'dspakr' is not a method"):
+        default_method(str(ckpt))        # it fell back to ar without a word
+    (ckpt / "leapfrog.json").write_text(json.dumps({"default_method": "ar", "future_key": 1}))
+    assert default_method(str(ckpt)) == "ar"     # keys it does not know stay allowed
+
+
+def test_a_folder_method_option_that_is_wrong_names_the_file(ckpt):
+    from leapfrog import LLM
+    (ckpt / "leapfrog.json").write_text(json.dumps({"method_options": {"ar": {"gamma": 4}}}))
+    with pytest.raises(ValueError, match="unknown option.*gamma.*leapfrog.json"):
+        LLM(str(ckpt))

@@ -35,6 +35,10 @@ def default_method(model: str) -> str:
     method = model_meta(folder).get("default_method")
     if method in METHODS:
         return method
+    if method is not None:
+        from leapfrog.loader import CheckpointError
+        raise CheckpointError(f"{Path(folder) / 'leapfrog.json'}: default_method {method!r} is not a method "
+                              f"(available: {', '.join(sorted(METHODS))})")
     drafter = Path(folder) / "drafter" / "config.json"
     if drafter.is_file():      # the drafter's own layout says which method it was trained for
         from leapfrog.models.dflash import DrafterConfig

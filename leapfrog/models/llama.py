@@ -166,7 +166,8 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 def check_config(cfg: dict) -> None:
     """Refuse config.json values this decoder would misread or fail on only in a request: an
     activation it does not compute (the weights would load and the text would be wrong), a
-    non-numeric or non-positive size, norm epsilon or context length. ValueError naming the key."""
+    non-numeric or non-positive size, norm epsilon or context length, a flag that is not a JSON
+    boolean. ValueError naming the key."""
     act = cfg.get("hidden_act") or "silu"
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported (the MLP computes SiLU: "
@@ -178,6 +179,10 @@ def check_config(cfg: dict) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, not {value!r}")
+    for key in ("tie_word_embeddings", "attention_bias", "qkv_bias", "use_qkv_bias", "mlp_bias", "use_qk_norm"):
+        # a string "false" would read as true: a tied head ignoring the checkpoint's own lm_head
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ValueError(f"{key} must be true or false, not {cfg[key]!r}")
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"rms_norm_eps must be a number between 0 and 1, not {eps!r}")
