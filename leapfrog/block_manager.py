@@ -86,8 +86,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks holding a prefix of `seq`'s tokens; returns tokens reused.
         At least one token is always left to compute, so the step that follows has logits."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return 0
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0          # (prompt logprobs need every prompt position's logits computed)
         bs = self.block_size
         max_blocks = (len(seq.token_ids) - 1) // bs
         prev: int | None = None

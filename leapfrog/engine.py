@@ -18,7 +18,7 @@ from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
-from leapfrog.methods.base import Batch, Method, MethodContext
+from leapfrog.methods.base import Batch, Method, MethodContext, StepOutput
 from leapfrog.multistep import MultiStep
 from leapfrog.outputs import RequestMetrics, RequestOutput
 from leapfrog.runner import ModelRunner
@@ -193,6 +193,9 @@ class LLMEngine:
         ids = self._one_trailing_anchor(ids)
         if params.logits_processors and not self.method.supports_logits_processors:
             raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
+        if params.prompt_logprobs is not None and self.method.attn_block_size > 1:
+            raise ValueError(f"prompt_logprobs: the {self.method.name} method reads its prompt blocks "
+                             "bidirectionally, so it has no next-token distribution per prompt token")
         vocab = self.hf_config["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -208,6 +211,8 @@ class LLMEngine:
                        eos_token_ids=tuple(self.scheduler.eos_token_ids))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = _Request(seq, text, detok, stream or bool(params.stop))
         self.scheduler.add(seq)
@@ -276,8 +281,13 @@ class LLMEngine:
                 commits = self.multistep.run(batch, plan)
             else:
                 self.method.prepare(batch)
+                prompt_rows = mark_prompt_logit_rows(batch)
                 out = self.runner.run(batch)
+                if prompt_rows:
+                    out, prompt_logits = split_prompt_logits(batch, out)
                 commits = self.method.commit(batch, out)
+                if prompt_rows:
+                    record_prompt_logprobs(batch, prompt_logits)
         except Exception as exc:
             if len(batch.seqs) > 1:
                 half = len(batch.seqs) // 2
@@ -331,7 +341,8 @@ class LLMEngine:
                             req.text[:visible] if not seq.is_finished else req.text,
                             list(seq.output_ids), seq.is_finished, seq.finish_reason,
                             self._metrics(seq), delta, new_tokens,
-                            list(seq.logprobs) if seq.params.logprobs is not None else None)
+                            list(seq.logprobs) if seq.params.logprobs is not None else None,
+                            list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
         req.sent_tokens = seq.num_output_tokens
         return out
 
@@ -388,3 +399,55 @@ class LLMEngine:
             time_to_first_token=(m.first_token_time - m.arrival_time) if m.first_token_time else None,
             total_time=end - m.arrival_time, num_cached_prompt_tokens=m.num_cached_prompt_tokens,
             num_preemptions=m.num_preemptions)
+
+
+# --- prompt logprobs (SamplingParams.prompt_logprobs) ----------------------------------------
+def mark_prompt_logit_rows(batch: Batch) -> int:
+    """Set each sequence's num_prompt_logits: the leading known rows of this step at prompt
+    positions 0..P-2 (row p gives the distribution of prompt token p+1) of a request that asked
+    for prompt logprobs. Returns their total. A decode step (one known token at the end) has
+    none, so the C++ decode loop never needs them."""
+    total = 0
+    for s in batch.seqs:
+        seq = s.seq
+        rows = 0
+        if seq.prompt_logprobs is not None:
+            rows = max(0, min(s.start_pos + s.num_known, seq.num_prompt_tokens - 1) - s.start_pos)
+        s.num_prompt_logits = rows
+        total += rows
+    return total
+
+
+def split_prompt_logits(batch: Batch, out: StepOutput) -> tuple[StepOutput, torch.Tensor]:
+    """The runner's logits hold each sequence's prompt rows before the method's rows: the
+    method gets its own rows only (in batch order, as without prompt logprobs)."""
+    own, prompt, row = [], [], 0
+    for s in batch.seqs:
+        prompt.extend(range(row, row + s.num_prompt_logits))
+        row += s.num_prompt_logits
+        own.extend(range(row, row + s.num_logits))
+        row += s.num_logits
+    index = lambda rows: torch.tensor(rows, dtype=torch.long, device=out.logits.device)  # noqa: E731
+    return replace(out, logits=out.logits.index_select(0, index(own))), out.logits.index_select(0, index(prompt))
+
+
+def record_prompt_logprobs(batch: Batch, logits: torch.Tensor) -> None:
+    """Log-probabilities of the model's raw distribution at the prompt rows, in the format of
+    the output tokens' (sampling.token_logprobs): written at the positions they score, so a
+    preempted and recomputed prompt writes the same entries again."""
+    lp = logits.float().log_softmax(-1)
+    row = 0
+    for s in batch.seqs:
+        seq, n = s.seq, s.num_prompt_logits
+        if not n:
+            continue
+        block = lp[row:row + n]
+        targets = seq.token_ids[s.start_pos + 1:s.start_pos + 1 + n]
+        chosen = block.gather(1, torch.tensor(targets, device=block.device).unsqueeze(1))
+        ranks = (block > chosen).sum(-1).add(1).tolist()        # 1: the most likely token
+        k = seq.params.prompt_logprobs
+        tops = block.topk(k, dim=-1) if k else None
+        for j, (t, v) in enumerate(zip(targets, chosen.squeeze(1).tolist())):
+            top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
+            seq.prompt_logprobs[s.start_pos + 1 + j] = {"token_id": t, "logprob": v, "rank": ranks[j], "top": top}
+        row += n

@@ -30,3 +30,5 @@ class RequestOutput:
     delta_text: str = ""                    # new text since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
+    # SamplingParams.prompt_logprobs: an entry per prompt token, None for the first
+    prompt_logprobs: list[dict | None] | None = None

@@ -58,6 +58,7 @@ class ModelRunner:
             ids.extend(s.query_ids)
             pos.extend(self._rotary(s.seq, s.start_pos, n, coupled) if coupled else range(s.start_pos, s.start_pos + n))
             slots.extend(self._slots(s.seq.block_table, s.start_pos, s.start_pos + n))
+            logit_rows.extend(range(row, row + s.num_prompt_logits))     # the engine's (prompt logprobs)
             logit_rows.extend(range(row + n - s.num_logits, row + n))
             row += n
         dev = self.device

@@ -39,6 +39,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0                # end-of-text and stop_token_ids are banned before this many
     logprobs: int | None = None        # number of top alternatives to return, 0 = chosen only
+    # log-probabilities of the prompt's own tokens (vLLM's prompt_logprobs), with this many top
+    # alternatives each; the first token has none. Such a prompt skips the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # token id -> added to its logit before sampling, at every step (OpenAI's and vLLM's
@@ -88,8 +91,10 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad("seed", "must be an integer in [-2^63, 2^64 - 1]")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= 20):
+                bad(name, "must be in [0, 20]")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
         if any(not callable(f) for f in self.logits_processors):

@@ -50,6 +50,9 @@ class Sequence:
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     method_state: Any = None       # the decoding method's record of this sequence (its own type)
     logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt token (None for the first), filled as its
+    # prefill chunks run (engine.py)
+    prompt_logprobs: list[dict | None] | None = None
     eos_token_ids: tuple[int, ...] = ()     # the engine's end tokens (min_tokens bans them)
     # The CPU sampler's counter-based generator: key (the seed, or one drawn from the engine's
     # seed) and the number of draws so far (sampling.py).

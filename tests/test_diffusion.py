@@ -367,3 +367,11 @@ def test_models_that_are_not_block_diffusion_are_refused(models, llama_dir, tmp_
     (folder / "tokenizer_config.json").write_text(json.dumps(tcfg))
     with pytest.raises(ValueError, match="no mask token"):
         LLM(str(folder), method="diffusion")
+
+
+def test_prompt_logprobs_are_refused_by_block_diffusion(models):
+    # its prompt blocks are read bidirectionally: there is no next-token distribution per prompt token
+    llm = LLM(str(models["shift"]), method="diffusion")
+    with pytest.raises(ValueError, match="prompt_logprobs: the diffusion method"):
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert not llm.engine.has_unfinished()

@@ -80,7 +80,7 @@ def test_schema_bounds_are_the_sampling_params_bounds(field):
     base = {"max_tokens": 8} if field not in ("max_tokens", "min_tokens") else {}
     if field == "min_tokens":
         base = {"max_tokens": bound["maximum"]}
-    step = 1 if field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs") else 1e-9
+    step = 1 if field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs") else 1e-9
     for key, ok in (("minimum", True), ("exclusiveMinimum", False), ("maximum", True)):
         if key not in bound:
             continue

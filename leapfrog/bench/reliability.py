@@ -273,6 +273,7 @@ def overload(args: argparse.Namespace, out: Path) -> dict:
 
 
 # --- recovery ----------------------------------------------------------------------------------
+RECOVERY_LIMIT_S = 120.0       # seconds after the crash within which the server must answer again
 def recovery(args: argparse.Namespace, out: Path, repeats: int = 3) -> dict:
     server = Server(["--fault-injection"], out / "recovery-server.log")
     rows = []
@@ -305,14 +306,16 @@ async def _crash_once(url: str, model: str, max_tokens: int, streams: int = 4) -
         r = await client.post(url + "/admin/fault", json={"fault": "engine_crash", "model": model})
         assert r.status_code == 202, r.text
         done, pending = await asyncio.wait(tasks, timeout=30)
-        while True:
+        recovered = False
+        while time.perf_counter() - t0 < RECOVERY_LIMIT_S:     # a server that never answers again fails
             ready = (await client.get(url + "/ready")).status_code == 200
             if ready:
                 probe = await client.post(url + "/generate", json={**body, "max_tokens": 4})
                 if probe.status_code == 200:
+                    recovered = True
                     break
             await asyncio.sleep(0.05)
-        recovery_s = time.perf_counter() - t0
+        recovery_s = time.perf_counter() - t0 if recovered else float("inf")
         for t in pending:
             t.cancel()
     outcomes: dict[str, int] = {}

@@ -45,6 +45,9 @@ class ScheduledSeq:
     num_extra: int = 0             # method-owned query slots after them (drafts, masks)
     query_ids: list[int] = field(default_factory=list)   # filled by the method's prepare()
     num_logits: int = 0            # trailing query rows whose logits the method needs
+    # leading query rows whose logits the engine needs for the prompt's own logprobs
+    # (SamplingParams.prompt_logprobs); StepOutput holds only the method's rows
+    num_prompt_logits: int = 0
 
     @property
     def num_query(self) -> int:

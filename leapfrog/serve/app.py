@@ -30,9 +30,10 @@ from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, R
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
                                    render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
-                                    completion_body, completion_logprobs, detokenize_body, encode_prompt,
-                                    finish_reason, new_id, now, prepare_chat, prepare_completion,
-                                    sampling_params, sse, tokenize_body, usage)
+                                    completion_body, completion_logprobs, detokenize_body, echo_choice,
+                                    encode_prompt, finish_reason, join_logprobs, new_id, now, prepare_chat,
+                                    prepare_completion, prompt_logprobs_body, sampling_params, sse,
+                                    tokenize_body, usage)
 from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, APIError, ChatRequest, CompletionRequest,
                                     CoupletRequest, DetokenizeRequest, FaultRequest, GenerateRequest,
                                     TokenizeRequest, bad_request, parse_body)
@@ -632,20 +633,29 @@ def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int]) -> Calla
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
-    sent_lp, offsets, counts = [0] * n, [0] * n, [0] * n
+    sent_lp, offsets, counts, started = [0] * n, [0] * n, [0] * n, [False] * n
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     def render(i: int, out: Any) -> dict | None:
         counts[i] = len(out.token_ids)
+        first = not started[i]
+        started[i] = True
+        # a choice's first chunk starts with the echoed prompt (and its logprobs)
+        head_text, head_lp = echo_choice(out, req, prep, tok, i) if first else ("", None)
+        offsets[i] += len(head_text)
         lp = None
         if req.logprobs is not None and out.logprobs:
             lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i], _context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
             offsets[i] += sum(len(t) for t in lp["tokens"])
-        if not out.delta_text and not out.finished and lp is None:
+        lp = join_logprobs(head_lp, lp)
+        if not out.delta_text and not head_text and not out.finished and lp is None:
             return None
-        return {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
-                                     "finish_reason": finish_reason(out)}]}
+        choice = {"index": i, "text": head_text + out.delta_text, "logprobs": lp, "finish_reason": finish_reason(out)}
+        if first and req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
+                                                             tok, req.prompt_logprobs)
+        return {**head, "choices": [choice]}
 
     return stream_events(gen, render, usage_tail(req, head, prep, counts))
 
@@ -665,10 +675,14 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         if not out.delta_text and not out.finished and lp is None:
             return None
         delta = {"content": out.delta_text}
+        chunk = {**head}
         if not started[i]:          # OpenAI streams announce the role in a choice's first delta
             delta, started[i] = {"role": "assistant", **delta}, True
-        return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                     "finish_reason": finish_reason(out)}]}
+            if i == 0 and req.prompt_logprobs is not None:     # vLLM's, once for the request
+                chunk["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
+                                                                tok, req.prompt_logprobs)
+        return {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                      "finish_reason": finish_reason(out)}]}
 
     return stream_events(gen, render, usage_tail(req, head, prep, counts))
 

@@ -38,6 +38,7 @@ class Limits:
 class Prepared:
     prompts: list[list[int]]                    # token ids, one per prompt
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)   # prompt x n
+    texts: list[str] = field(default_factory=list)   # /v1/completions with echo: each prompt's text
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -72,12 +73,14 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits) -> li
 
 
 def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_tokens: int | None,
-                    seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
+                    seed_offset: int = 0, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     room = limits.max_model_len - prompt_len
     explicit = max_tokens is not None
     if not explicit:
         max_tokens = min(limits.default_max_tokens, room)
     kw: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs,
                               min_tokens=req.min_tokens,
                               skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output)
@@ -126,20 +129,25 @@ def check_n(n: int, limits: Limits) -> None:
 def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
-    if req.echo or req.suffix or (req.best_of or 1) > req.n:
-        name = next(k for k in ("echo", "suffix", "best_of") if getattr(req, k))
+    if req.suffix or (req.best_of or 1) > req.n:
+        name = next(k for k in ("suffix", "best_of") if getattr(req, k))
         raise bad_request(f"{name} is not supported", name, "unsupported")
+    # echo with logprobs scores the prompt too: one engine run gives both, at the larger top-k
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    prompt_k = max(wanted) if wanted else None
     p = req.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
         raise bad_request("prompt is empty", "prompt", "empty_prompt")
     ids = [encode_prompt(x, tokenizer, limits) for x in prompts]
     prep = Prepared(ids)
+    if req.echo:
+        prep.texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts]
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)
         for j in range(req.n):
             prep.requests.append((prompt_ids, sampling_params(req, limits, len(prompt_ids), req.max_tokens,
-                                                              j, req.logprobs)))
+                                                              j, req.logprobs, prompt_k)))
     return prep
 
 
@@ -182,7 +190,8 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prep = Prepared([ids])
     for j in range(req.n):
-        prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs)))
+        prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs,
+                                                   req.prompt_logprobs)))
     return prep
 
 
@@ -243,6 +252,56 @@ def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int, contex
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(entries: list[dict | None], ids: list[int], tokenizer: Any, k: int) -> dict:
+    """The echoed prompt's share of a completion's legacy logprobs: its first token has no
+    logprob (null, as OpenAI's), the others theirs with `k` alternatives. Offsets count the
+    pieces' characters; a special token (<s>) is shown by name but takes no room in the text."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for p, (token_id, e) in enumerate(zip(ids, entries)):
+        before = ids[max(0, p - PIECE_CONTEXT):p]
+        piece = _piece(tokenizer, before, token_id)
+        tokens.append(piece)
+        lps.append(None if e is None else e["logprob"])
+        tops.append(None if e is None else {_piece(tokenizer, before, i): lp for i, lp in e["top"][:k]})
+        offsets.append(offset)
+        offset += len(piece) if tokenizer.decode([token_id]) else 0
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(entries: list[dict | None], ids: list[int], tokenizer: Any, k: int) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token and the `k` most likely."""
+    body: list = []
+    for p, (token_id, e) in enumerate(zip(ids, entries)):
+        if e is None:
+            body.append(None)
+            continue
+        before = ids[max(0, p - PIECE_CONTEXT):p]
+        row = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": _piece(tokenizer, before, i)}
+               for r, (i, lp) in enumerate(e["top"][:k])}
+        row.setdefault(str(token_id), {"logprob": e["logprob"], "rank": e["rank"],
+                                       "decoded_token": _piece(tokenizer, before, token_id)})
+        body.append(row)
+    return body
+
+
+def echo_choice(out: RequestOutput, req: CompletionRequest, prep: Prepared, tok: Any, i: int) -> tuple[str, dict | None]:
+    """(text, legacy logprobs) of a completion choice's first part: the echoed prompt when
+    `echo`, else nothing; the completion's own logprobs follow at the returned text's length."""
+    if not req.echo:
+        return "", None
+    text = prep.texts[i // req.n]
+    if req.logprobs is None or out.prompt_logprobs is None:
+        return text, None
+    return text, echo_logprobs(out.prompt_logprobs, out.prompt_token_ids, tok, req.logprobs)
+
+
+def join_logprobs(head: dict | None, tail: dict | None) -> dict | None:
+    if head is None or tail is None:
+        return tail if head is None else head
+    return {key: head[key] + tail[key] for key in head}
+
+
 def chat_logprobs(entries: list[dict], tokenizer: Any, context: list[int]) -> dict:
     def one(tok: str, lp: float) -> dict:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
@@ -255,9 +314,15 @@ def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, pre
     choices = []
     for i in range(len(prep.requests)):
         out = final[i]
-        lp = (completion_logprobs(out.logprobs or [], tok, 0, out.prompt_token_ids)
+        head_text, head_lp = echo_choice(out, req, prep, tok, i)
+        lp = (completion_logprobs(out.logprobs or [], tok, len(head_text), out.prompt_token_ids)
               if req.logprobs is not None else None)
-        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
+        choice = {"index": i, "text": head_text + out.text, "logprobs": join_logprobs(head_lp, lp),
+                  "finish_reason": finish_reason(out)}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
+                                                             tok, req.prompt_logprobs)
+        choices.append(choice)
     n_out = sum(len(o.token_ids) for o in final.values())
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prep, n_out)}
@@ -272,8 +337,12 @@ def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared,
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
                         "logprobs": lp, "finish_reason": finish_reason(out)})
     n_out = sum(len(o.token_ids) for o in final.values())
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prep, n_out)}
+    if req.prompt_logprobs is not None:     # vLLM's: one list for the request (all choices share the prompt)
+        body["prompt_logprobs"] = prompt_logprobs_body(final[0].prompt_logprobs or [], final[0].prompt_token_ids,
+                                                       tok, req.prompt_logprobs)
+    return body
 
 
 def sse(data: dict | str) -> str:

@@ -97,7 +97,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     n: int = 1
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False                     # the prompt before the completion (and its logprobs, with logprobs)
+    prompt_logprobs: int | None = None     # extension (vLLM's): each prompt token's logprob, top-k
     best_of: int | None = None
     suffix: str | None = None
     stream_options: StreamOptions | None = None
@@ -121,6 +122,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None     # extension (vLLM's): each prompt token's logprob, top-k
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
 

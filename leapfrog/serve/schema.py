@@ -61,6 +61,7 @@ BOUNDS: dict[str, dict] = {
     "presence_penalty": _PENALTY, "frequency_penalty": _PENALTY,
     "seed": {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
     "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "num_candidates": {"minimum": 1, "maximum": MAX_CANDIDATES},
 }
@@ -92,7 +93,9 @@ def response_schemas() -> dict[str, dict]:
                     "score": _NUM, "constrained": _BOOL, "num_candidates": _INT,
                     "timing": _obj({"seconds": _NUM})})
     completion_logprobs = {"type": ["object", "null"], "required": ["tokens", "token_logprobs", "text_offset"]}
-    choice = _obj({"index": _INT, "text": _STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR})
+    prompt_logprobs = {"type": ["array", "null"], "items": {"type": ["object", "null"]}}
+    choice = _obj({"index": _INT, "text": _STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR},
+                  {"prompt_logprobs": prompt_logprobs})
     message = _obj({"role": {"const": "assistant"}, "content": _STR})
     chat_choice = _obj({"index": _INT, "message": message, "logprobs": {"type": ["object", "null"]},
                         "finish_reason": _NULLABLE_STR})
