@@ -260,7 +260,7 @@ def test_heads_from_starts_a_dspark_drafter_from_a_dflash_backbone(llama_dir, tm
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--steps", "0"], "steps=0: must be a positive integer"),
+    (["--steps", "-1"], "steps=-1: must be an integer >= 0"),
     (["--num-draft", "0"], "num_draft=0: must be a positive integer"),
     (["--lr", "0"], "lr=0.0: must be a positive number"),
     (["--taps", "0,-2"], "must be target layer ids"),

@@ -46,11 +46,13 @@ class DrafterRecipe:
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
-        for name in ("num_layers", "markov_rank", "num_draft", "steps", "seqs_per_step", "anchors",
+        for name in ("num_layers", "markov_rank", "num_draft", "seqs_per_step", "anchors",
                      "eval_interval", "ckpt_interval", "num_regen", "num_val", "regen_tokens", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if not isinstance(self.steps, int) or self.steps < 0:      # 0: export the starting weights
+            raise ValueError(f"steps={self.steps!r}: must be an integer >= 0")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and self.lr < float("inf")):
             raise ValueError(f"lr={self.lr!r}: must be a positive number")
         if not self.taps or any(not isinstance(t, int) or t < 0 for t in self.taps):
