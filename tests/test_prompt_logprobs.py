@@ -171,3 +171,23 @@ def test_vllm_prompt_logprobs_in_completions_and_chat(server, llama_dir):
     import httpx
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "The dog", "prompt_logprobs": 21}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(server, llama_dir):
+    # OpenAI's scoring request (no completion): the prompt's text and logprobs, 0 completion tokens
+    import httpx
+    prompt = "The dog ran to the park"
+    full = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1})
+    body = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
+    choice, lp = body["choices"][0], body["choices"][0]["logprobs"]
+    assert choice["text"] == prompt and body["usage"]["completion_tokens"] == 0
+    assert lp["token_logprobs"] == full["choices"][0]["logprobs"]["token_logprobs"][:-1]
+    streamed = ""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 0, "echo": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["text"]
+    assert streamed == prompt
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 0}, timeout=30)
+    assert r.status_code == 400 and "needs echo" in r.json()["error"]["message"]

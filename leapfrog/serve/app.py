@@ -636,22 +636,25 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
     sent_lp, offsets, counts, started = [0] * n, [0] * n, [0] * n, [False] * n
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
+    scoring = req.max_tokens == 0      # echo only: the one decoded token is left out
+
     def render(i: int, out: Any) -> dict | None:
-        counts[i] = len(out.token_ids)
+        counts[i] = 0 if scoring else len(out.token_ids)
         first = not started[i]
         started[i] = True
         # a choice's first chunk starts with the echoed prompt (and its logprobs)
         head_text, head_lp = echo_choice(out, req, prep, tok, i) if first else ("", None)
         offsets[i] += len(head_text)
         lp = None
-        if req.logprobs is not None and out.logprobs:
+        if req.logprobs is not None and out.logprobs and not scoring:
             lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i], _context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
             offsets[i] += sum(len(t) for t in lp["tokens"])
         lp = join_logprobs(head_lp, lp)
-        if not out.delta_text and not head_text and not out.finished and lp is None:
+        delta = "" if scoring else out.delta_text
+        if not delta and not head_text and not out.finished and lp is None:
             return None
-        choice = {"index": i, "text": head_text + out.delta_text, "logprobs": lp, "finish_reason": finish_reason(out)}
+        choice = {"index": i, "text": head_text + delta, "logprobs": lp, "finish_reason": finish_reason(out)}
         if first and req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                              tok, req.prompt_logprobs)

@@ -135,6 +135,12 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     # echo with logprobs scores the prompt too: one engine run gives both, at the larger top-k
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     prompt_k = max(wanted) if wanted else None
+    max_tokens = req.max_tokens
+    if max_tokens == 0:       # OpenAI's scoring request: the prompt and its logprobs, no completion
+        if not req.echo:
+            raise bad_request("max_tokens=0 needs echo: true (it returns the prompt only)", "max_tokens",
+                              "invalid_value")
+        max_tokens = 1        # the engine decodes one token, which the response leaves out
     p = req.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
@@ -146,7 +152,7 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)
         for j in range(req.n):
-            prep.requests.append((prompt_ids, sampling_params(req, limits, len(prompt_ids), req.max_tokens,
+            prep.requests.append((prompt_ids, sampling_params(req, limits, len(prompt_ids), max_tokens,
                                                               j, req.logprobs, prompt_k)))
     return prep
 
@@ -316,14 +322,15 @@ def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, pre
         out = final[i]
         head_text, head_lp = echo_choice(out, req, prep, tok, i)
         lp = (completion_logprobs(out.logprobs or [], tok, len(head_text), out.prompt_token_ids)
-              if req.logprobs is not None else None)
-        choice = {"index": i, "text": head_text + out.text, "logprobs": join_logprobs(head_lp, lp),
+              if req.logprobs is not None and req.max_tokens != 0 else None)
+        text = out.text if req.max_tokens != 0 else ""
+        choice = {"index": i, "text": head_text + text, "logprobs": join_logprobs(head_lp, lp),
                   "finish_reason": finish_reason(out)}
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                              tok, req.prompt_logprobs)
         choices.append(choice)
-    n_out = sum(len(o.token_ids) for o in final.values())
+    n_out = sum(len(o.token_ids) for o in final.values()) if req.max_tokens != 0 else 0
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prep, n_out)}
 

@@ -155,6 +155,8 @@ def refine_request(name: str, schema: dict, max_n: int) -> None:
             bound = {"minimum": 1, "maximum": max_n}
         elif field == "seed" and name == "CoupletRequest":     # a couplet's seed picks candidates' seeds
             bound = {"minimum": 0, "maximum": SEED_RANGE[1]}
+        elif field == "max_tokens" and name == "CompletionRequest":   # 0: with echo, score the prompt only
+            bound = {**BOUNDS["max_tokens"], "minimum": 0}
         if bound:
             _bound(prop, bound)
     if "stop" in props:
