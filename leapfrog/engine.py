@@ -193,9 +193,9 @@ class LLMEngine:
         ids = self._one_trailing_anchor(ids)
         if params.logits_processors and not self.method.supports_logits_processors:
             raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
-        if params.prompt_logprobs is not None and self.method.attn_block_size > 1:
-            raise ValueError(f"prompt_logprobs: the {self.method.name} method reads its prompt blocks "
-                             "bidirectionally, so it has no next-token distribution per prompt token")
+        if params.prompt_logprobs is not None and not self.method.supports_prompt_logprobs:
+            raise ValueError(f"prompt_logprobs: the {self.method.name} method has no next-token "
+                             "distribution per prompt token")
         vocab = self.hf_config["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -371,7 +371,8 @@ def test_models_that_are_not_block_diffusion_are_refused(models, llama_dir, tmp_
 
 def test_prompt_logprobs_are_refused_by_block_diffusion(models):
     # its prompt blocks are read bidirectionally: there is no next-token distribution per prompt token
-    llm = LLM(str(models["shift"]), method="diffusion")
-    with pytest.raises(ValueError, match="prompt_logprobs: the diffusion method"):
-        llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, prompt_logprobs=1))
-    assert not llm.engine.has_unfinished()
+    for variant in ("shift", "b1"):     # b1: causal blocks of one, yet still no next-token rows
+        llm = LLM(str(models[variant]), method="diffusion")
+        with pytest.raises(ValueError, match="prompt_logprobs: the diffusion method"):
+            llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, prompt_logprobs=1))
+        assert not llm.engine.has_unfinished()

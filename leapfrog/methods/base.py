@@ -112,6 +112,10 @@ class Method:
     # Whether requests with SamplingParams.logits_processors may use it (each row's processors
     # see the tokens before that row; a diffusion canvas has no such order).
     supports_logits_processors: bool = True
+    # Whether a known token's row is the distribution of the token after it, so that requests
+    # with SamplingParams.prompt_logprobs may use it (a diffusion model's rows are not: they read
+    # their block both ways, and without a logit shift predict their own position).
+    supports_prompt_logprobs: bool = True
 
     def num_extra_tokens(self, seq: Sequence) -> int:
         """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""

@@ -134,6 +134,7 @@ FLOORS = ("leftmost", "confident")
 class DiffusionMethod(Method):
     name = "diffusion"
     supports_logits_processors = False
+    supports_prompt_logprobs = False
     # The canvas follows any number of known tokens: the prompt (prefill and first step share a
     # forward when the budget allows) and committed blocks whose KV is not stored yet.
     max_known_with_extra = 1 << 62
