@@ -72,12 +72,20 @@ def test_generate_over_ranks_gives_the_same_tokens(family, tp_size, stages, fami
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     biased = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={7: 4.0, 9: -100.0})
     params = [GREEDY, seeded, biased]
-    want = [o.token_ids for o in LLM(folder, block_size=4).generate(PROMPTS, params)]
+    scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    whole_llm = LLM(folder, block_size=4)
+    want = [o.token_ids for o in whole_llm.generate(PROMPTS, params)]
+    whole = whole_llm.generate(PROMPTS, scored)
     llm = LLM(folder, block_size=4, tensor_parallel_size=tp_size, pipeline_parallel_size=stages)
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         again = llm.generate(PROMPTS[:1], GREEDY)[0]               # the prefix cache, split too
         assert again.token_ids == want[0] and again.metrics.num_cached_prompt_tokens == 4
+        split = llm.generate(PROMPTS, scored)                     # the prompt rows' logits, gathered
+        for a, b in zip(split, whole):
+            assert [e["token_id"] for e in a.prompt_logprobs[1:]] == [e["token_id"] for e in b.prompt_logprobs[1:]]
+            assert [e["logprob"] for e in a.prompt_logprobs[1:]] == pytest.approx(
+                [e["logprob"] for e in b.prompt_logprobs[1:]], abs=1e-4)
     finally:
         llm.shutdown()
 
