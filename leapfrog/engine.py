@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 
 import torch
 
@@ -184,10 +185,18 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, stream: bool = True) -> str:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, not {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
             text, ids = None, [int(t) for t in prompt]
+        else:      # (1.5 would have become token 1)
+            raise TypeError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__} "
+                            f"{str(prompt)[:60]!r}")
         if not ids:
             raise ValueError("prompt is empty")
         ids = self._one_trailing_anchor(ids)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from numbers import Integral
 from typing import Sequence as Seq
 
 from tqdm import tqdm
@@ -43,16 +42,8 @@ class LLM:
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params_list) != n or len(prios) != n:
             raise ValueError("params and priority lists must have one entry per prompt")
-        for p in prompts:
-            if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and
-                                           all(isinstance(t, Integral) and not isinstance(t, bool) for t in p))):
-                raise TypeError(f"a prompt must be a string or a list of token ids, not {type(p).__name__} "
-                                f"{str(p)[:60]!r}")
-        for sp in params_list:
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"params must be SamplingParams (or one per prompt), not {type(sp).__name__}")
         ids: list[str] = []
-        try:
+        try:        # add_request checks each prompt and its params (ValueError, TypeError naming it)
             for p, sp, pr in zip(prompts, params_list, prios):
                 ids.append(self.engine.add_request(p, sp, priority=pr, stream=False))
         except BaseException:

@@ -256,3 +256,15 @@ def test_prompts_and_params_of_the_wrong_type_are_named(llm, prompts, params, me
     with pytest.raises(TypeError, match=message):
         llm.generate(prompts, params)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt, params, request_id, message", [
+    ([1.5, 2], GREEDY, None, "a prompt must be a string or a list of token ids"),   # once token 1
+    (["a"], GREEDY, None, "a prompt must be a string or a list of token ids"),
+    ("Once", {"max_tokens": 3}, None, "params must be SamplingParams, not dict"),
+    ("Once", GREEDY, 5, "request_id must be a string, not int"),
+])
+def test_the_engine_names_arguments_of_the_wrong_type(llm, prompt, params, request_id, message):
+    with pytest.raises(TypeError, match=message):
+        llm.engine.add_request(prompt, params, request_id=request_id)
+    assert not llm.engine.has_unfinished()
