@@ -267,3 +267,17 @@ def test_sigterm_drains_answers_503_and_exits_0(llama_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "Once"}),
+])
+def test_response_format_text_is_accepted_and_json_is_refused_by_name(server, path, body):
+    # clients that send the default explicitly got "unknown field 'response_format'"
+    r = httpx.post(server.url + path, json={**body, "max_tokens": 3, "response_format": {"type": "text"}}, timeout=30)
+    assert r.status_code == 200, r.text
+    for kind in ("json_object", "json_schema"):
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 3, "response_format": {"type": kind}},
+                       timeout=30)
+        assert "'text'" in assert_error(r, 400, param="response_format.type")["message"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -67,6 +67,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: only plain text, the default, which some clients send
+    explicitly; json_object and json_schema need guided decoding, which leapfrog does not have
+    (a 400 naming the field, not a reply that ignores the schema)."""
+    type: Literal["text"]
+
+
 class GenerateRequest(SamplingFields):
     prompt: str | list[int] | None = None  # required unless `keywords` is given
     max_length: int | None = None          # alias of max_tokens: new tokens, not prompt + new
@@ -102,6 +109,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ContentPart(_Strict):
@@ -124,6 +132,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None     # extension (vLLM's): each prompt token's logprob, top-k
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
 
