@@ -191,3 +191,18 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_only(server, llama_dir):
     assert streamed == prompt
     r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 0}, timeout=30)
     assert r.status_code == 400 and "needs echo" in r.json()["error"]["message"]
+
+
+def test_a_preempted_prompt_is_scored_again_the_same(llama_dir):
+    # a cache of 64 tokens for four requests of up to ~45: some are preempted and recomputed
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    prompts = [[1, 5, 9, 30, 44, 61, 70, 80, 90, 100, 110], [1, 100, 200, 7, 7, 7, 8, 9, 10, 11, 12],
+               [1, 5, 9, 30, 44], [1, 300, 301, 302, 303, 304, 305]]
+    small = LLM(str(llama_dir), block_size=4, kv_cache_tokens=64, enable_prefix_caching=False)
+    got = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    want = LLM(str(llama_dir), block_size=4).generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and a.prompt_logprobs[0] is None
+        assert [e["logprob"] for e in a.prompt_logprobs[1:]] == pytest.approx(
+            [e["logprob"] for e in b.prompt_logprobs[1:]], abs=1e-5)
