@@ -139,5 +139,7 @@ def _device_present(device: str) -> bool:
 
 def _devices_here() -> str:
     if not torch.cuda.is_available():
-        return "built without CUDA" if torch.version.cuda is None else "no CUDA GPU visible"
-    return f"{torch.cuda.device_count()} CUDA device(s)"
+        cuda = "built without CUDA" if torch.version.cuda is None else "no CUDA GPU visible"
+    else:
+        cuda = f"{torch.cuda.device_count()} CUDA device(s)"
+    return cuda + ("" if torch.backends.mps.is_available() else ", no MPS")

@@ -206,3 +206,20 @@ def test_a_preempted_prompt_is_scored_again_the_same(llama_dir):
         assert a.token_ids == b.token_ids and a.prompt_logprobs[0] is None
         assert [e["logprob"] for e in a.prompt_logprobs[1:]] == pytest.approx(
             [e["logprob"] for e in b.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_streamed_prompt_logprobs_arrive_even_while_the_text_is_held_back(server):
+    # a long stop string holds every delta back until the end: the first output says nothing
+    # else, and its prompt_logprobs were dropped with it
+    import httpx
+    body = {"prompt": "The dog ran to the park", "max_tokens": 4, "prompt_logprobs": 1, "stop": ["x" * 60],
+            "ignore_eos": True}
+    whole = post(server, "/v1/completions", body)["choices"][0]
+    got = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if "prompt_logprobs" in choice:
+                    got.append(choice["prompt_logprobs"])
+    assert got == [whole["prompt_logprobs"]]

@@ -274,6 +274,8 @@ def overload(args: argparse.Namespace, out: Path) -> dict:
 
 # --- recovery ----------------------------------------------------------------------------------
 RECOVERY_LIMIT_S = 120.0       # seconds after the crash within which the server must answer again
+
+
 def recovery(args: argparse.Namespace, out: Path, repeats: int = 3) -> dict:
     server = Server(["--fault-injection"], out / "recovery-server.log")
     rows = []

@@ -641,7 +641,6 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
     def render(i: int, out: Any) -> dict | None:
         counts[i] = 0 if scoring else len(out.token_ids)
         first = not started[i]
-        started[i] = True
         # a choice's first chunk starts with the echoed prompt (and its logprobs)
         head_text, head_lp = echo_choice(out, req, prep, tok, i) if first else ("", None)
         offsets[i] += len(head_text)
@@ -652,8 +651,10 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
             offsets[i] += sum(len(t) for t in lp["tokens"])
         lp = join_logprobs(head_lp, lp)
         delta = "" if scoring else out.delta_text
-        if not delta and not head_text and not out.finished and lp is None:
+        if not delta and not head_text and not out.finished and lp is None and not (
+                first and req.prompt_logprobs is not None):
             return None
+        started[i] = True
         choice = {"index": i, "text": head_text + delta, "logprobs": lp, "finish_reason": finish_reason(out)}
         if first and req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
