@@ -159,6 +159,56 @@ def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
         train_drafter(other)
 
 
+def test_init_noise_breaks_copies_and_zero_noise_keeps_the_start(llama_dir, tmp_path, one_thread):
+    """DrafterRecipe.init_noise: the starting drafter's matrices move by about that share of their
+    own spread, so a unit's exact copies (a drafter grown wider, leapfrog.build) stop being
+    copies; the frozen tables stay as given; it needs init_from."""
+    from leapfrog.train.drafter import break_symmetry
+
+    r, d = _setup(llama_dir, tmp_path, "dspark")
+    fc = d.drafter.fc.weight
+    with torch.no_grad():
+        fc[1::2] = fc[0::2]                     # every unit copied, as Net2Net growth leaves them
+    before = {k: v.clone() for k, v in d.drafter.state_dict().items()}
+    break_symmetry(d.drafter, 1e-3, 0)
+    assert not torch.equal(fc[1::2], fc[0::2])
+    change = (fc.detach() - before["fc.weight"]).std() / before["fc.weight"].std()
+    assert 5e-4 < float(change) < 2e-3
+    for k, v in d.drafter.state_dict().items():
+        if v.dim() < 2:
+            assert torch.equal(v, before[k]), k      # norms, biases: unchanged
+    with pytest.raises(ValueError, match="init_noise"):
+        DrafterRecipe(name="x", init_noise=1e-3, out_dir="o", run_dir="r")
+    with pytest.raises(ValueError, match="init_noise"):
+        DrafterRecipe(name="x", init_noise=-1.0, init_from="f", out_dir="o", run_dir="r")
+
+
+def test_bfloat16_training_steps_track_float32(llama_dir, tmp_path, one_thread):
+    """--dtype bf16 (autocast, float32 master weights): the loss of the same blocks is float32's
+    up to bfloat16 rounding, the training steps run under it and lower the loss, the weights stay
+    float32, and the run records its precision."""
+    r, d = _setup(llama_dir, tmp_path, "dspark")
+    seq = _sequence(llama_dir)
+    with torch.no_grad():
+        exact = float(d.loss(seq, torch.Generator().manual_seed(0))["loss"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            rounded = float(d.loss(seq, torch.Generator().manual_seed(0))["loss"])
+    assert abs(rounded - exact) < 0.02 * exact
+    import dataclasses
+    run = dataclasses.replace(r, dtype="bf16", steps=8, eval_interval=8, ckpt_interval=8)
+    s = train_drafter(run)
+    assert s["recipe"]["dtype"] == "bf16" and math.isfinite(s["val_loss"])
+    history = torch.load(tmp_path / "run" / "state.pt", weights_only=False)["history"]["train"]
+    assert history[-1][1] < history[0][1]
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)["model"]
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    from leapfrog.train.drafter import recipe_for
+    assert recipe_for(["dspark-markov-2l", "--dtype", "bf16"])[0].dtype == "bf16"
+    with pytest.raises(ValueError, match="dtype"):
+        DrafterRecipe(name="x", dtype="fp16", out_dir="o", run_dir="r")
+
+
 def test_acceptance_by_position_is_conditional_on_the_drafts_before():
     """Blocks that accepted 0, 1, 1, 2 and 3 leading drafts of 3: draft 1 held in 4 of 5 blocks,
     draft 2 in 2 of those 4, draft 3 in 1 of those 2; a position no block reached is NaN."""

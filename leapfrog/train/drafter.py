@@ -112,6 +112,17 @@ def _continue_from(drafter, folder: str, heads_from: str | None = None) -> None:
     drafter.load_state_dict(saved)
 
 
+def break_symmetry(drafter, scale: float, seed: int) -> None:
+    """Add N(0, (scale * std)^2) noise to each trainable matrix, std its own. A drafter grown
+    wider by Net2Net copies (leapfrog.build) holds each unit `width` times; exact copies get
+    identical gradients, so without this the grown width never becomes capacity (Net2Net §3)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g) * (scale * float(p.float().std())))
+
+
 class Distiller:
     """Target + drafter + the per-sequence loss and the offline τ measurement."""
 
@@ -283,6 +294,8 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     for table in (drafter.embed_tokens, drafter.lm_head):    # a narrow drafter's: kept as given
         if table is not None:
             table.weight.requires_grad_(False)
+    if r.init_noise:              # (a resumed run loads its own weights over these below)
+        break_symmetry(drafter, r.init_noise, r.seed)
     d = Distiller(r, target, drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=r.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -335,7 +348,8 @@ def _run_steps(r: DrafterRecipe, d: Distiller, opt, params, train: list[dict], v
         opt.zero_grad(set_to_none=True)
         parts = {}
         for i in picks:
-            out = d.loss(train[i], g)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r.dtype == "bf16"):
+                out = d.loss(train[i], g)
             (out["loss"] / len(picks)).backward()
             for k, v in out.items():
                 parts[k] = parts.get(k, 0.0) + v.item() / len(picks)
@@ -385,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="autocast precision of the training steps (bf16: bfloat16 products, float32 "
+                        "master weights; pays on a CPU with AVX512-BF16 or AMX)")
     p.add_argument("--block", choices=("anchor", "masks"), default=None,
                    help="DSpark's block: anchor (DeepSpec's, the default: γ slots, draft 1 from the anchor's) "
                         "or masks (DFlash's: the anchor and γ masks, draft 1 from the first mask's)")
@@ -392,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads-from", default=None,
                    help="DSpark drafter folder whose Markov and confidence heads start this drafter "
                         "(the rest from --init-from, which may be a DFlash drafter)")
+    p.add_argument("--init-noise", type=float, default=None,
+                   help="relative noise added to the --init-from weights' matrices (e.g. 1e-3 for a "
+                        "drafter grown wider by copies, whose copies otherwise never diverge)")
     p.add_argument("--resume", action="store_true", help="continue from <run-dir>/state.pt")
     return p
 
@@ -402,7 +422,8 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
     args = build_parser().parse_args(argv)
     opts = dict(VARIANTS[args.variant], name=args.variant, target=args.target)
     for key in ("data_dir", "steps", "seqs_per_step", "anchors", "lr", "num_draft", "markov_rank",
-                "num_regen", "eval_interval", "threads", "seed", "init_from", "heads_from", "block"):
+                "num_regen", "eval_interval", "threads", "seed", "init_from", "heads_from", "block",
+                "dtype", "init_noise"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.out:

@@ -33,10 +33,14 @@ class DrafterRecipe:
     regen_tokens: int = 160
     seed: int = 1234
     threads: int = 1
+    dtype: str = "fp32"                   # training steps' autocast: fp32 | bf16 (float32 master weights;
+                                          # validation, offline τ and calibration stay float32)
     data_dir: str | None = None
     init_from: str | None = None          # a drafter folder of this shape to continue from
     heads_from: str | None = None         # a DSpark drafter whose Markov and confidence heads start this
                                           # one, the rest from init_from (e.g. a DFlash drafter)
+    init_noise: float = 0.0               # relative std of noise added to init_from's matrices: a drafter
+                                          # grown wider by copies needs it, or the copies stay copies
     out_dir: str = ""
     run_dir: str = ""
     command: str = ""
@@ -44,6 +48,8 @@ class DrafterRecipe:
     def __post_init__(self) -> None:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r}: expected fp32 or bf16")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
         for name in ("num_layers", "markov_rank", "num_draft", "seqs_per_step", "anchors",
@@ -57,6 +63,10 @@ class DrafterRecipe:
             raise ValueError(f"lr={self.lr!r}: must be a positive number")
         if not self.taps or any(not isinstance(t, int) or t < 0 for t in self.taps):
             raise ValueError(f"taps={self.taps!r}: must be target layer ids (integers >= 0)")
+        if not (isinstance(self.init_noise, (int, float)) and 0 <= self.init_noise < 1):
+            raise ValueError(f"init_noise={self.init_noise!r}: must be a number in [0, 1)")
+        if self.init_noise and not self.init_from:
+            raise ValueError("init_noise (--init-noise) perturbs a starting drafter: it needs init_from (--init-from)")
         if self.heads_from and (self.kind != "dspark" or not self.init_from):
             raise ValueError("heads_from (--heads-from) is for a DSpark drafter and needs init_from "
                              "(--init-from, the drafter the rest starts from)")
