@@ -183,7 +183,7 @@ def test_init_noise_breaks_copies_and_zero_noise_keeps_the_start(llama_dir, tmp_
         DrafterRecipe(name="x", init_noise=-1.0, init_from="f", out_dir="o", run_dir="r")
 
 
-def test_bfloat16_training_steps_track_float32(llama_dir, tmp_path, one_thread):
+def test_bfloat16_training_steps_track_float32(llama_dir, tmp_path, one_thread, monkeypatch):
     """--dtype bf16 (autocast, float32 master weights): the loss of the same blocks is float32's
     up to bfloat16 rounding, the training steps run under it and lower the loss, the weights stay
     float32, and the run records its precision."""
@@ -196,8 +196,18 @@ def test_bfloat16_training_steps_track_float32(llama_dir, tmp_path, one_thread):
             rounded = float(d.loss(seq, torch.Generator().manual_seed(0))["loss"])
     assert abs(rounded - exact) < 0.02 * exact
     import dataclasses
+    seen = []                                   # was bfloat16 autocast on in each loss computed?
+    real_loss = Distiller.loss
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return real_loss(self, *args, **kwargs)
+    monkeypatch.setattr(Distiller, "loss", spy)
     run = dataclasses.replace(r, dtype="bf16", steps=8, eval_interval=8, ckpt_interval=8)
     s = train_drafter(run)
+    steps = run.steps * run.seqs_per_step
+    assert seen[:steps] == [True] * steps       # every training step's loss under bfloat16 autocast
+    assert not any(seen[steps:])                # validation in float32
     assert s["recipe"]["dtype"] == "bf16" and math.isfinite(s["val_loss"])
     history = torch.load(tmp_path / "run" / "state.pt", weights_only=False)["history"]["train"]
     assert history[-1][1] < history[0][1]

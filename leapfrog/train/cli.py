@@ -8,6 +8,7 @@ import math
 import shlex
 import sys
 
+from leapfrog.train.precision import TRAIN_DTYPES
 from leapfrog.train.recipes import RECIPES, describe
 
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training window")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (cosine decay after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision for training")
+    p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None, help="autocast precision for training")
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="dtype of the exported weights")
     p.add_argument("--eval-interval", type=int, default=None, help="steps between validation passes")

@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from leapfrog.train.precision import autocast
+
 SINGLE, MULTI = 0, 1      # view kinds
 
 
@@ -212,7 +214,7 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
     """Masked-token CE of a transformers Llama on a packed batch: (loss, parts). Parts hold the
     mean CE of each view kind and the number of targets it had (a kind with none is left out).
     A model with a mask stream (train.mask_stream) runs its two-stream forward (``mask_id``)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+    with autocast(dtype):
         if getattr(model, "mask_stream", None) is not None:
             from leapfrog.train import mask_stream
             hidden = mask_stream.hidden_states(model, batch.input_ids, batch.position_ids,

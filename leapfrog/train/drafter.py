@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from leapfrog.train.drafter_recipe import VARIANTS, DrafterRecipe  # noqa: F401  (importable from here)
 from leapfrog.train.drafter_data import load_data, regenerate  # noqa: F401  (importable from here)
+from leapfrog.train.precision import TRAIN_DTYPES, autocast
 from leapfrog.train.drafter_export import (NARROW_KEYS, drafter_config, export, hf_state_dict,  # noqa: F401
                                            mask_token_id, render_readme)
 
@@ -348,7 +349,7 @@ def _run_steps(r: DrafterRecipe, d: Distiller, opt, params, train: list[dict], v
         opt.zero_grad(set_to_none=True)
         parts = {}
         for i in picks:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r.dtype == "bf16"):
+            with autocast(r.dtype):
                 out = d.loss(train[i], g)
             (out["loss"] / len(picks)).backward()
             for k, v in out.items():
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+    p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None,
                    help="autocast precision of the training steps (bf16: bfloat16 products, float32 "
                         "master weights; pays on a CPU with AVX512-BF16 or AMX)")
     p.add_argument("--block", choices=("anchor", "masks"), default=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from leapfrog.data.corpus import REPO_ROOT
+from leapfrog.train.precision import TRAIN_DTYPES
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class DrafterRecipe:
     def __post_init__(self) -> None:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
-        if self.dtype not in ("fp32", "bf16"):
+        if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected fp32 or bf16")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from leapfrog.train.diffusion import DiffusionSpec
 from leapfrog.train.distill import DistillSpec
 from leapfrog.train.large import LoraSpec
+from leapfrog.train.precision import autocast
 from leapfrog.train.tokenizer import TokenizerSpec
 
 
@@ -198,7 +199,7 @@ def loss_on(model, x: torch.Tensor, y: torch.Tensor, dtype: str) -> torch.Tensor
     (Switch Transformer eq. 4, weighted by router_aux_loss_coef), so experts share the tokens;
     validation (eval mode) reports the cross-entropy alone."""
     balance = model.training and getattr(model.config, "num_experts", 0) > 0
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+    with autocast(dtype):
         out = model(input_ids=x, output_router_logits=True) if balance else model(input_ids=x)
     loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), y.reshape(-1))
     return loss + model.config.router_aux_loss_coef * out.aux_loss if balance else loss
@@ -234,7 +235,7 @@ class FastNextToken(NextToken):
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
         from leapfrog.layers.rotary import coupled_positions
         positions = coupled_positions(batch[0], *self.anchor) if self.anchor is not None else None
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with autocast(dtype):
             if self.fn_ul is not None and model.training:
                 total, ce, ul = self.fn_ul(model, *batch, self.cos, self.sin, self.dropout, self.ul, positions)
                 return total, {"ce": ce.item(), "unlikelihood": ul.item()}
