@@ -403,12 +403,23 @@ def test_a_stories_export_suppresses_nothing(trained):
     (["--eval-interval", "0"], "--eval-interval 0: must be at least 1"),   # once ZeroDivisionError
     (["--threads", "0"], "--threads 0: must be at least 1"),
     (["--lr", "-1"], "--lr -1.0: must be a positive number"),   # once silently raised to min_lr
+    (["--dropout", "1"], "--dropout 1.0: must be in [0, 1)"),
+    (["--dropout", "-0.1"], "--dropout -0.1: must be in [0, 1)"),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be a number >= 0"),
+    (["--dropout", "0.2"], "--dropout: recipe tiny runs the plain forward"),
 ])
 def test_train_flags_out_of_range_are_usage_errors(flags, message, capsys):
     from leapfrog.train.cli import config_for
     with pytest.raises(SystemExit) as e:
         config_for(["tiny"] + flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_dropout_and_weight_decay_flags_reach_the_config():
+    from leapfrog.train.cli import config_for
+    cfg, _ = config_for(["stories", "--dropout", "0.25", "--weight-decay", "0.2"])
+    assert (cfg.dropout, cfg.weight_decay) == (0.25, 0.2)
+    assert "--dropout 0.25" in cfg.command
 
 
 def test_every_recipe_passes_the_flag_checks():

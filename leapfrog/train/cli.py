@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training window")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (cosine decay after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="residual and embedding dropout while training, in [0, 1) (needs the fast forward)")
+    p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay of the matrices")
     p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None, help="autocast precision for training")
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="dtype of the exported weights")
@@ -72,6 +75,7 @@ def _recipe_table() -> str:
 OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "steps": "max_steps",
              "batch_size": "batch_size", "grad_accum": "grad_accum", "seq_len": "seq_len",
              "lr": "lr", "warmup": "warmup_steps", "dtype": "dtype", "save_dtype": "save_dtype",
+             "dropout": "dropout", "weight_decay": "weight_decay",
              "eval_interval": "eval_interval", "ckpt_interval": "ckpt_interval", "seed": "seed",
              "threads": "threads"}
 
@@ -82,12 +86,19 @@ LEAST = {"max_steps": ("--steps", 1), "batch_size": ("--batch-size", 1), "grad_a
          "ckpt_interval": ("--ckpt-interval", 1), "threads": ("--threads", 1)}
 
 
-def _check_numbers(cfg) -> None:
+def _check_numbers(cfg, recipe: str) -> None:
     for field_name, (flag, least) in LEAST.items():
         if getattr(cfg, field_name) < least:
             build_parser().error(f"{flag} {getattr(cfg, field_name)}: must be at least {least}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         build_parser().error(f"--lr {cfg.lr}: must be a positive number")
+    if not 0.0 <= cfg.dropout < 1.0:
+        build_parser().error(f"--dropout {cfg.dropout}: must be in [0, 1)")
+    if cfg.dropout > 0 and not cfg.fast:
+        build_parser().error(f"--dropout: recipe {recipe} runs the plain forward, "
+                             "which has no dropout")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        build_parser().error(f"--weight-decay {cfg.weight_decay}: must be a number >= 0")
 
 
 def config_for(argv: list[str]):
@@ -99,7 +110,7 @@ def config_for(argv: list[str]):
         value = getattr(args, arg_name)
         if value is not None:
             setattr(cfg, field_name, value)
-    _check_numbers(cfg)
+    _check_numbers(cfg, args.recipe)
     if args.no_compile:
         cfg.compile = False
     if args.truecase:
