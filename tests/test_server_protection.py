@@ -43,6 +43,8 @@ def post(server, path: str, body, **kw) -> httpx.Response:
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, 400, "invalid_value", "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "invalid_value", "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "invalid_value", "best_of"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 4}, 400, "unsupported", "best_of"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_type", "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "empty_prompt", "messages"),
@@ -57,6 +59,7 @@ def test_bad_input(server, path, body, status, code, param):
 def test_malformed_json(server):
     assert_error(post(server, "/v1/completions", b"{not json"), 400)
     assert_error(post(server, "/generate", b"[1, 2]"), 400)
+    assert_error(post(server, "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400)
     still_works(server.url)
 
 

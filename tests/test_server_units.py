@@ -128,3 +128,24 @@ def test_prometheus_registries_are_per_server():
     assert 'leapfrog:generation_tokens_total{model_name="a"} 7' in a.render()
     text = b.render()
     assert 'model_name="a"' not in text and 'leapfrog:generation_tokens_total{model_name="b"} 0' in text
+
+
+@pytest.mark.parametrize("depth", [50, 400, 700, 900, 990, 5000, 100_000])
+@pytest.mark.parametrize("field", ["prompt", "logit_bias"])
+def test_deeply_nested_bodies_are_400_not_500(depth, field):
+    """A body nested about a thousand deep once raised RecursionError in the JSON decoder (a 500);
+    shallower ones may pass the decoder and exhaust the stack in the checks after it."""
+    import sys
+
+    from leapfrog.serve.protocol import APIError, CompletionRequest, parse_body
+    inner = "[" * depth + "]" * depth if field == "prompt" else '{"a":' * depth + "1" + "}" * depth
+    raw = ('{"%s": %s}' % (field, inner)).encode()
+    limit = sys.getrecursionlimit()
+    for frames in (limit, 200):          # a server thread may start deeper in its stack than a test
+        sys.setrecursionlimit(frames)
+        try:
+            with pytest.raises(APIError) as e:
+                parse_body(raw, CompletionRequest)
+        finally:
+            sys.setrecursionlimit(limit)
+        assert e.value.status == 400

@@ -129,6 +129,8 @@ def check_n(n: int, limits: Limits) -> None:
 def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
+    if req.best_of is not None and req.best_of < req.n:       # OpenAI's and vLLM's rule
+        raise bad_request(f"best_of={req.best_of}: must be at least n={req.n}", "best_of", "invalid_value")
     if req.suffix or (req.best_of or 1) > req.n:
         name = next(k for k in ("suffix", "best_of") if getattr(req, k))
         raise bad_request(f"{name} is not supported", name, "unsupported")

@@ -151,6 +151,9 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+_TOO_DEEP = "request body nests arrays or objects too deeply"
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> validated model, or a 400 naming the first offending field."""
     try:
@@ -159,11 +162,15 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     except ValueError as exc:          # e.g. an integer of more than 4,300 digits
         raise bad_request(f"request body has a number out of range: {exc}") from None
+    except RecursionError:             # arrays or objects nested about a thousand deep
+        raise bad_request(_TOO_DEEP) from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
-    _check_strings(data, "")
     try:
+        _check_strings(data, "")
         return model.model_validate(data)
+    except RecursionError:             # nesting the decoder took but the checks cannot walk
+        raise bad_request(_TOO_DEEP) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not _is_type_tag(str(p)))
