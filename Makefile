@@ -41,8 +41,12 @@ $(DONE)/stories-polish: $(DONE)/stories-run
 	$(LF) train stories-polish --resume
 	@touch $@
 
-$(DONE)/stories: $(DONE)/stories-polish
+$(DONE)/stories-unrepeat: $(DONE)/stories-polish
 	$(LF) train stories-unrepeat --resume
+	@touch $@
+
+$(DONE)/stories: $(DONE)/stories-unrepeat
+	$(LF) train stories-context --resume
 	@touch $@
 
 $(DONE)/stories-moe: | $(DONE)/stories

@@ -75,19 +75,37 @@ def stories_polish() -> TrainConfig:
 
 
 def stories_unrepeat() -> TrainConfig:
-    """stories stage 3: the unlikelihood term at weight 3 for 200 steps; writes checkpoints/stories.
+    """stories stage 3: the unlikelihood term at weight 3 for 200 steps; `stories-context` finishes it.
 
     Stage 2 left rep-4 at 0.022 on the 116 held-out openings (T = 0.7), above the 0.02 the
     built-in model is held to. 200 more steps x 4,096 tokens, same data, at 5e-5 cosine to 1e-5
     with the term at weight 3 halve it (0.010) and keep coherence (normalised 0.88), for 0.07
-    of validation cross-entropy (2.48 -> 2.55): the trade docs/models.md records. Needs
-    `leapfrog train stories-polish` first."""
+    of validation cross-entropy (2.48 -> 2.55): the trade docs/models.md records. Writes
+    runs/stories-unrepeat/model. Needs `leapfrog train stories-polish` first."""
     cfg = stories_polish()
-    cfg.recipe, cfg.init_from = "stories-unrepeat", cfg.out_dir
-    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories")
-    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-unrepeat")
+    cfg.init_from = cfg.out_dir
+    _in_runs(cfg, "stories-unrepeat")
     cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr = 200, 10, 5e-5, 1e-5
     cfg.eval_interval, cfg.ckpt_interval, cfg.unlikelihood = 50, 50, 3.0
+    return cfg
+
+
+def stories_context() -> TrainConfig:
+    """stories stage 4: the whole 512-token context, on truecased text; writes checkpoints/stories.
+
+    The stages before trained on windows of 256 tokens, so positions 256-511 of the model's 512
+    were never trained: on the held-out stories, stage 3's weights lost 3.30 nats a token at
+    positions 256-383 and 4.96 at 384-511, against 2.34 at 0-127 (the same tokens read with only
+    their last 192 as context: 2.59). 300 more steps x 4,096 tokens, as 8 windows of 512, from
+    stage 3's weights at 2e-4 cosine to 1e-5, with the unlikelihood term at weight 1 (stage 2's)
+    and the lowercased TinyStories half truecased (`--truecase`, 0.03 nats better in
+    docs/models.md's A/B). Needs `leapfrog train stories-unrepeat` first."""
+    cfg = stories_polish()
+    cfg.recipe, cfg.init_from = "stories-context", stories_unrepeat().out_dir
+    cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-context")
+    cfg.seq_len, cfg.batch_size = 512, 8
+    cfg.max_steps, cfg.lr, cfg.eval_interval, cfg.truecase = 300, 2e-4, 100, True
     return cfg
 
 
@@ -97,18 +115,20 @@ def stories_large() -> TrainConfig:
     The model of checkpoints/stories-large (stories grown 4x wider and 2x deeper, 146M
     parameters) rebuilt in memory, frozen, with a trainable W + B @ A on every attention and MLP
     projection (3.6M parameters, 7 MB as float16); B starts as small noise so the grown copies
-    drift apart (leapfrog.train.large). The stories data and mix; 200 steps x 2,048 tokens at
-    1e-3; validation from step 0, and the delta of the best validation loss is exported, so the
-    model is never worse than stories on held-out text. Writes delta.safetensors, training.json
-    and loss.png into checkpoints/stories-large, points its build.json at the delta and
-    rewrites its SHA256SUMS."""
+    drift apart (leapfrog.train.large). The stories data and mix, truecased as `stories-context`
+    reads it; 200 steps x 2,048 tokens, as 4 windows of the whole 512-token context (positions
+    `stories` learnt in its last stage), at 1e-3; validation from step 0, and the delta of the best
+    validation loss is exported, so the model is never worse than stories on held-out text.
+    Writes delta.safetensors, training.json and loss.png into checkpoints/stories-large, points
+    its build.json at the delta and rewrites its SHA256SUMS."""
     from leapfrog.train.large import LoraSpec
 
     cfg = stories()
     folder = REPO_ROOT / "checkpoints" / "stories-large"
     cfg.recipe, cfg.out_dir, cfg.run_dir = "stories-large", str(folder), str(REPO_ROOT / "runs" / "stories-large")
     cfg.lora = LoraSpec(recipe=str(folder), rank=16)
-    cfg.batch_size, cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 8, 200, 1e-3, 1e-4, 30
+    cfg.batch_size, cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 4, 200, 1e-3, 1e-4, 30
+    cfg.seq_len, cfg.truecase = 512, True
     cfg.eval_interval, cfg.eval_batches, cfg.ckpt_interval = 50, 8, 25
     cfg.dropout, cfg.compile, cfg.average_from = 0.0, False, 0.0
     return cfg
@@ -226,7 +246,7 @@ def stories_diffusion_distill() -> TrainConfig:
         spec=DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
                            multi_weight=0.5, max_group=4),
         max_steps=800, lr=5e-4, min_lr=5e-5, warmup_steps=30)
-    cfg.distill = DistillSpec(parent=stories_unrepeat().out_dir)      # the shipped stories
+    cfg.distill = DistillSpec(parent=stories_context().out_dir)       # the shipped stories
     return cfg
 
 
@@ -251,7 +271,7 @@ def stories_diffusion_stream() -> TrainConfig:
     4's layers, final norm and mask embedding, trained with stage 3's objective (0.5 single-block
     + 0.5 MultiTF on `stories`' own continuations) against the frozen parent's keys and values."""
     cfg = stories_diffusion_distill()
-    cfg.recipe, cfg.init_from = "stories-diffusion-stream", stories_unrepeat().out_dir
+    cfg.recipe, cfg.init_from = "stories-diffusion-stream", stories_context().out_dir
     cfg.mask_stream_from = stories_diffusion_distill2().out_dir
     cfg.diffusion = DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
                                   multi_weight=0.5, max_group=4, mask_stream=True)
@@ -294,7 +314,8 @@ def tiny(name: str = "stories", out_dir: str | Path = "runs/tiny/out",
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
-    "stories": stories, "stories-polish": stories_polish, "stories-unrepeat": stories_unrepeat, "stories-moe": stories_moe, "stories-large": stories_large, "tiny": tiny,
+    "stories": stories, "stories-polish": stories_polish, "stories-unrepeat": stories_unrepeat,
+    "stories-context": stories_context, "stories-moe": stories_moe, "stories-large": stories_large, "tiny": tiny,
     "couplets": couplets,
     "stories-diffusion": stories_diffusion, "stories-diffusion-mb": stories_diffusion_mb,
     "stories-diffusion-distill": stories_diffusion_distill,
