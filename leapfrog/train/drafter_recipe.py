@@ -50,7 +50,7 @@ class DrafterRecipe:
         if self.kind not in ("dflash", "dspark"):
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
         if self.dtype not in TRAIN_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected fp32 or bf16")
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(TRAIN_DTYPES)}")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
         for name in ("num_layers", "markov_rank", "num_draft", "seqs_per_step", "anchors",
