@@ -407,6 +407,9 @@ def test_a_stories_export_suppresses_nothing(trained):
     (["--dropout", "-0.1"], "--dropout -0.1: must be in [0, 1)"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be a number >= 0"),
     (["--dropout", "0.2"], "--dropout: recipe tiny runs the plain forward"),
+    (["--unlikelihood", "-1"], "--unlikelihood -1.0: must be a number >= 0"),
+    (["--unlikelihood", "inf"], "--unlikelihood inf: must be a number >= 0"),
+    (["--unlikelihood", "2"], "--unlikelihood: recipe tiny runs the plain forward"),
 ])
 def test_train_flags_out_of_range_are_usage_errors(flags, message, capsys):
     from leapfrog.train.cli import config_for
@@ -420,6 +423,14 @@ def test_dropout_and_weight_decay_flags_reach_the_config():
     cfg, _ = config_for(["stories", "--dropout", "0.25", "--weight-decay", "0.2"])
     assert (cfg.dropout, cfg.weight_decay) == (0.25, 0.2)
     assert "--dropout 0.25" in cfg.command
+
+
+def test_unlikelihood_flag_overrides_the_recipes_weight():
+    from leapfrog.train.cli import config_for
+    assert config_for(["stories-context"])[0].unlikelihood == 1.0
+    cfg, _ = config_for(["stories-context", "--unlikelihood", "3"])
+    assert cfg.unlikelihood == 3.0 and "--unlikelihood 3" in cfg.command
+    assert config_for(["stories-context", "--unlikelihood", "0"])[0].unlikelihood == 0.0
 
 
 def test_every_recipe_passes_the_flag_checks():

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=None,
                    help="residual and embedding dropout while training, in [0, 1) (needs the fast forward)")
     p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay of the matrices")
+    p.add_argument("--unlikelihood", type=float, default=None, metavar="W",
+                   help="weight of the token-level unlikelihood term against repeating earlier tokens")
     p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None, help="autocast precision for training")
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="dtype of the exported weights")
@@ -76,6 +78,7 @@ OVERRIDES = {"data_dir": "data_dir", "out": "out_dir", "run_dir": "run_dir", "st
              "batch_size": "batch_size", "grad_accum": "grad_accum", "seq_len": "seq_len",
              "lr": "lr", "warmup": "warmup_steps", "dtype": "dtype", "save_dtype": "save_dtype",
              "dropout": "dropout", "weight_decay": "weight_decay",
+             "unlikelihood": "unlikelihood",
              "eval_interval": "eval_interval", "ckpt_interval": "ckpt_interval", "seed": "seed",
              "threads": "threads"}
 
@@ -99,6 +102,11 @@ def _check_numbers(cfg, recipe: str) -> None:
                              "which has no dropout")
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         build_parser().error(f"--weight-decay {cfg.weight_decay}: must be a number >= 0")
+    if not (math.isfinite(cfg.unlikelihood) and cfg.unlikelihood >= 0):
+        build_parser().error(f"--unlikelihood {cfg.unlikelihood}: must be a number >= 0")
+    if cfg.unlikelihood > 0 and not cfg.fast:
+        build_parser().error(f"--unlikelihood: recipe {recipe} runs the plain forward, "
+                             "which has no unlikelihood term")
 
 
 def config_for(argv: list[str]):
