@@ -89,6 +89,10 @@ LEAST = {"max_steps": ("--steps", 1), "batch_size": ("--batch-size", 1), "grad_a
          "ckpt_interval": ("--ckpt-interval", 1), "threads": ("--threads", 1)}
 
 
+# Terms only the fast forward (train.fast) computes: a usage error on a plain-forward recipe.
+FAST_ONLY = {"dropout": "dropout", "unlikelihood": "unlikelihood term"}
+
+
 def _check_numbers(cfg, recipe: str) -> None:
     for field_name, (flag, least) in LEAST.items():
         if getattr(cfg, field_name) < least:
@@ -97,16 +101,13 @@ def _check_numbers(cfg, recipe: str) -> None:
         build_parser().error(f"--lr {cfg.lr}: must be a positive number")
     if not 0.0 <= cfg.dropout < 1.0:
         build_parser().error(f"--dropout {cfg.dropout}: must be in [0, 1)")
-    if cfg.dropout > 0 and not cfg.fast:
-        build_parser().error(f"--dropout: recipe {recipe} runs the plain forward, "
-                             "which has no dropout")
-    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
-        build_parser().error(f"--weight-decay {cfg.weight_decay}: must be a number >= 0")
-    if not (math.isfinite(cfg.unlikelihood) and cfg.unlikelihood >= 0):
-        build_parser().error(f"--unlikelihood {cfg.unlikelihood}: must be a number >= 0")
-    if cfg.unlikelihood > 0 and not cfg.fast:
-        build_parser().error(f"--unlikelihood: recipe {recipe} runs the plain forward, "
-                             "which has no unlikelihood term")
+    for field_name in ("weight_decay", "unlikelihood"):
+        value = getattr(cfg, field_name)
+        if not (math.isfinite(value) and value >= 0):
+            build_parser().error(f"--{field_name.replace('_', '-')} {value}: must be a number >= 0")
+    for field_name, what in FAST_ONLY.items():
+        if getattr(cfg, field_name) > 0 and not cfg.fast:
+            build_parser().error(f"--{field_name}: recipe {recipe} runs the plain forward, which has no {what}")
 
 
 def config_for(argv: list[str]):
