@@ -18,6 +18,19 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)      # what torch.Generator.manual_seed
 INT64_MAX = (1 << 63) - 1
 
 
+SHOWN_CHARS = 60      # of a rejected value, in an error message
+
+
+def shorten(value: Any) -> str:
+    """repr(value) cut to SHOWN_CHARS for an error message (a 100 KB stop string must not come
+    back as a 100 KB error), with the count of items when a list or dict is cut."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    count = f" ({len(value)} items)" if isinstance(value, (list, tuple, dict)) else f" ({len(text)} characters)"
+    return text[:SHOWN_CHARS] + "..." + count
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding parameters (vLLM-compatible names).
@@ -63,7 +76,7 @@ class SamplingParams:
         that no value can reach a tensor constructor (where an out-of-range int fails the
         whole batch's step, not just this request)."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+            raise ValueError(f"{name}={shorten(getattr(self, name))}: {why}")
         for name in ("max_tokens", "min_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 bad(name, "must be an integer")
@@ -117,9 +130,9 @@ class SamplingParams:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
         for token, value in self.logit_bias.items():
             if not _is_int(token) or not 0 <= token <= INT64_MAX:
-                raise ValueError(f"logit_bias: token id {token!r} must be a non-negative integer")
+                raise ValueError(f"logit_bias: token id {shorten(token)} must be a non-negative integer")
             if not _is_finite(value) or abs(value) > LOGIT_BIAS_RANGE:
-                raise ValueError(f"logit_bias: the bias of token {token} is {value!r}; it must be "
+                raise ValueError(f"logit_bias: the bias of token {token} is {shorten(value)}; it must be "
                                  f"a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
     @property

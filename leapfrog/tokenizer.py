@@ -278,6 +278,7 @@ class Tokenizer:
         self.special_token_ids: set[int] = set(backend.special_ids)
         self.bos_token_id = self._resolve("bos_token", model_configs, "bos_token_id")
         self.pad_token_id = self._resolve("pad_token", model_configs, "pad_token_id")
+        self.unk_token_id = self._resolve("unk_token", [], "unk_token_id")
         self.eos_token_ids: list[int] = self._resolve_eos(model_configs)
         self.mask_token_id = self._resolve_mask(model_configs)
         self._template, self._template_origin = _load_chat_template(folder, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,9 @@ def test_the_recorded_command_still_builds_the_shipped_drafter_recipe(folder):
     recorded = json.loads((folder / "training.json").read_text())["recipe"]
     r, _ = recipe_for(shlex.split(recorded["command"])[3:])
     assert _disagreements({k: v for k, v in recorded.items() if k != "command"}, asdict(r)) == []
+
+
+def test_the_couplet_models_chat_template_is_the_one_its_export_writes():
+    from leapfrog.data.couplets import CHAT_TEMPLATE
+    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "couplets" / "chat_template.jinja"
+    assert shipped.read_text(encoding="utf-8") == CHAT_TEMPLATE

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from leapfrog.couplet import rules
-from test_server_common import ServerThread
+from test_server_common import ServerThread, couplet_places_taken, on_loop, wait_until
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
 
@@ -76,14 +76,28 @@ def fake_reply(page, status: int, body: dict, headers: dict | None = None) -> No
 
 
 def write(page, keywords: str = KEYWORDS) -> dict:
-    """Types the keywords, clicks 开门见喜 and returns the server's JSON for that POST."""
+    """Types the keywords, clicks 开门见喜 and returns the couplet the server sent for that POST
+    (the `couplet` event of its stream, or a plain JSON reply)."""
     page.fill("#keywords", keywords)
     with page.expect_response(lambda r: r.url.endswith("/couplet") and r.request.method == "POST",
                               timeout=90_000) as info:
         page.click("#write")
     resp = info.value
-    assert resp.request.post_data_json == {"keywords": keywords}     # the first couplet sends no seed
-    return resp.json() if resp.ok else {"status": resp.status}
+    assert resp.request.post_data_json == {"keywords": keywords, "stream": True}   # the first sends no seed
+    if not resp.ok:
+        return {"status": resp.status}
+    if not resp.headers["content-type"].startswith("text/event-stream"):
+        return resp.json()
+    events = dict(couplet_events(resp.text()))
+    return events["couplet"]
+
+
+def couplet_events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
 
 
 def no_horizontal_scroll(page) -> bool:
@@ -156,18 +170,64 @@ def test_markup_in_a_reply_is_shown_as_text(browser, server):
         ctx.close()
 
 
-def test_a_429_reads_as_a_plain_sentence(browser, server):
+def test_the_page_waits_in_line_and_retries_a_busy_server_by_itself(browser, server):
+    """A server kept busy: every couplet place taken. First the line is closed too (wait bound 0),
+    so each press is a 429 with Retry-After: the page says it will try again and does, by itself.
+    Then the line opens: the page's next try waits in it and shows its place. Then a place frees
+    and the doors open on the couplet. One click in all."""
+    ctx, page, errors = open_page(browser, server, **DESKTOP)
+    posts: list[int] = []
+    page.on("response", lambda r: posts.append(r.status) if r.request.method == "POST" else None)
+    try:
+        with couplet_places_taken(server, rate=1.0) as (line, holders):
+            line.max_wait_s = 0.0                            # no room in line: 429, Retry-After 1 s
+            page.fill("#keywords", KEYWORDS)
+            page.click("#write")
+            page.wait_for_selector('#status[data-retry="2"]', timeout=30_000)
+            assert posts[:2] == [429, 429] and "自动再试" in page.text_content("#status")
+            assert page.text_content("#error") == "" and page.get_attribute("body", "data-state") == "writing"
+            line.max_wait_s = 10.0                           # the line opens: the next try waits in it
+            page.wait_for_selector('#status[data-queued="1"]', timeout=30_000)
+            assert "排队中：第 1 位" in page.text_content("#status") and "In line: number 1" in page.text_content("#status")
+            on_loop(server, line.release, holders.pop())     # a place frees
+            page.wait_for_selector(OPENED, timeout=60_000)
+        assert posts[-1] == 200 and posts.count(429) >= 2
+        up, low, hor = shown(page)
+        assert len(rules.hanzi(up)) == len(rules.hanzi(low)) >= 5 and len(hor) == 4
+        assert page.text_content("#error") == "" and not errors, errors
+    finally:
+        ctx.close()
+
+
+def test_after_a_minute_of_429s_the_page_says_plainly_that_the_server_is_too_busy(browser, server):
+    """Answers faked as 429 (Retry-After 7) and the page's clock run forward: it retries about
+    every 7-9 s for a minute, then gives up with a plain sentence, the button usable again."""
     ctx, page, errors = open_page(browser, server, **DESKTOP)
     try:
-        fake_reply(page, 429, {"error": {"message": "queue full", "type": "rate_limit", "param": None,
-                                         "code": "queue_full"}}, headers={"Retry-After": "7"})
-        write(page)
-        page.wait_for_selector("#error:not(:empty)")
+        page.clock.install()
+        tries: list[float] = []
+
+        def handle(route):
+            if route.request.method != "POST":
+                return route.continue_()
+            tries.append(page.evaluate("performance.now()"))
+            route.fulfill(status=429, content_type="application/json", headers={"Retry-After": "7"},
+                          body=json.dumps({"error": {"message": "queue full", "type": "rate_limit", "param": None,
+                                                     "code": "queue_full"}}))
+        page.route("**/couplet", handle)
+        page.fill("#keywords", KEYWORDS)
+        page.click("#write")
+        for _ in range(80):
+            page.clock.run_for(1000)
+            if page.text_content("#error"):
+                break
         text = page.text_content("#error")
-        assert "请稍等" in text and "7" in text and "try again" in text
+        assert "太忙" in text and "too busy" in text, text
         assert not any(s in text for s in ("{", "<", "queue_full", "429")), text
-        assert page.get_attribute("#gate", "data-state") == "idle" and page.get_attribute("#gate", "data-opened") is None
-        assert page.is_enabled("#write") and page.is_hidden("#after")
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert 6 <= len(tries) <= 9 and all(7000 <= g <= 7000 * 1.25 + 1500 for g in gaps), (tries, gaps)
+        assert tries[-1] - tries[0] <= 60_000
+        assert page.get_attribute("#gate", "data-state") == "idle" and page.is_enabled("#write")
         assert not errors, errors
     finally:
         ctx.close()

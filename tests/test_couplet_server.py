@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from leapfrog.couplet import rules
-from test_server_common import ServerThread
+from test_server_common import ServerThread, couplet_places_taken, on_loop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,19 @@ def test_both_models_listed_and_routed(server, llama_dir):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": "nope", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert "couplets" in r.json()["error"]["message"]
+
+
+def test_chat_with_the_couplet_model_answers_the_upper_line_with_its_lower_line(server):
+    """The couplets checkpoint's chat template renders the last user turn as the pair-mode prompt,
+    so chat and completions give the same 下联 (the character vocabulary cannot spell 'user:')."""
+    up = "春风送暖入屠苏"
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "couplets", "messages": [{"role": "system", "content": "写下联"}, {"role": "user", "content": up}]})
+    plain = httpx.post(server.url + "/v1/completions", json={"model": "couplets", "prompt": up}, timeout=60)
+    assert chat.status_code == plain.status_code == 200, chat.text
+    reply = chat.json()["choices"][0]["message"]["content"]
+    assert reply == plain.json()["choices"][0]["text"] and len(rules.hanzi(reply)) == len(up)
+    assert chat.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] == len(up) + 2
 
 
 def test_couplet_endpoint(server):
@@ -100,55 +113,108 @@ def test_couplet_load_bench(server, tmp_path):
     assert "server-side p50 / p99" in (tmp_path / "c.md").read_text()
 
 
-def test_couplets_past_capacity_are_shed_with_a_retry_after(server):
-    """At max_couplets_in_flight a couplet is a 429 queue_full with Retry-After (1 s by default,
-    RetryAdvice's with couplet_retry_after 0), and nothing else changes: once places free up the
-    same request is written."""
-    writer = server.state.couplet_server("couplets")
-    cap = server.state.cfg.max_couplets_in_flight
-    writer.couplets_in_flight += cap
-    try:
-        r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-        assert int(r.headers["Retry-After"]) >= 1 and f"retry in {r.headers['Retry-After']} s" in r.json()["error"]["message"]
-        assert r.headers["Retry-After"] == str(server.state.cfg.couplet_retry_after) == "1"   # the default
-        server.state.cfg.couplet_retry_after = 0                                              # adaptive
-        r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
-        assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 30
-    finally:
-        writer.couplets_in_flight -= cap
-        server.state.cfg.couplet_retry_after = 1
-    assert httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=60).status_code == 200
+@pytest.fixture
+def full_house(server):
+    with couplet_places_taken(server) as taken:
+        yield taken
 
 
-def test_retry_advice_brings_shed_clients_back_as_fast_as_places_free_up():
-    """A simulated crowd: 200 clients turned away, each coming back after the advised Retry-After,
-    places freeing at 10 a second. The advice grows from 1 s towards W / C = 20 s (within [1, 30]),
-    which cuts the sheds from 200 a second (a fixed 1 s) to a few tens, and falls back to 1 s
-    once the crowd is gone."""
-    import statistics
+def test_couplets_wait_in_line_first_come_first_served_then_past_the_bound_get_429(server, full_house):
+    """With every place taken, couplets wait in line in the order they came while their expected
+    wait (place over the drain rate) fits max_couplet_wait_s; the next is a 429 whose Retry-After
+    is the wait it would have had, and nothing else changes. Freed places go to the line in order."""
+    import threading
+    line, holders = full_house
+    line.max_wait_s = 2.5                                  # 1 s and 2 s fit; the third would wait 3 s
+    done: list[int] = []
+    results: dict[int, httpx.Response] = {}
 
-    from leapfrog.serve.backoff import RetryAdvice
-    now = [0.0]
-    advice = RetryAdvice(clock=lambda: now[0])
-    waiting, capacity_per_s = 200, 10
-    next_try = [0.0] * waiting
-    late_sheds, late_advice = 0, []
-    for tick in range(600):                      # 60 s in steps of 0.1 s
-        now[0] = tick / 10
-        if tick % 10 == 0:
-            for _ in range(capacity_per_s):      # places freeing up (taken by others)
-                advice.finished()
-        for i in range(waiting):
-            if next_try[i] <= now[0]:
-                wait = advice.shed()
-                next_try[i] = now[0] + wait
-                if now[0] >= 40:
-                    late_sheds += 1
-                    late_advice.append(wait)
-    assert all(1 <= w <= 30 for w in late_advice) and statistics.median(late_advice) >= 8
-    assert late_sheds / 20 < 0.25 * waiting       # sheds a second over the last 20 s
-    for tick in range(600, 1050):                # the crowd is gone (for longer than the longest wait)
-        now[0] = tick / 10
-        advice.finished()
-    assert advice.current() == 1
+    def press(k: int) -> None:
+        results[k] = httpx.post(server.url + "/couplet", json={"keywords": "春 福", "seed": k}, timeout=60)
+        done.append(k)
+    threads = []
+    for k in range(2):
+        threads.append(threading.Thread(target=press, args=(k,)))
+        threads[-1].start()
+        wait_until(lambda: line.num_waiting == k + 1)      # in line, in this order
+    r = httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 429 and err["code"] == "queue_full" and r.headers["Retry-After"] == "3"
+    assert "max_couplet_wait_s" in err["message"] and "retry in 3 s" in err["message"]
+    assert line.num_waiting == 2 and not done             # the ones waiting are unharmed
+    on_loop(server, line.release, holders.pop())          # one place frees: the first in line gets it
+    wait_until(lambda: done == [0])                       # (its place then goes to the second)
+    wait_until(lambda: done == [0, 1])
+    for t in threads:
+        t.join()
+    for k in range(2):
+        body = results[k].json()
+        assert results[k].status_code == 200 and len(body["upper"]) == len(body["lower"]) >= 5
+        assert body["timing"]["waited_s"] > 0
+
+
+def test_a_client_that_leaves_the_line_leaves_it_at_once(server, full_house):
+    line, _ = full_house
+    before = rejected(server, "left_line")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/couplet", json={"keywords": "春 福"}, timeout=httpx.Timeout(30, read=0.5))
+    wait_until(lambda: line.num_waiting == 0, timeout=0.5)    # gone with the connection, no polling delay
+    wait_until(lambda: rejected(server, "left_line") == before + 1)
+
+
+def rejected(server, reason: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf'^leapfrog:http_requests_rejected_total{{[^}}]*reason="{reason}"[^}}]*}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_streamed_couplet_reports_its_place_in_line_then_the_couplet(server, full_house):
+    """`stream: true`: server-sent events `queued` (place, expected wait) while waiting, `writing`,
+    then `couplet` with the same body a plain request gets."""
+    import json
+    import threading
+    line, holders = full_house
+    events: list[tuple[str, dict]] = []
+
+    def listen() -> None:
+        with httpx.stream("POST", server.url + "/couplet", json={"keywords": "马年 吉祥", "seed": 3, "stream": True},
+                          timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            name = None
+            for row in r.iter_lines():
+                if row.startswith("event: "):
+                    name = row[7:]
+                elif row.startswith("data: "):
+                    events.append((name, json.loads(row[6:])))
+    t = threading.Thread(target=listen)
+    t.start()
+    wait_until(lambda: events)
+    assert events[0] == ("queued", {"position": 1, "expected_wait_s": 1.0})
+    on_loop(server, line.release, holders.pop())
+    t.join(60)
+    names = [n for n, _ in events]
+    assert names[-2:] == ["writing", "couplet"] and set(names[:-2]) == {"queued"}, names
+    plain = httpx.post(server.url + "/couplet", json={"keywords": "马年 吉祥", "seed": 3}, timeout=60).json()
+    streamed = events[-1][1]
+    assert (streamed["upper"], streamed["lower"], streamed["horizontal"]) == (plain["upper"], plain["lower"],
+                                                                              plain["horizontal"])
+
+
+def test_the_couplet_rate_is_timed_before_ready(server):
+    """Warm-up writes a full house of couplets at once, so the first crowd already has an estimate."""
+    line = server.state.couplet_server("couplets").couplet_line
+    assert line.drain.prior is not None and line.drain.prior > 0
+
+
+def test_couplet_load_bench(server, tmp_path):
+    """`leapfrog bench --serve --couplet`: every couplet done or shed, none failed, the server's
+    own time and its memory reported."""
+    import json
+
+    from leapfrog.bench.cli import main as bench_main
+    rc = bench_main(["--serve", "--couplet", "--url", server.url, "--concurrency", "2", "--num-prompts", "4",
+                     "--out", str(tmp_path), "--name", "c"])
+    lv = json.loads((tmp_path / "c.json").read_text())["levels"][0]
+    assert rc == 0 and lv["failed"] == 0 and lv["completed"] + lv["shed"] == 4 and lv["completed"] >= 1
+    assert 0 < lv["server_s"]["p50"] <= lv["e2e_s"]["p99"] and lv["server_peak_rss_bytes"] > 0
+    assert "server-side p50 / p99" in (tmp_path / "c.md").read_text()

@@ -1,6 +1,8 @@
 """Helpers for the server tests: the real app under uvicorn on a free local port, in a thread."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import socket
 import ssl
@@ -13,6 +15,7 @@ import uvicorn
 
 from leapfrog.serve.app import DrainingServer, create_app
 from leapfrog.serve.config import build_config
+from leapfrog.serve.connections import http_protocol
 
 
 def free_port() -> int:
@@ -33,7 +36,8 @@ class ServerThread:
         self.state = self.app.state.leapfrog
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.cfg.port, log_level="warning", timeout_graceful_shutdown=10,
-            ssl_certfile=self.cfg.ssl_certfile, ssl_keyfile=self.cfg.ssl_keyfile))
+            ssl_certfile=self.cfg.ssl_certfile, ssl_keyfile=self.cfg.ssl_keyfile,
+            http=http_protocol(self.cfg.header_timeout)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         scheme = "https" if self.cfg.ssl_certfile else "http"
         self.url = f"{scheme}://127.0.0.1:{self.cfg.port}"
@@ -112,3 +116,36 @@ def pace_engine(monkeypatch, seconds: float = 0.005) -> None:
     from leapfrog.engine import LLMEngine
     real_step = LLMEngine.step
     monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(seconds) or real_step(self))
+
+
+def on_loop(server, fn, *args):
+    """Runs fn(*args) on the server's event loop (where the couplet line lives) and returns its result."""
+    async def call():
+        return fn(*args)
+    return asyncio.run_coroutine_threadsafe(call(), server.state.engine._loop).result(10)
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def couplet_places_taken(server, rate: float = 1.0):
+    """Every place of the couplet line taken by holders the test releases (tickets joined on the
+    server's loop), the line's drain rate set to `rate` couplets a second; all put back after."""
+    from leapfrog.serve.line import DrainRate
+    line = server.state.couplet_server("couplets").couplet_line
+    saved = line.drain, line.max_wait_s
+    line.drain = DrainRate(prior=rate)
+    holders = [on_loop(server, line.join) for _ in range(line.places)]
+    assert line.in_use == line.places and line.num_waiting == 0
+    try:
+        yield line, holders
+    finally:
+        for t in holders:
+            on_loop(server, line.release, t)
+        wait_until(lambda: line.in_use == 0 and line.num_waiting == 0)
+        line.drain, line.max_wait_s = saved

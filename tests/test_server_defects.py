@@ -114,8 +114,8 @@ def test_prompt_too_long_in_characters_is_refused_untokenized(server, monkeypatc
 def test_too_many_stop_strings(server):
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "stop": ["x"] * 100_000}), 400, "invalid_value", "stop")
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "stop": ["x" * 5000]}), 400, "invalid_value", "stop")
-    assert_error(post(server, "/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}), 400, "invalid_value",
-                 "stop_token_ids")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}), 400,
+                 "invalid_token_id", "stop_token_ids")
     still_works(server.url)
 
 

@@ -37,6 +37,7 @@ it with an `LLM`; the server drives it with its async engine.
 """
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -291,4 +292,30 @@ def write(llm: Any, keywords: list[str], seed: int | None = None, constrained: b
     return couplet
 
 
-__all__ = ["Couplet", "CoupletRule", "CoupletWriter", "Job", "Vocab", "write"]
+def couplets_per_second(engine: Any, writer: CoupletWriter, num: int, num_candidates: int) -> float:
+    """Writes `num` couplets at once on an LLMEngine (each with `num_candidates`), the way a
+    server under a crowd writes them, and returns how many it finished a second."""
+    plans = [writer.plan(["春", "福"], seed, True, num_candidates) for seed in range(num)]
+    t0 = time.perf_counter()
+    jobs = {k: next(plan) for k, plan in enumerate(plans)}
+    for round_ in itertools.count():
+        if not jobs:
+            break
+        for k, batch in jobs.items():
+            for i, job in enumerate(batch):
+                engine.add_request(job.prompt, job.params, request_id=f"couplet-timing-{round_}-{k}-{i}")
+        done: dict[str, Any] = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        following = {}
+        for k, batch in jobs.items():
+            try:
+                following[k] = plans[k].send([done[f"couplet-timing-{round_}-{k}-{i}"]
+                                              for i in range(len(batch))])
+            except StopIteration:
+                pass
+        jobs = following
+    return num / (time.perf_counter() - t0)
+
+
+__all__ = ["Couplet", "CoupletRule", "CoupletWriter", "Job", "Vocab", "couplets_per_second", "write"]

@@ -27,6 +27,14 @@ UP, DOWN, SCROLL = "上联：", "下联：", "横批："
 PUNCT = set("，。；：！？、,.;:!?")
 
 
+# The couplets checkpoint's chat template (chat_template.jinja, written by the export): a chat
+# turn is a prompt of one of the two modes, so the conversation renders as its last user message
+# (the tokenizer adds <s> and <sep> around it), and the reply is the 下联 or the keyword couplet.
+CHAT_TEMPLATE = ("{%- for message in messages if message['role'] == 'user' -%}"
+                 "{%- if loop.last -%}{{ message['content'] }}{%- endif -%}"
+                 "{%- endfor -%}")
+
+
 def pair_text(up: str, down: str, seps: int = 1) -> str:
     """Body of a pair example (the caller adds <s> and </s>)."""
     return f"{up}{SEP * seps}{down}"

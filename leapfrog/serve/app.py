@@ -21,12 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
-from leapfrog.serve.backoff import RetryAdvice
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
+from leapfrog.serve.connections import http_protocol
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
+from leapfrog.serve.line import LineFull, WaitingLine, retry_after_s
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
                                    render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
@@ -64,12 +66,14 @@ class ModelServer:
         self.model_id = cfg.model_id
         self.metrics = ServerMetrics(cfg.model_id)
         timeout = cfg.request_timeout or None
-        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout, self._prepare_couplets)
-        self.capacity = int(cfg.engine.get("max_batch_size", 64)) + cfg.max_queue_size
+        places = int(cfg.engine.get("max_batch_size", 64))
+        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout, self._prepare_couplets,
+                                  places)
+        self.capacity = places + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
         self._writer: Any = None            # the couplet writer, made on first use
-        self.couplets_in_flight = 0
-        self.couplet_retry = RetryAdvice()        # Retry-After for couplets shed at capacity
+        # couplets written at once; the others wait in line while their wait fits the bound
+        self.couplet_line = WaitingLine(cfg.max_couplets_in_flight, cfg.max_couplet_wait_s)
 
     def limits(self) -> Limits:
         info = self.engine.info
@@ -83,31 +87,56 @@ class ModelServer:
             raise APIError(503, f"model {self.model_id!r} {doing}", "server_error", None, "not_ready",
                            {"Retry-After": "5"})
 
-    def open(self, prep: Prepared, priority: int, arrival: float, stream: bool) -> Generation:
-        if len(prep.requests) > self.capacity:     # retrying can never help: not a 429
-            raise bad_request(f"this request asks for {len(prep.requests)} generations (n x prompts) but the "
+    def queue_wait_s(self, num: int) -> float | None:
+        """Expected seconds before the last of `num` new requests would start running: 0 while
+        the batch has room, else its place in the engine's queue over the measured drain rate
+        (None while that is unknown)."""
+        queued = self.engine.num_in_flight + num - self.engine.places
+        return 0.0 if queued <= 0 else self.engine.drain.wait_s(queued)
+
+    def open(self, prep: Prepared, priority: int, arrival: float, stream: bool, bounded: bool = True) -> Generation:
+        """Queue the prepared requests, or answer 429 when they would not fit the queue
+        (max_queue_size) or, `bounded`, not start within max_queue_wait_s."""
+        num = len(prep.requests)
+        if num > self.capacity:     # retrying can never help: not a 429
+            raise bad_request(f"this request asks for {num} generations (n x prompts) but the "
                               f"server holds at most {self.capacity} at once (max_batch_size + max_queue_size)",
                               "n", "too_many_generations")
-        if self.engine.num_in_flight + len(prep.requests) > self.capacity:
-            self.metrics.reject("queue_full")
-            raise APIError(429, f"server is at capacity ({self.capacity} requests in flight); retry later",
-                           "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-        return Generation(self.engine, prep.requests, priority, arrival, stream)
+        wait = self.queue_wait_s(num)
+        if self.engine.num_in_flight + num > self.capacity:
+            why = f"the queue is full ({self.engine.num_in_flight} requests in flight, max_queue_size)"
+        elif bounded and wait is not None and wait > self.cfg.max_queue_wait_s:
+            why = (f"the queue would hold this request about {wait:.0f} s, more than max_queue_wait_s "
+                   f"({self.cfg.max_queue_wait_s:g} s)")
+        else:
+            return Generation(self.engine, prep.requests, priority, arrival, stream)
+        self.metrics.reject("queue_full")
+        retry = retry_after_s(wait)
+        raise APIError(429, f"server is busy: {why}; retry in {retry} s", "rate_limit_error", None, "queue_full",
+                       {"Retry-After": str(retry)})
 
     def couplet_candidates(self) -> int:
         """Candidates per couplet when the request names none: the running batch shared among
         the couplets being written (8 each for up to 8 couplets at the default 64, then 4, then
         2), so that the candidates in flight fit one batch and none waits in the queue: a couplet
         stays on time under load, a little less polished."""
-        share = int(self.cfg.engine.get("max_batch_size", 64)) // (self.couplets_in_flight + 1)
+        return self.couplet_candidates_at(self.couplet_line.in_use)
+
+    def couplet_candidates_at(self, num_couplets: int) -> int:
+        share = self.engine.places // max(1, num_couplets)
         return 8 if share >= 8 else 4 if share >= 4 else 2
 
     def _prepare_couplets(self) -> None:
-        """Before /ready (in the engine thread, after its warm-up): build the couplet writer and
-        load the tone dictionary, so that the first couplets under load do not pay for them."""
+        """Before /ready (in the engine thread, after its warm-up): build the couplet writer,
+        load the tone dictionary, and write a full house of couplets at once, which times the
+        rate the couplet line starts from (until couplets served under load measure it)."""
         if self.cfg.warmup_requests and self.couplet_writer() is not None:
             from leapfrog.couplet import rules
+            from leapfrog.couplet.writer import couplets_per_second
             rules.tones("春回大地")
+            line = self.couplet_line
+            line.drain.prior = couplets_per_second(self.engine.engine, self.couplet_writer(), line.places,
+                                                   self.couplet_candidates_at(line.places))
 
     def couplet_writer(self) -> Any:
         """The couplet writer over this model's tokenizer, or None when the model cannot write
@@ -242,12 +271,48 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Not the server's fault (a flaky client, a proxy giving up): 499 as nginx and vLLM count it.
+        raise client_closed() from None
     return b"".join(chunks)
+
+
+def client_closed() -> APIError:
+    return APIError(499, "client closed the connection", "invalid_request_error", None, "client_closed")
+
+
+class ClientWatch:
+    """Notices at once when the client of a request whose body has been read goes away (its
+    ASGI `http.disconnect`), with no polling: `gone` resolves then. close() when the answer is
+    ready, before sending it."""
+
+    def __init__(self, request: Request) -> None:
+        self.gone: asyncio.Future = asyncio.ensure_future(self._watch(request.receive))
+
+    @staticmethod
+    async def _watch(receive: Callable) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def until_gone(self, awaitable: Any) -> Any:
+        """`awaitable`'s result, or a 499 (and `awaitable` cancelled) if the client leaves first."""
+        task = asyncio.ensure_future(awaitable)
+        await asyncio.wait({task, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise client_closed()
+
+    def close(self) -> None:
+        self.gone.cancel()
 
 
 async def off_loop_if_big(size: int, fn: Callable, *args: Any) -> Any:
@@ -286,20 +351,26 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc}", "server_error", None, "internal_error")
 
 
-async def run_to_end(gen: Generation, request: Request) -> dict[int, Any]:
-    """Non-streaming: the final output of every choice. A client that hangs up is noticed
-    within a second and its requests are aborted."""
+async def run_to_end(gen: Generation, request: Request | None, watch: ClientWatch | None = None) -> dict[int, Any]:
+    """Non-streaming: the final output of every choice. A client that hangs up is noticed at
+    once (queued or decoding) and its requests are aborted. `request` None: the caller watches
+    (a streamed response, cancelled when its client goes)."""
+    own = watch is None and request is not None
+    if own:
+        watch = ClientWatch(request)
     final: dict[int, Any] = {}
     try:
-        async for i, out in gen.outputs(request.is_disconnected):
+        async for i, out in gen.outputs(watch.gone if watch is not None else None):
             if out.finished:
                 final[i] = out
     except (RequestTimeout, EngineError, ValueError) as exc:
         raise as_api_error(exc) from None
     finally:
         gen.close()
+        if own:
+            watch.close()
     if len(final) < gen.num_requests:       # the client hung up; nobody will read this
-        raise APIError(499, "client closed the connection", "invalid_request_error", None, "client_closed")
+        raise client_closed()
     return final
 
 
@@ -389,7 +460,7 @@ def _allowed_methods(app: FastAPI, path: str) -> list[str]:
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     engines = [m.engine for m in state.servers]
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
     async def health() -> JSONResponse:
         for m in state.servers:
             e = m.engine
@@ -403,14 +474,14 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": "healthy", "uptime": time.time() - state.started, "ready": ready,
                              "model": state.primary.model_id, "models": [m.model_id for m in state.servers]})
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
     async def healthz() -> JSONResponse:
         """Liveness: the process answers and every engine runs, loads, or is being restarted by
         its supervisor (a restart is recovery in progress, not a reason to kill the process)."""
         ok = all(e.load_error is None for e in engines)
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
     async def ready() -> JSONResponse:
         """Readiness: every model loaded and warmed up, and not draining for shutdown."""
         status = ("failed" if any(e.load_error is not None for e in engines) else "draining" if state.draining
@@ -449,8 +520,9 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
             if unused:      # silently ignoring e.g. a temperature would mislead
                 raise bad_request(f"{unused[0]} does not apply to a couplet (keywords); it takes keywords, seed "
                                   "and model (POST /couplet has the couplet's own options)", unused[0], "unsupported")
-            couplet = await _write_couplet(state, request, CoupletRequest(keywords=req.keywords, seed=req.seed,
-                                                                          model=req.model), arrival)
+            creq = CoupletRequest(keywords=req.keywords, seed=req.seed, model=req.model)
+            server, keywords, ticket = _enter_couplet_line(state, creq)
+            couplet = await _write_couplet(server, request, ticket, creq, keywords, arrival)
             return {"couplet": f"上联：{couplet['upper']}\n下联：{couplet['lower']}\n横批：{couplet['horizontal']}",
                     **couplet}
         if req.prompt is None:
@@ -569,16 +641,25 @@ def _add_couplet_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/couplet")
     async def couplet(request: Request) -> Any:
-        """Keywords in; 上联, 下联 and 横批 out, with the rules that held and the time taken."""
+        """Keywords in; 上联, 下联 and 横批 out, with the rules that held and the time taken.
+        With `stream: true`, server-sent events: `queued` (place in line, expected wait) while
+        waiting, `writing`, then `couplet` (the same body) or `error`."""
         arrival = time.perf_counter()
         state.admit(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
-        return await _write_couplet(state, request, parse_body(raw, CoupletRequest), arrival)
+        req = parse_body(raw, CoupletRequest)
+        server, keywords, ticket = _enter_couplet_line(state, req)
+        if req.stream:
+            # the background task releases the ticket even if streaming never started
+            return StreamingResponse(_couplet_events(server, ticket, req, keywords, arrival),
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(server.couplet_line.release, ticket))
+        return await _write_couplet(server, request, ticket, req, keywords, arrival)
 
 
-async def _write_couplet(state: ServerState, request: Request, req: CoupletRequest, arrival: float) -> dict:
-    """Runs the couplet writer's rounds on the couplet model's engine, next to everyone else's
-    requests in its batches."""
+def _enter_couplet_line(state: ServerState, req: CoupletRequest) -> tuple[ModelServer, list[str], Any]:
+    """Checks the request, then joins the couplet line of the model that writes it: a place, a
+    place in line, or a 429 whose Retry-After is the wait the line would have meant."""
     from leapfrog.couplet.rules import split_keywords
     from leapfrog.sampling_params import SEED_RANGE
     try:
@@ -592,28 +673,78 @@ async def _write_couplet(state: ServerState, request: Request, req: CoupletReque
     if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:
         raise bad_request(f"seed={req.seed}: must be in [0, 2^64 - 1]", "seed")
     server = state.couplet_server(req.model)
-    if server.couplets_in_flight >= state.cfg.max_couplets_in_flight:
-        server.metrics.reject("queue_full")
-        wait = state.cfg.couplet_retry_after or server.couplet_retry.shed()
-        raise APIError(429, f"{server.couplets_in_flight} couplets are being written (max_couplets_in_flight); "
-                       f"retry in {wait} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(wait)})
-    writer = server.couplet_writer()
-    plan = writer.plan(keywords, req.seed, req.method == "constrained",
-                       req.num_candidates or server.couplet_candidates())
-    server.couplets_in_flight += 1
     try:
-        jobs = next(plan)
-        while True:
-            prep = Prepared([j.prompt for j in jobs], [(j.prompt, j.params) for j in jobs])
-            final = await run_to_end(server.open(prep, 0, arrival, False), request)
-            jobs = plan.send([final[i] for i in range(len(jobs))])
-    except StopIteration as done:
-        result = done.value.as_dict()
+        return server, keywords, server.couplet_line.join()
+    except LineFull as full:
+        server.metrics.reject("queue_full")
+        retry = retry_after_s(full.wait_s)
+        raise APIError(429, f"too many couplets are being written: {full.reason} (max_couplet_wait_s); retry in "
+                       f"{retry} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(retry)}) from None
+
+
+async def _write_couplet(server: ModelServer, request: Request | None, ticket: Any, req: CoupletRequest,
+                         keywords: list[str], arrival: float) -> dict:
+    """Waits for the ticket's turn, then runs the couplet writer's rounds on the couplet model's
+    engine, next to everyone else's requests in its batches. A client that leaves while in
+    line leaves it at once. `request` None: the caller watches for that (a stream)."""
+    line = server.couplet_line
+    watch = ClientWatch(request) if request is not None else None
+    try:
+        if watch is None:
+            await line.wait_for_turn(ticket)
+        else:
+            try:
+                await watch.until_gone(line.wait_for_turn(ticket))
+            except APIError:
+                server.metrics.reject("left_line")
+                raise
+        waited = time.perf_counter() - arrival
+        writer = server.couplet_writer()
+        plan = writer.plan(keywords, req.seed, req.method == "constrained",
+                           req.num_candidates or server.couplet_candidates())
+        try:
+            jobs = next(plan)
+            while True:
+                prep = Prepared([j.prompt for j in jobs], [(j.prompt, j.params) for j in jobs])
+                final = await run_to_end(server.open(prep, 0, arrival, False, bounded=False), None, watch)
+                jobs = plan.send([final[i] for i in range(len(jobs))])
+        except StopIteration as done:
+            result = done.value.as_dict()
     finally:
-        server.couplets_in_flight -= 1
-        server.couplet_retry.finished()
-    result["timing"] = {"seconds": time.perf_counter() - arrival}
+        line.release(ticket)
+        if watch is not None:
+            watch.close()
+    result["timing"] = {"seconds": time.perf_counter() - arrival, "waited_s": waited}
     return {"model": server.model_id, **result}
+
+
+COUPLET_UPDATE_S = 1.0      # how often a streamed couplet's place in line is refreshed
+
+
+async def _couplet_events(server: ModelServer, ticket: Any, req: CoupletRequest, keywords: list[str],
+                          arrival: float) -> AsyncIterator[str]:
+    """The streamed couplet: its place in line when it changes (checked every second), then
+    the couplet. A client that goes away cancels this, which releases the ticket."""
+    try:
+        last = None
+        while not ticket.turn.done():
+            position = ticket.position
+            if position != last:
+                wait = ticket.expected_wait_s()
+                last = position
+                yield sse_event("queued", {"position": position,
+                                           "expected_wait_s": None if wait is None else round(wait, 1)})
+            await asyncio.wait({ticket.turn}, timeout=COUPLET_UPDATE_S)
+        yield sse_event("writing", {"waited_s": round(time.perf_counter() - arrival, 2)})
+        yield sse_event("couplet", await _write_couplet(server, None, ticket, req, keywords, arrival))
+    except (APIError, RequestTimeout, EngineError, ValueError) as exc:
+        yield sse_event("error", as_api_error(exc).body())
+    finally:
+        server.couplet_line.release(ticket)
+
+
+def sse_event(name: str, data: dict) -> str:
+    return f"event: {name}\n{sse(data)}"
 
 
 def _context(out: Any, num_sent: int) -> list[int]:
@@ -723,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(cfg)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
-        ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None))
+        ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None,
+        http=http_protocol(cfg.header_timeout)))
     state: ServerState = app.state.leapfrog
     # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
     # restart or report it, where a live process answering 503 forever would hide it.

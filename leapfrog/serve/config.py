@@ -62,8 +62,10 @@ class ServerConfig:
     max_n: int = 16                            # most choices one request may ask for
     # protection
     max_queue_size: int = 256                  # requests beyond the batch before 429
-    max_couplets_in_flight: int = 24           # couplets written at once per model before 429
-    couplet_retry_after: int = 1               # Retry-After (s) of a shed couplet; 0 = adaptive (backoff.py)
+    max_queue_wait_s: float = 10.0             # expected queue wait past which a request gets 429
+    max_couplets_in_flight: int = 24           # couplets written at once per model; the rest wait in line
+    max_couplet_wait_s: float = 10.0           # expected wait in the couplet line past which a couplet gets 429
+    header_timeout: float = 10.0               # seconds a connection may take to send a request's headers
     max_body_bytes: int = 4 << 20              # larger request bodies get 413 before being read
     request_timeout: float = 600.0             # seconds; 0 = none
     rate_limit: float = 0.0                    # requests/s per client (API key or address); 0 = off
@@ -115,10 +117,15 @@ HELP = {
     "max_n": "most choices (n) one request may ask for (default 16)",
     "max_body_bytes": "largest request body accepted, in bytes (default 4 MiB; larger gets 413)",
     "max_queue_size": "requests allowed to wait beyond the running batch before 429 (default 256)",
-    "max_couplets_in_flight": "couplets (POST /couplet) written at once per model before 429 (default 24: "
-                              "about what 2 CPU cores write within 3 s)",
-    "couplet_retry_after": "Retry-After (s) of a couplet shed at capacity (default 1); 0 = adaptive: the "
-                           "clients being turned away / couplets finished a second, 1-30 s",
+    "max_queue_wait_s": "a request whose expected wait in the queue (its place over the measured rate at which "
+                        "the full batch finishes requests) is longer gets 429 with that wait as Retry-After "
+                        "(default 10)",
+    "max_couplets_in_flight": "couplets (POST /couplet) written at once per model; the others wait in a "
+                              "first-come line (default 24)",
+    "max_couplet_wait_s": "a couplet whose expected wait in line (its place over the measured couplets a "
+                          "second) is longer gets 429 with that wait as Retry-After (default 10)",
+    "header_timeout": "seconds a connection may take to send a request's headers before it is closed "
+                      "(slow clients holding connections open; default 10; 0 = no limit)",
     "request_timeout": "seconds before a request is aborted with 504; 0 = never (default 600)",
     "rate_limit": "requests/s per client (API key, token subject or address); 0 = off (default)",
     "rate_limit_burst": "token-bucket size per client (default 2 x rate_limit)",
@@ -361,9 +368,10 @@ def _validate(cfg: ServerConfig) -> None:
           "expected critical, error, warning, info, debug or trace")
     for key in ("default_max_tokens", "max_n", "max_body_bytes", "max_couplets_in_flight"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
-    for key in ("max_queue_size", "rate_limit_burst", "warmup_requests", "couplet_retry_after"):
+    for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
-    for key in ("request_timeout", "rate_limit", "shutdown_timeout"):
+    for key in ("request_timeout", "rate_limit", "shutdown_timeout", "max_queue_wait_s", "max_couplet_wait_s",
+                "header_timeout"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
     check("default_temperature", cfg.default_temperature is None or cfg.default_temperature >= 0, "must be >= 0")
     check("ssl_keyfile", bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile),

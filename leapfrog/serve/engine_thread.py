@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
+from leapfrog.serve.line import DrainRate
 from leapfrog.serve.metrics import ServerMetrics
 
 log = logging.getLogger("leapfrog.serve.app")
@@ -75,7 +76,8 @@ class EngineInfo:
 
 class AsyncEngine:
     def __init__(self, factory: Callable[[], Any], metrics: ServerMetrics, warmup_requests: int = 3,
-                 request_timeout: float | None = None, on_loaded: Callable[[], None] | None = None) -> None:
+                 request_timeout: float | None = None, on_loaded: Callable[[], None] | None = None,
+                 places: int = 64) -> None:
         self._factory = factory
         self.on_loaded = on_loaded       # after the warm-up, before ready: the server's own preparation
         self.metrics = metrics
@@ -94,6 +96,8 @@ class AsyncEngine:
         self.load_error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None   # called from the thread if loading fails
         self.num_in_flight = 0            # event-loop side count, for the queue limit
+        self.places = places              # requests the engine runs at once (max_batch_size)
+        self.drain = DrainRate()          # requests finished a second while all places are taken
         self._finished_tokens = 0         # output tokens of finished requests (tokens/forward)
         self._last_publish = 0.0
         self.crash: BaseException | None = None   # what killed the engine loop, until the restart
@@ -428,6 +432,7 @@ class Generation:
         self._engine = engine
         self._sink: asyncio.Queue = asyncio.Queue()
         engine.num_in_flight += len(requests)
+        engine.drain.set_saturated(engine.num_in_flight >= engine.places)
         # stream=False: the engine decodes the text once at the end instead of every step
         self._index = {engine.submit(ids, params, self._sink, priority, arrival, stream): i
                        for i, (ids, params) in enumerate(requests)}
@@ -435,32 +440,29 @@ class Generation:
         self._closed = False
         self.num_requests = len(requests)
 
-    async def outputs(self, is_disconnected: Callable[[], Any] | None = None):
-        """Yields (index, RequestOutput); raises the request's exception if it failed.
-        With `is_disconnected`, the client is polled about once a second, whether tokens
-        are flowing or the request is still queued."""
-        last_check = time.monotonic()
-        while self._live:
-            try:
-                if is_disconnected is None:
-                    request_id, item = await self._sink.get()
-                else:
-                    request_id, item = await asyncio.wait_for(self._sink.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                request_id, item = None, None
-            if is_disconnected is not None and time.monotonic() - last_check >= 1.0:
-                last_check = time.monotonic()
-                if await is_disconnected():
+    async def outputs(self, gone: asyncio.Future | None = None):
+        """Yields (index, RequestOutput); raises the request's exception if it failed. When
+        `gone` (the client went away) resolves first, the requests are aborted and the
+        iteration ends, whether tokens are flowing or the requests are still queued."""
+        if gone is not None:
+            wake = lambda _: self._sink.put_nowait((None, None))     # noqa: E731
+            gone.add_done_callback(wake)
+        try:
+            while self._live:
+                request_id, item = await self._sink.get()
+                if request_id is None:        # the client went away
                     self.close()
                     return
-            if request_id is None:
-                continue
-            if isinstance(item, BaseException):
-                self._live.discard(request_id)
-                raise item
-            if item.finished:
-                self._live.discard(request_id)
-            yield self._index[request_id], item
+                if isinstance(item, BaseException):
+                    self._live.discard(request_id)
+                    raise item
+                if item.finished:
+                    self._live.discard(request_id)
+                    self._engine.drain.completed()
+                yield self._index[request_id], item
+        finally:
+            if gone is not None:
+                gone.remove_done_callback(wake)
 
     def close(self) -> None:
         if self._closed:
@@ -470,3 +472,4 @@ class Generation:
             self._engine.abort(request_id)
         self._live.clear()
         self._engine.num_in_flight -= len(self._index)
+        self._engine.drain.set_saturated(self._engine.num_in_flight >= self._engine.places)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SEED_RANGE, SamplingParams
+from leapfrog.sampling_params import SEED_RANGE, SamplingParams, shorten
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request, field_of)
 
@@ -96,6 +96,9 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
         kw["seed"] = seed % (1 << 64) if req.seed <= SEED_RANGE[1] < seed else seed
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw["stop_token_ids"] = list(req.stop_token_ids or [])
+    if any(not 0 <= t < limits.vocab_size for t in kw["stop_token_ids"]):
+        raise bad_request(f"stop_token_ids must be token ids of this model, in [0, {limits.vocab_size})",
+                          "stop_token_ids", "invalid_token_id")
     kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
     try:
         params = SamplingParams(**kw)
@@ -113,8 +116,8 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     token id of this model is a 400 naming logit_bias (the values' range is SamplingParams')."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
-            raise bad_request(f"logit_bias: key {key!r} is not a token id of this model "
+        if not (key.isascii() and key.isdigit() and len(key) <= 19 and int(key) < vocab_size):
+            raise bad_request(f"logit_bias: key {shorten(key)} is not a token id of this model "
                               f"(a decimal integer in [0, {vocab_size}))", "logit_bias", "invalid_token_id")
         out[int(key)] = value
     return out
@@ -160,15 +163,31 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------
-def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's ("function" is gone)
+
+
+def chat_messages(req: Any) -> list[dict]:
+    """The messages as {role, content} for a template, or a 400 naming the message: OpenAI's
+    roles only, and content on every message (null only on an assistant turn that calls tools)."""
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise bad_request(f"messages.{i}.role: {shorten(m.role)} is not a chat role (expected one of "
+                              f"{', '.join(CHAT_ROLES)})", f"messages.{i}.role", "invalid_value")
         content = m.content
+        if content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
+            raise bad_request(f"messages.{i}.content: a {m.role} message needs content (null only on an "
+                              "assistant message with tool_calls)", f"messages.{i}.content", "missing_field")
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content if part.type == "text")
         messages.append({"role": m.role, "content": content or ""})
     if not messages:
         raise bad_request("messages must not be empty", "messages", "empty_prompt")
+    return messages
+
+
+def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
+    messages = chat_messages(req)
     check_prompt_chars("".join(m["content"] + m["role"] for m in messages), limits, "messages")
     if getattr(tokenizer, "has_chat_template", False):
         try:
@@ -176,6 +195,10 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
         except Exception as exc:        # templates raise on e.g. unsupported roles
             raise bad_request(f"chat template failed: {exc}", "messages", "invalid_messages") from None
     else:
+        if not can_spell_fallback_chat(tokenizer):
+            raise bad_request("this model has no chat template, and its vocabulary cannot spell the plain "
+                              "'role: content' lines used in its place; send the prompt to /v1/completions",
+                              "messages", "no_chat_template")
         text = "".join(FALLBACK_CHAT.format(**m) for m in messages)
         text += "assistant:" if req.add_generation_prompt else ""
     ids = tokenizer.encode(text)
@@ -183,6 +206,16 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
     if bos is not None and ids[:2] == [bos, bos]:   # template wrote <s> and encode added one
         ids = ids[1:]
     return ids
+
+
+def can_spell_fallback_chat(tokenizer: Any) -> bool:
+    """Whether the fallback chat lines encode without unknown tokens (a character vocabulary,
+    such as the couplet model's, has no Latin letters)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return True
+    probe = "".join(FALLBACK_CHAT.format(role=r, content="") for r in CHAT_ROLES) + "assistant:"
+    return unk not in tokenizer.encode(probe, add_special_tokens=False)
 
 
 def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:

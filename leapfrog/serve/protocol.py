@@ -92,6 +92,7 @@ class CoupletRequest(_Strict):
     num_candidates: int | None = None      # constrained: candidates written and reranked (None: 8, fewer
                                            # while the engine is busy)
     model: str | None = None               # default: the first served model that writes couplets
+    stream: bool = False                   # server-sent events: place in line, then the couplet
 
 
 class FaultRequest(_Strict):

@@ -53,6 +53,9 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
     else:
         tok.save_pretrained(out)
         shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
+    if cfg.name == "couplets":
+        from leapfrog.data.couplets import CHAT_TEMPLATE
+        (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     decoding = {}
     if cfg.diffusion is not None:
         decoding["default_method"] = "diffusion"

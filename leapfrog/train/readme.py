@@ -48,6 +48,11 @@ COUPLET_FORMATS = """## Prompt formats
   (repeated 20 times with fresh keywords); for a quarter of the other pairs the 横批 is the
   4-character phrase (real 横批 or 4-character couplet side) sharing the most characters with the
   couplet, so 横批 is learned as "a four-character phrase on the couplet's theme".
+- **Chat** (`/v1/chat/completions`): `chat_template.jinja` renders a conversation as its last
+  user message alone, so a chat turn is a pair-mode (or keyword-mode) prompt: the reply to
+  `春风送暖入屠苏` is its 下联, as from `/v1/completions`. The vocabulary cannot spell the
+  `user:` / `assistant:` lines a model without a template gets, and earlier turns are not
+  context the model was trained on.
 - Tokenizer: SentencePiece BPE with pieces of at most one character (one token per 汉字),
   {rare}, `add_prefix_space` false.
 """
