@@ -200,8 +200,8 @@ def test_the_page_waits_in_line_and_retries_a_busy_server_by_itself(browser, ser
 
 
 def test_after_a_minute_of_429s_the_page_says_plainly_that_the_server_is_too_busy(browser, server):
-    """Answers faked as 429 (Retry-After 7) and the page's clock run forward: it retries about
-    every 7-9 s for a minute, then gives up with a plain sentence, the button usable again."""
+    """Answers faked as 429 (Retry-After 7) and the page's clock run forward: it retries every
+    7-8 s for a minute, then gives up with a plain sentence, the button usable again."""
     ctx, page, errors = open_page(browser, server, **DESKTOP)
     try:
         page.clock.install()
@@ -225,7 +225,8 @@ def test_after_a_minute_of_429s_the_page_says_plainly_that_the_server_is_too_bus
         assert "太忙" in text and "too busy" in text, text
         assert not any(s in text for s in ("{", "<", "queue_full", "429")), text
         gaps = [b - a for a, b in zip(tries, tries[1:])]
-        assert 6 <= len(tries) <= 9 and all(7000 <= g <= 7000 * 1.25 + 1500 for g in gaps), (tries, gaps)
+        # (7 s, plus up to 1 s of jitter, plus up to 1 s for the clock running forward in 1 s steps)
+        assert 6 <= len(tries) <= 9 and all(7000 <= g <= 9500 for g in gaps), (tries, gaps)
         assert tries[-1] - tries[0] <= 60_000
         assert page.get_attribute("#gate", "data-state") == "idle" and page.is_enabled("#write")
         assert not errors, errors

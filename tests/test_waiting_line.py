@@ -70,8 +70,19 @@ def test_the_line_serves_in_order_bounds_the_wait_and_lets_the_gone_leave():
         assert [t.expected_wait_s() for t in waiting] == pytest.approx([2, 4, 6, 8, 10])
         with pytest.raises(LineFull) as full:              # the sixth would wait 12 s
             line.join()
-        assert full.value.wait_s == pytest.approx(12.0) and retry_after_s(full.value.wait_s) == 12
+        # back when its place would be half the bound (5 s) from the front: 12 - 5 s
+        assert full.value.retry_s == pytest.approx(7.0) and retry_after_s(full.value.retry_s) == 7
         assert "12 s" in str(full.value) and line.num_waiting == 5    # turned away: not in the line
+        promised = []
+        for _ in range(3):                                 # turned away together: told turns a place apart
+            with pytest.raises(LineFull) as full:
+                line.join()
+            promised.append(full.value.retry_s)
+        assert promised == pytest.approx([9, 11, 13])
+        clock.now += 20.0                                  # long after: the promises are past
+        with pytest.raises(LineFull) as full:
+            line.join()
+        assert full.value.retry_s == pytest.approx(7.0)
 
         order: list[int] = []
 
@@ -122,7 +133,7 @@ def test_the_line_without_an_estimate_is_bounded_by_its_length_only():
         line.join(), line.join()           # no rate known: the wait bound cannot apply
         with pytest.raises(LineFull) as full:
             line.join()
-        assert full.value.wait_s is None and "already waiting" in str(full.value)
+        assert full.value.retry_s is None and "already waiting" in str(full.value)
     run(main())
 
 

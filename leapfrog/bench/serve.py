@@ -7,26 +7,32 @@ each, request and token throughput. Load levels are fixed concurrencies (all req
 once, at most C in flight) or Poisson arrival rates (gamma gaps with --burstiness; 1 = Poisson).
 One asyncio client drives everything: on a small machine, client threads would compete with
 the server for cores.
-With --couplet the requests are the couplet terminal's (POST /couplet with a few festive
-keywords, not streamed): per level, completed requests, requests shed with 429 (+ Retry-After:
-load shedding, reported apart from errors; the client then waits Retry-After, as browsers and
-SDKs do, before its next request), errors, req/s, latency p50/p99 as the client sees it and as
-the server timed it (from the request's arrival in its handler), and the server's peak
+With --couplet a level is a crowd: that many people press the couplet page's button at the same
+moment (POST /couplet with festive keywords), once each, and after a 429 come back by themselves
+as the page does (Retry-After plus up to a second, for up to a minute from the press, then they
+give up). Per crowd: the share served, p50/p99 from the first press to the couplet and as the
+server timed the request that got it, couplets/s, the 429s sent, the people who gave up, errors,
+whether they were served in the order they came (the share served after someone whose first
+press reached the server half a second or more later), /healthz's slowest answer while the crowd is served, and the server's peak
 resident memory (its `process_resident_memory_bytes`, polled while the level runs).
-Writes <out>/<name>.json, <name>.md and <name>.png (latency against load).
+Writes <out>/<name>.json, <name>.md and <name>.png (latency against load; for crowds, the share
+served against the time from the press).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import os
 import random
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -50,6 +56,10 @@ class RequestResult:
     shed: bool = False                 # 429 with Retry-After: the server shed load, not an error
     retry_after: float = 0.0
     server_s: float | None = None      # the server's own time for the request (couplets: timing.seconds)
+    num_shed: int = 0                  # couplet crowds: 429s this person got before the couplet
+    gave_up: bool = False              # couplet crowds: still turned away when the retry window closed
+    done_at: float = 0.0               # couplet crowds: when the couplet came (perf_counter)
+    arrived_at: float = 0.0            # couplet crowds: when the first press reached the server (perf_counter)
 
     @property
     def tpot(self) -> float | None:
@@ -135,6 +145,133 @@ async def one_couplet(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     return res
 
 
+# As the couplet page (static/couplet.html): after a 429, come back after Retry-After plus up to
+# a second at random, while that stays within a minute of the press.
+RETRY_WINDOW_S = 60.0
+RETRY_JITTER_S = 1.0
+
+
+async def one_person(client: httpx.AsyncClient, url: str, body: dict, rng: random.Random) -> RequestResult:
+    """One press of the couplet button, retried as the page retries; e2e from the press."""
+    start = time.perf_counter()
+    shed, arrived = 0, None
+    while True:
+        res = await one_couplet(client, url, body)
+        if arrived is None:      # a 429 is answered at once; a couplet's own time is the server's
+            arrived = time.perf_counter() - (0.0 if res.shed else res.server_s or 0.0)
+        if not res.shed:
+            break
+        shed += 1
+        delay = res.retry_after + RETRY_JITTER_S * rng.random()
+        if time.perf_counter() - start + delay > RETRY_WINDOW_S:
+            res.gave_up, res.error = True, "gave up (the server was too busy for a minute)"
+            break
+        await asyncio.sleep(delay)
+    res.shed, res.num_shed, res.arrived_at = False, shed, arrived
+    res.done_at = time.perf_counter()
+    res.e2e = res.done_at - start
+    return res
+
+
+def _probe_health(url: str, stop: Any, out: Any) -> None:
+    """(A process of its own, so that the crowd's client loop does not delay it.) The seconds
+    each GET /healthz took, asked every 0.2 s until `stop` is set, sent back through `out`."""
+    took: list[float] = []
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                r.read()
+            took.append(time.perf_counter() - t0)
+        except OSError:
+            took.append(math.inf)
+        stop.wait(0.2)
+    out.send(took)
+
+
+class HealthProbe:
+    """GET /healthz from another process while a crowd is served: its answer times."""
+
+    def __init__(self, base: str) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_probe_health, args=(base.rstrip("/") + "/healthz", self._stop, send),
+                                 daemon=True)
+        self._proc.start()
+
+    def finish(self) -> list[float]:
+        self._stop.set()
+        took = self._recv.recv() if self._recv.poll(60) else []
+        self._proc.join(10)
+        return took
+
+
+async def run_crowd(args: argparse.Namespace, base: str, people: int) -> dict:
+    """`people` press the couplet button at the same moment, each once, retrying as the page does."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = base.rstrip("/") + "/couplet"
+    # a new connection for each press and retry, as separate browsers (no stale kept-alive sockets)
+    limits = httpx.Limits(max_connections=people + 4, max_keepalive_connections=0)
+    timeout = httpx.Timeout(args.timeout, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as client, \
+            httpx.AsyncClient(timeout=30, headers=headers) as prober:
+        before = await scrape(prober, base)
+        load_before = os.getloadavg()[0]
+        stop = asyncio.Event()
+        memory = asyncio.create_task(peak_memory(prober, base, stop))
+        health = HealthProbe(base)
+        rngs = [random.Random(args.seed * 100_003 + i) for i in range(people)]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(
+            one_person(client, url, {"keywords": COUPLET_KEYWORDS[i % len(COUPLET_KEYWORDS)], "seed": args.seed + i},
+                       rngs[i]) for i in range(people)))
+        stop.set()
+        peak, healthz = await memory, health.finish()
+    summary = summarize_crowd(results, t0, healthz)
+    summary["load_average_1m"] = load_before
+    summary["server_peak_rss_bytes"] = peak or None
+    return summary
+
+
+def summarize_crowd(results: list[RequestResult], t0: float, healthz: list[float]) -> dict:
+    served = [r for r in results if r.ok]
+    last = max((r.done_at for r in served), default=t0)
+    return {
+        "concurrency": len(results), "request_rate": None, "num_requests": len(results), "people": len(results),
+        "completed": len(served), "served_share": len(served) / len(results) if results else 0.0,
+        "gave_up": sum(r.gave_up for r in results),
+        "failed": sum(not r.ok and not r.gave_up for r in results),
+        "shed": sum(r.num_shed for r in results),
+        "errors": sorted({r.error for r in results if not r.ok and not r.gave_up})[:5],
+        "duration_s": last - t0, "request_throughput": len(served) / (last - t0) if served else 0.0,
+        "e2e_s": _stats([r.e2e for r in served]),
+        "server_s": _stats([r.server_s for r in served if r.server_s is not None]),
+        "served_s": [round(r.e2e, 4) for r in served],
+        "overtaken": overtaken([(r.arrived_at, r.done_at) for r in served]),
+        "healthz_s": {"max": max(healthz, default=math.nan), **_stats(healthz)},
+        "healthz_series_ms": [round(t * 1e3, 1) for t in healthz],     # every 0.2 s, in order
+    }
+
+
+OVERTAKE_S = 0.5      # arrivals closer than this count as simultaneous (a burst has no order within it)
+
+
+def overtaken(people: list[tuple[float, float]]) -> float:
+    """First come, first served: the share of people (arrival, done) who got their couplet after
+    someone whose first press reached the server at least OVERTAKE_S later."""
+    if not people:
+        return 0.0
+    by_arrival = sorted(people)
+    arrivals = [a for a, _ in by_arrival]
+    later_done = [math.inf] * (len(by_arrival) + 1)          # earliest couplet among arrivals from k on
+    for k in range(len(by_arrival) - 1, -1, -1):
+        later_done[k] = min(later_done[k + 1], by_arrival[k][1])
+    count = sum(later_done[bisect.bisect_left(arrivals, a + OVERTAKE_S)] < d for a, d in by_arrival)
+    return count / len(people)
+
+
 async def peak_memory(client: httpx.AsyncClient, base: str, stop: asyncio.Event) -> float:
     """The server's largest resident memory (bytes) seen while `stop` is unset, polled twice a second."""
     peak = 0.0
@@ -164,7 +301,7 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
     texts = prompts(num, args.prompt_words, args.seed)
     sem = asyncio.Semaphore(concurrency or num)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = base.rstrip("/") + ("/couplet" if args.couplet else "/v1/completions")
+    url = base.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=(concurrency or num) + 4)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         before = await scrape(client, base)
@@ -173,13 +310,6 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
         memory = asyncio.create_task(peak_memory(client, base, stop))
 
         async def go(i: int) -> RequestResult:
-            if args.couplet:
-                body = {"keywords": COUPLET_KEYWORDS[i % len(COUPLET_KEYWORDS)], "seed": args.seed + i}
-                async with sem:
-                    res = await one_couplet(client, url, body)
-                    if res.shed:      # a client told to come back later waits before its next request
-                        await asyncio.sleep(min(res.retry_after, 30.0))
-                    return res
             body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,
                     "stream_options": {"include_usage": True}}
@@ -251,17 +381,44 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
 
 # --- reporting -------------------------------------------------------------------------------
 def couplet_markdown(result: dict) -> str:
-    rows = ["| concurrent clients | done/sent | shed (429) | errors | req/s | latency p50 / p99 (s) | "
-            "server-side p50 / p99 (s) | server peak RSS (MiB) |", "|" + "---|" * 8]
+    rows = ["| people pressing at once | served | gave up | errors | 429s sent | couplets/s | press to couplet "
+            "p50 / p99 (s) | server-side p50 / p99 (s) | served out of turn | /healthz max (ms) | server peak RSS (MiB) |",
+            "|" + "---|" * 11]
     for lv in result["levels"]:
         rss = lv.get("server_peak_rss_bytes")
-        rows.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['num_requests']} | {lv['shed']} | {lv['failed']} | "
-                    f"{lv['request_throughput']:.1f} | {lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f} | "
-                    f"{lv['server_s']['p50']:.2f} / {lv['server_s']['p99']:.2f} | "
-                    f"{'-' if not rss else f'{rss / 2**20:.0f}'} |")
+        rows.append(f"| {lv['people']} | {lv['completed']}/{lv['people']} ({lv['served_share']:.0%}) | {lv['gave_up']} | "
+                    f"{lv['failed']} | {lv['shed']} | {lv['request_throughput']:.1f} | "
+                    f"{lv['e2e_s']['p50']:.2f} / {lv['e2e_s']['p99']:.2f} | "
+                    f"{lv['server_s']['p50']:.2f} / {lv['server_s']['p99']:.2f} | {lv['overtaken']:.1%} | "
+                    f"{lv['healthz_s']['max'] * 1e3:.0f} | {'-' if not rss else f'{rss / 2**20:.0f}'} |")
     loads = ", ".join(f"{lv.get('load_average_1m', math.nan):.1f}" for lv in result["levels"])
-    return "\n".join(rows) + (f"\nPOST /couplet at {result['config']['url']}; 1-min load average before each "
-                              f"level: {loads}; {result['timestamp']}.")
+    return "\n".join(rows) + (f"\nPOST /couplet at {result['config']['url']}: each person presses once and, "
+                              f"after a 429, retries as the page does (Retry-After plus up to 1 s, for up to "
+                              f"{RETRY_WINDOW_S:.0f} s); 1-min load average before each level: {loads}; "
+                              f"{result['timestamp']}.")
+
+
+def plot_crowd(result: dict, path: Path, baseline: dict | None = None, baseline_name: str = "before") -> None:
+    """The share of each crowd with its couplet against the time from the press; a baseline
+    result (another build's, --compare) dashed in the same colours."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    runs = [(result, "-", "")] + ([(baseline, "--", f"{baseline_name}: ")] if baseline else [])
+    for run, style, prefix in runs:
+        for k, lv in enumerate(run["levels"]):
+            times = sorted(lv["served_s"])
+            ax.step([0.0] + times, [0.0] + [(i + 1) / lv["people"] for i in range(len(times))], where="post",
+                    linestyle=style, color=f"C{k}", label=f"{prefix}{lv['people']} people: {lv['served_share']:.0%} "
+                    f"served, {lv['request_throughput']:.0f}/s, {lv['shed']} x 429")
+    ax.set(xlabel="seconds from the press", ylabel="share of the crowd with its couplet", ylim=(0, 1.02),
+           title=f"couplet crowds ({result['timestamp']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(result: dict) -> str:
@@ -361,7 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let requests stop at EOS (default: always generate --max-tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--couplet", action="store_true",
-                   help="load the couplet terminal instead: POST /couplet with festive keywords (not streamed)")
+                   help="crowds at the couplet terminal instead: --concurrency N means N people pressing the "
+                        "button at once (POST /couplet), each retrying after a 429 as the page does")
+    p.add_argument("--compare", default=None, help="--couplet: a previous crowd result (its .json, e.g. from "
+                   "another build) drawn dashed in the plot")
+    p.add_argument("--compare-name", default="before", help="the --compare result's name in the plot")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--out", default="bench_results", help="output folder")
     p.add_argument("--name", default="serve", help="file stem of the results")
@@ -405,10 +566,28 @@ async def first_model(url: str, api_key: str | None) -> str:
         return (await client.get(url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
 
 
+async def _run_crowds(args: argparse.Namespace) -> dict:
+    levels = []
+    if args.warmup:
+        log(f"{args.warmup} untimed warm-up couplets")
+        await run_crowd(args, args.url, min(args.warmup, 8))
+    for people in (int(c) for c in args.concurrency.split(",")):
+        log(f"{people} people press at once")
+        lv = await run_crowd(args, args.url, people)
+        log(f"  {lv['completed']}/{people} served, {lv['shed']} 429s, p99 {lv['e2e_s']['p99']:.2f} s, "
+            f"{lv['request_throughput']:.1f} couplets/s, /healthz max {lv['healthz_s']['max'] * 1e3:.0f} ms")
+        levels.append(lv)
+    cfg = {k: v for k, v in vars(args).items() if k not in ("api_key", "serve")}
+    return {"model": "couplet terminal", "config": cfg, "levels": levels,
+            "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 async def _run(args: argparse.Namespace) -> dict:
     """Each load level against leapfrog and, with --peer-url, against the peer server with the
     same client, prompts and settings; the two alternate which goes first from level to level."""
-    model = args.model or ("couplet terminal" if args.couplet else await first_model(args.url, args.api_key))
+    if args.couplet:
+        return await _run_crowds(args)
+    model = args.model or await first_model(args.url, args.api_key)
     targets = [("leapfrog", args.url, model)]
     if args.peer_url:
         targets.append((args.peer_name, args.peer_url, await first_model(args.peer_url, args.api_key)))
@@ -452,7 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     table = markdown(result)
     (out / f"{args.name}.md").write_text(table + "\n")
-    plot(result, out / f"{args.name}.png")
+    if args.couplet:
+        baseline = json.loads(Path(args.compare).read_text()) if args.compare else None
+        plot_crowd(result, out / f"{args.name}.png", baseline, args.compare_name)
+    else:
+        plot(result, out / f"{args.name}.png")
     print(table)
     log(f"wrote {out}/{args.name}.json, .md, .png")
     every = result["levels"] + result.get("peer", {}).get("levels", [])

@@ -137,6 +137,8 @@ class ModelServer:
             line = self.couplet_line
             line.drain.prior = couplets_per_second(self.engine.engine, self.couplet_writer(), line.places,
                                                    self.couplet_candidates_at(line.places))
+            log.info("%s: %.1f couplets a second with all %d couplet places taken (warm-up)", self.model_id,
+                     line.drain.prior, line.places)
 
     def couplet_writer(self) -> Any:
         """The couplet writer over this model's tokenizer, or None when the model cannot write
@@ -229,8 +231,9 @@ class ServerState:
             # before reading and tokenizing it, so that a burst is turned away at once and
             # the admitted requests keep the CPU.
             self.primary.metrics.reject("queue_full")
-            raise APIError(429, "server is at capacity; retry later", "rate_limit_error", None, "queue_full",
-                           {"Retry-After": "1"})
+            retry = min(retry_after_s(m.queue_wait_s(1)) for m in self.servers)
+            raise APIError(429, f"server is at capacity; retry in {retry} s", "rate_limit_error", None, "queue_full",
+                           {"Retry-After": str(retry)})
         client = identity or (request.client.host if request.client else "unknown")
         wait = self.limiter.acquire(client)
         if wait > 0:
@@ -677,7 +680,7 @@ def _enter_couplet_line(state: ServerState, req: CoupletRequest) -> tuple[ModelS
         return server, keywords, server.couplet_line.join()
     except LineFull as full:
         server.metrics.reject("queue_full")
-        retry = retry_after_s(full.wait_s)
+        retry = retry_after_s(full.retry_s)
         raise APIError(429, f"too many couplets are being written: {full.reason} (max_couplet_wait_s); retry in "
                        f"{retry} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(retry)}) from None
 

@@ -11,6 +11,7 @@ readiness answers 503, and a fresh engine is built from the same factory in a ne
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -224,6 +225,12 @@ class AsyncEngine:
             self._warmup()
             if self.on_loaded is not None:
                 self.on_loaded()
+            # The model, tokenizer and dictionaries are hundreds of thousands of objects that live as
+            # long as the process: out of the collector's way, a full collection no longer walks
+            # them, which would stall the event loop (and every probe and stream) for a tenth of a
+            # second or more under load.
+            gc.collect()
+            gc.freeze()
         except BaseException as exc:       # surfaced by /health and the startup log
             self.load_error = exc
             log.error("engine failed to load: %s", exc)

@@ -1,12 +1,14 @@
 """Waiting in line for a place: the couplets written at once, the engine's running batch.
 
 A request that finds every place taken waits in a first-come, first-served line, but only while
-its expected wait fits a bound: past it, it is turned away at once, told (Retry-After) how long
-the line would have kept it, instead of joining a line it would not clear in time.
+its expected wait fits a bound: past it, it is turned away at once instead of joining a line it
+would not clear in time, and told (Retry-After) when to come back: when its place would be
+half the bound from the front. Those turned away in a burst are given places one after another,
+so that they come back as places free up.
 
 The expected wait of the k-th in line is k over the drain rate: the places that free up a second
 while every place is taken. ``DrainRate`` measures that rate: completions counted only while the
-places were all taken, over the time they were, both decayed with a half-minute time constant so
+places were all taken, over the time they were, both decayed with a ten-second time constant so
 that it follows the recent load and keeps its value through idle spells. Until it has seen a few
 such completions it answers with the owner's prior (measured at warm-up), or None: no bound,
 only the line's length limits it.
@@ -26,7 +28,7 @@ MIN_EVENTS = 3          # saturated completions before the measured rate replace
 class DrainRate:
     """Places freed per second while all are taken (see the module's docstring)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, tau_s: float = 30.0,
+    def __init__(self, clock: Callable[[], float] = time.monotonic, tau_s: float = 10.0,
                  prior: float | None = None) -> None:
         self.clock, self.tau_s, self.prior = clock, tau_s, prior
         self.busy_s = 0.0            # decayed seconds with every place taken
@@ -43,8 +45,8 @@ class DrainRate:
             return
         decay = math.exp(-dt / self.tau_s)
         self.done *= decay
-        # the decayed integral of the saturated indicator over the last dt seconds
-        self.busy_s = self.busy_s * decay + (self.tau_s * (1.0 - decay) if self.saturated else 0.0)
+        # decayed as the completions are (the latest interval at full weight, like the latest completion)
+        self.busy_s = self.busy_s * decay + (dt if self.saturated else 0.0)
 
     def set_saturated(self, saturated: bool) -> None:
         if saturated != self.saturated:
@@ -72,11 +74,11 @@ class DrainRate:
 
 
 class LineFull(Exception):
-    """The line is longer than its bound: come back after `wait_s` (None: unknown)."""
+    """The line is longer than its bound: come back after `retry_s` (None: unknown)."""
 
-    def __init__(self, wait_s: float | None, reason: str) -> None:
+    def __init__(self, retry_s: float | None, reason: str) -> None:
         super().__init__(reason)
-        self.wait_s, self.reason = wait_s, reason
+        self.retry_s, self.reason = retry_s, reason
 
 
 def retry_after_s(wait_s: float | None) -> int:
@@ -116,6 +118,7 @@ class WaitingLine:
         self._numbers = itertools.count()
         self._waiting: list[int] = []                # ticket numbers, in order
         self._tickets: dict[int, Ticket] = {}
+        self._promised = -math.inf                   # the turn promised to the last one turned away
 
     @property
     def num_waiting(self) -> int:
@@ -140,9 +143,10 @@ class WaitingLine:
         position = len(self._waiting) + 1
         wait = self.drain.wait_s(position)
         if wait is not None and wait > self.max_wait_s:
-            raise LineFull(wait, f"{len(self._waiting)} are waiting and the line moves about "
-                                 f"{position / wait:.1f} a second: the wait would be {wait:.0f} s, more than "
-                                 f"{self.max_wait_s:g} s")
+            rate = position / wait
+            raise LineFull(self._promise(wait, rate), f"{len(self._waiting)} are waiting and the line moves "
+                           f"about {rate:.1f} a second: the wait would be {wait:.0f} s, more than "
+                           f"{self.max_wait_s:g} s")
         if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
             raise LineFull(wait, f"{len(self._waiting)} are already waiting, the most the line holds")
         self._waiting.append(ticket.number)
@@ -170,6 +174,17 @@ class WaitingLine:
             if not ticket.turn.done():
                 ticket.turn.cancel()
         self.drain.set_saturated(self.in_use >= self.places)
+
+    def _promise(self, wait: float, rate: float) -> float:
+        """When a request turned away should come back: half the bound before its turn, so that
+        it finds a line it fits, ahead of its turn, and the line never runs empty while it is
+        away. Its turn is its own had it joined, but never before the turn promised to the one
+        turned away before it plus one place's time: those sent away together come back one
+        after another, as places free up, not all at once."""
+        now = self.drain.clock()
+        turn = max(now + wait, self._promised + 1.0 / rate)
+        self._promised = turn
+        return max(1.0, turn - now - self.max_wait_s / 2)
 
     def _take(self, ticket: Ticket) -> None:
         ticket.holding = True

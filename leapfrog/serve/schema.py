@@ -91,7 +91,7 @@ def response_schemas() -> dict[str, dict]:
                     "keywords": {"type": "array", "items": _STR},
                     "rules": {"type": "object", "additionalProperties": _BOOL}, "all_rules_hold": _BOOL,
                     "score": _NUM, "constrained": _BOOL, "num_candidates": _INT,
-                    "timing": _obj({"seconds": _NUM})})
+                    "timing": _obj({"seconds": _NUM}, {"waited_s": _NUM})})
     completion_logprobs = {"type": ["object", "null"], "required": ["tokens", "token_logprobs", "text_offset"]}
     prompt_logprobs = {"type": ["array", "null"], "items": {"type": ["object", "null"]}}
     choice = _obj({"index": _INT, "text": _STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR},
