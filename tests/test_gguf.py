@@ -224,3 +224,64 @@ def test_smollm2_chats_through_its_own_template():
     assert "Paris" in out.text and out.finish_reason == "stop", out.text
     tok = llm.engine.tokenizer
     assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
+
+
+def test_the_perplexity_suite_scores_as_transformers_does(tmp_path):
+    """`leapfrog bench --suite perplexity` on a GGUF file: llama-perplexity's chunks (second halves
+    scored), leapfrog's engine and transformers' GGUF model agree."""
+    import json
+
+    from leapfrog.bench.cli import main as bench_main
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", T.Q8_0)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the cat sat on the mat and then he said hello there"] * 40))
+    rc = bench_main(["--suite", "perplexity", "--model", str(path), "--text", str(text), "--ctx", "64",
+                     "--chunks", "3", "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "perplexity.json").read_text())
+    ours, ref = result["rows"][0], result["rows"][1]
+    assert rc == 0 and result["chunks"] == 3 and ours["scored_tokens"] == ref["scored_tokens"] == 3 * 31
+    assert ref["engine"] == "transformers" and ref["ppl"] == pytest.approx(ours["ppl"], rel=1e-4)
+
+
+def test_a_sentencepiece_vocabulary_adds_bos_as_llama_cpp_does(tmp_path):
+    """`tokenizer.ggml.model = llama` (TinyLlama, Llama 2): pieces with scores, byte fallback, BOS
+    added (llama.cpp's default for such files)."""
+    pieces = ["▁", "t", "h", "e", "a", "c", "▁t", "he", "▁the", "▁c", "at", "▁cat"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    path = tmp_path / "spm.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 32),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 2), (w.add_head_count_kv, 2)):
+        add(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    def t(name, *shape):
+        w.add_tensor(name, (0.05 * rng.standard_normal(shape)).astype(np.float32))
+    t("token_embd.weight", len(tokens), 32)
+    for name, shape in (("attn_norm", (32,)), ("attn_q", (32, 32)), ("attn_k", (32, 32)), ("attn_v", (32, 32)),
+                        ("attn_output", (32, 32)), ("ffn_norm", (32,)), ("ffn_gate", (64, 32)), ("ffn_up", (64, 32)),
+                        ("ffn_down", (32, 64))):
+        t(f"blk.0.{name}.weight", *shape)
+    t("output_norm.weight", 32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    llm = LLM(str(path))
+    tok = llm.engine.tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("the cat", "a cat at the", "tea"):
+        ids = tok.encode(text)
+        assert ids[0] == 1 and ids == ref.encode(text), (text, ids, ref.encode(text))
+        assert tok.decode(ids) == text
+    assert_logits_match(path, ["the cat", "a cat at the"], steps=2)

@@ -17,6 +17,8 @@ Suites:
           outcome classified (soak.py).
   parallel  a model whole and split over tensor-parallel ranks on this machine: tokens/s, equal
           tokens, and the collectives' measured cost per step (parallel.py).
+  perplexity  a model's perplexity on held-out text, llama-perplexity's way, by leapfrog,
+          transformers and llama.cpp's llama-perplexity on the same (GGUF) file (perplexity.py).
   train   the training loop, before and after its lean compiled forward, on one recipe: tokens/s,
           FLOP/s, loss curves side by side (leapfrog.train.speed, which the `leapfrog` command
           runs for `--suite train`; `leapfrog bench --suite train --help` lists its flags).
@@ -32,17 +34,17 @@ import os
 import sys
 from pathlib import Path
 
-from leapfrog.bench import couplets, diffusion, parallel, peers, reliability, soak, speculative
+from leapfrog.bench import couplets, diffusion, parallel, peers, perplexity, reliability, soak, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
 from leapfrog.loader import CheckpointError
 
 # Counts that must be at least 1 wherever a suite reads them (None: the suite's default).
 COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "num_prompts", "gamma", "num_blocks",
-          "candidates", "clients", "fuzz_examples", "burst_factor")
+          "candidates", "clients", "fuzz_examples", "burst_factor", "ctx", "chunks")
 
 SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,
-          "reliability": reliability, "soak": soak, "parallel": parallel}
+          "reliability": reliability, "soak": soak, "parallel": parallel, "perplexity": perplexity}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     reliability.add_arguments(p)
     soak.add_arguments(p)
     parallel.add_arguments(p)
+    perplexity.add_arguments(p)
     return p
 
 

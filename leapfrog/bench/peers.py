@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from leapfrog.config import resolve_model
+from leapfrog.gguf_file import source_of
 
 
 from leapfrog.bench import llama_cpp
@@ -76,6 +77,9 @@ def llama_cpp_peers(args: argparse.Namespace, folder: Path, precision: str = "fl
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
     if exe is None:
         return {}
+    source = source_of(folder)
+    if source is not None:              # a GGUF model: llama.cpp decodes the very same file
+        return {gguf_kind(source): source}
     out = Path(args.out)
     ggufs = {"f16": Path(args.gguf)} if args.gguf else {}
     for kind in ("f16", "f32") + (("bf16",) if precision == "bfloat16" else ()):
@@ -107,7 +111,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
         for kind, gguf in ggufs.items():
             keep(single, f"llama.cpp {kind}", llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3),
                  "decode_tokens_per_s")
-        if not args.no_transformers:
+        if not args.no_transformers and source_of(folder) is None:     # (no GGUF loading in hf_peer)
             hf = transformers_run(args, folder, prompts, pad)
             version = hf["version"]
             keep(single, "transformers", hf["single"], "decode_tokens_per_s")
@@ -118,11 +122,22 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
     return single, rows, version
 
 
-def single_rows(best: dict[str, dict], folder: Path) -> list[dict]:
+def gguf_kind(path: Path) -> str:
+    """The name of a GGUF file's weight type in the table ("Q4_1 file")."""
+    import re
+    found = re.search(r"(Q\d_K(_[SML])?|Q\d_\d|F16|BF16|F32)", path.name, re.I)
+    return f"{found.group(1).upper() if found else 'gguf'} file"
+
+
+def single_rows(best: dict[str, dict], folder: Path, precision: str = "float32") -> list[dict]:
     f16 = weight_bytes_per_token(folder, 2)
+    source = source_of(folder)
     out = []
     for name, r in best.items():
         per_token = f16 * (2 if name in ("llama.cpp f32", "transformers") else 1)   # both read float32
+        if source is not None:     # leapfrog reads the weights dequantized; llama.cpp the file's blocks
+            per_token = source.stat().st_size if name.startswith("llama.cpp") else f16 * (
+                2 if precision == "float32" else 1)
         tps = r["decode_tokens_per_s"]
         out.append({"engine": name, "decode_tokens_per_s": tps, "ms_per_token": 1000 / tps,
                     "weight_bytes_per_token": per_token, "weight_gb_per_s": per_token * tps / 1e9,
@@ -164,7 +179,7 @@ def run_peers(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(single, folder), "rows": concurrency_table(rows),
+            "single": single_rows(single, folder, precision), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -176,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--size", default=None, help="measure a random-weight Llama of this many parameters "
                    "(e.g. 150m: weights far larger than the CPU caches) instead of --model's weights; "
                    "it keeps --model's tokenizer")
-    g.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models)")
+    g.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models; peers and perplexity suites)")
 
 
 def markdown(result: dict) -> str:
