@@ -218,8 +218,10 @@ def tokenizer_files(reader: Any, path: Path, out: Path) -> None:
 
 
 # --- the weights --------------------------------------------------------------------------------
-def read_tensors(path: Path, config: dict) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, float32 torch tensor) for every tensor of the file, dequantized."""
+def read_tensors(path: Path, config: dict, blocks: dict | None = None) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, float32 torch tensor) for every tensor of the file, dequantized. With
+    `blocks`, the quantized 2-D tensors' raw blocks are kept there too, by name: (type, [rows,
+    row bytes] uint8), rows in the order of the dequantized tensor's."""
     import torch
     from gguf import GGMLQuantizationType, dequantize
     reader = _reader(path)
@@ -241,8 +243,12 @@ def read_tensors(path: Path, config: dict) -> Iterator[tuple[str, Any]]:
         values = values.reshape(shape)
         if not values.flags.writeable:       # F32 tensors come as views of the read-only mapping
             values = values.copy()
-        if unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
+        permute = unpermute and name.endswith(("q_proj.weight", "k_proj.weight"))
+        if permute:
             values = unpermute_rows(values, heads if "q_proj" in name else kv_heads)
+        if blocks is not None and kind not in ("F32", "F16", "BF16") and len(shape) == 2:
+            raw = np.asarray(t.data).reshape(shape[0], -1)
+            blocks[name] = (kind, unpermute_rows(raw, heads if "q_proj" in name else kv_heads) if permute else raw)
         yield name, torch.from_numpy(values)
 
 

@@ -80,10 +80,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path], config: dict | None = None):
+def iter_tensors(files: list[Path], config: dict | None = None, blocks: dict | None = None):
     for f in files:
         if f.suffix == ".gguf":
-            for name, tensor in read_gguf_tensors(f, config or {}):
+            for name, tensor in read_gguf_tensors(f, config or {}, blocks):
                 yield f, name, tensor
             continue
         try:
@@ -99,10 +99,14 @@ def iter_tensors(files: list[Path], config: dict | None = None):
 
 
 def load_weights(model: nn.Module, files: list[Path], config: dict | None = None) -> None:
+    """Every tensor of the files into the model's parameters. A GGUF file's blocks of the types
+    the CPU kernels read quantized are also packed for them (layers/quant.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for f, name, tensor in iter_tensors(files, config):
+    gguf = any(f.suffix == ".gguf" for f in files)
+    blocks: dict | None = {} if gguf and next(iter(params.values())).device.type == "cpu" else None
+    for f, name, tensor in iter_tensors(files, config, blocks):
         if "rotary_emb" in name:
             continue
         target, shard = checkpoint_target(model, name)
@@ -120,6 +124,9 @@ def load_weights(model: nn.Module, files: list[Path], config: dict | None = None
             raise CheckpointError(f"{f}: {name}: {e}") from None
         loaded.add(f"{target}:{shard}")
     check_complete(model, packed, loaded, files)
+    if blocks and next(iter(params.values())).dtype == torch.float32:
+        from leapfrog.layers.quant import attach_quant_panels
+        attach_quant_panels(model, blocks)
 
 
 def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:

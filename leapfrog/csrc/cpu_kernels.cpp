@@ -219,6 +219,8 @@ torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
 // [P, ceil(K/2), 32] bfloat16.
 static bool panels_match(const torch::Tensor& wp, int64_t K, int64_t N) {
   if (wp.dim() != 3 || !wp.is_contiguous() || wp.size(0) * kPanel < N || (wp.size(0) - 1) * kPanel >= N) return false;
+  if (wp.scalar_type() == torch::kUInt8)      // quantized panels: [P, K / 32, bytes per block]
+    return K % kQBlock == 0 && wp.size(1) == K / kQBlock && q_panel_bits(wp.size(2)) != 0;
   if (wp.scalar_type() == torch::kBFloat16) return wp.size(1) == (K + 1) / 2 && wp.size(2) == 2 * kPanel;
   return (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kHalf) && wp.size(1) == K &&
          wp.size(2) == kPanel;
@@ -262,7 +264,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
       panel_rows(xp + m0 * K, rows, K, panels, p, p1, bp, yp + m0 * N, N, N);
     });
   };
-  if (wp.scalar_type() == torch::kBFloat16) {
+  if (wp.scalar_type() == torch::kUInt8) {
+    const uint8_t* panels = wp.data_ptr<uint8_t>();
+    const int64_t bytes = wp.size(2);
+    tasks([&](int64_t m0, int64_t rows, int64_t p, int64_t p1) {
+      q_panel_rows(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
+    });
+  } else if (wp.scalar_type() == torch::kBFloat16) {
     // the rows rounded to bfloat16 pairs once, then the same tasks over the bfloat16 panels
     const int64_t K2 = (K + 1) / 2;
     std::vector<uint32_t> pairs(M * K2);

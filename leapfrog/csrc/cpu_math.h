@@ -841,6 +841,177 @@ static inline void panel_rows_bf16(const uint32_t* xp, int64_t M, int64_t K2, co
 }
 
 // ---------------------------------------------------------------------------------------------
+// Quantized panels: GGUF weights kept in 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), read at
+// 4.5-9 bits a weight instead of 32. Every block type is held as w = d * q + m with an unsigned
+// q (Q4_0's d * (q - 8) becomes m = -8 d, Q8_0's signed q is shifted by 128 with m = -128 d;
+// both exact), d and m float16 as the file stores them. A panel (16 output columns) holds, for
+// each block b of 32 k: the 16 columns' d, then their m (float16, 64 bytes), then the 32 k's
+// values of the 16 columns: 4-bit (byte j of a k holds column j in its low nibble and j + 8 in
+// its high one, 8 bytes a k) or 8-bit (16 bytes a k).
+//
+// Per row and block, the 16 sums of x[k] q[k][c] over the block's k in order (one fused
+// multiply-add chain from zero), then acc = fma(d, sum, acc) and acc = fma(m, xs, acc), xs being
+// the block's sum of x (a plain left-to-right sum). Each output's chain is the same whatever the
+// rows sharing its tile or the vector width (AVX-512, AVX2 or none), so a row's result does not
+// depend on its batch.
+static constexpr int64_t kQBlock = 32;
+static constexpr int64_t kQ4PanelBytes = 64 + kQBlock * kPanel / 2;
+static constexpr int64_t kQ8PanelBytes = 64 + kQBlock * kPanel;
+static constexpr int kQTileRows = 4;
+
+// The block sums of x: xs[r * NB + b] = x[r][32 b] + ... + x[r][32 b + 31], left to right.
+static inline void q_block_sums(const float* x, int64_t ldx, int64_t M, int64_t NB, float* xs) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < NB; ++b) {
+      const float* v = x + r * ldx + b * kQBlock;
+      float s = 0.f;
+      for (int64_t k = 0; k < kQBlock; ++k) s += v[k];
+      xs[r * NB + b] = s;
+    }
+}
+
+static inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// One tile of R rows against panel pw (NB blocks of BB bytes): out[r][0..15].
+template <int R, int BITS>
+static inline void q_panel_tile(const float* x, int64_t ldx, const float* xs, int64_t NB, const uint8_t* pw,
+                                float* out) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+#if defined(LEAPFROG_AVX512)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * BB;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    const uint8_t* q = blk + 64;
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      __m128i bytes;
+      if (BITS == 4) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
+        bytes = _mm_unpacklo_epi64(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+      } else {
+        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+      }
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + b * kQBlock + k]), w, s[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(d, s[r], acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * NB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
+#elif defined(LEAPFROG_AVX2) && defined(__F16C__)
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * BB;
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+    const uint8_t* q = blk + 64;
+    __m256 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      __m128i lo8, hi8;
+      if (BITS == 4) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
+        lo8 = _mm_and_si128(v, low);
+        hi8 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      } else {
+        lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16));
+        hi8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + 8));
+      }
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo8));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi8));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + b * kQBlock + k]);
+        s[r][0] = _mm256_fmadd_ps(xv, w0, s[r][0]);
+        s[r][1] = _mm256_fmadd_ps(xv, w1, s[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xsv = _mm256_set1_ps(xs[r * NB + b]);
+      acc[r][0] = _mm256_fmadd_ps(m0, xsv, _mm256_fmadd_ps(d0, s[r][0], acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(m1, xsv, _mm256_fmadd_ps(d1, s[r][1], acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) out[r * kPanel + c] = 0.f;
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * BB;
+    uint16_t dh[kPanel], mh[kPanel];
+    std::memcpy(dh, blk, sizeof(dh));
+    std::memcpy(mh, blk + 32, sizeof(mh));
+    const uint8_t* q = blk + 64;
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        float s = 0.f;
+        for (int64_t k = 0; k < kQBlock; ++k) {
+          const int v = BITS == 4 ? (c < 8 ? q[k * 8 + c] & 0x0F : q[k * 8 + c - 8] >> 4) : q[k * 16 + c];
+          s = std::fma(x[r * ldx + b * kQBlock + k], static_cast<float>(v), s);
+        }
+        float& o = out[r * kPanel + c];
+        o = std::fma(half_to_float(dh[c]), s, o);
+        o = std::fma(half_to_float(mh[c]), xs[r * NB + b], o);
+      }
+  }
+#endif
+}
+
+template <int BITS>
+static inline void q_panel_rows_bits(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t p0,
+                                     int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+  const int64_t NB = K / kQBlock;
+  thread_local std::vector<float> xs;
+  if (static_cast<int64_t>(xs.size()) < M * NB) xs.resize(M * NB);
+  q_block_sums(x, K, M, NB, xs.data());
+  alignas(64) float out[kQTileRows * kPanel];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pw = panels + p * NB * BB;
+    for (int64_t r0 = 0; r0 < M; r0 += kQTileRows) {
+      const int64_t R = std::min<int64_t>(kQTileRows, M - r0);
+      const float* xr = x + r0 * K;
+      const float* sr = xs.data() + r0 * NB;
+      switch (R) {
+        case 4: q_panel_tile<4, BITS>(xr, K, sr, NB, pw, out); break;
+        case 3: q_panel_tile<3, BITS>(xr, K, sr, NB, pw, out); break;
+        case 2: q_panel_tile<2, BITS>(xr, K, sr, NB, pw, out); break;
+        default: q_panel_tile<1, BITS>(xr, K, sr, NB, pw, out); break;
+      }
+      panel_store(out, R, bias, y + r0 * ldy, ldy, N, p);
+    }
+  }
+}
+
+// Bytes a quantized panel holds per block (kQ4PanelBytes or kQ8PanelBytes): its bit width.
+static inline int q_panel_bits(int64_t bytes_per_block) {
+  return bytes_per_block == kQ4PanelBytes ? 4 : bytes_per_block == kQ8PanelBytes ? 8 : 0;
+}
+
+// y[m, :] = x[m] W^T + bias over quantized panels p0..p1-1 ([P, K / 32, bytes per block] uint8),
+// for M rows of x (row stride K) and of y (row stride ldy).
+static inline void q_panel_rows(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t bytes_per_block,
+                                int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_bits<4>(x, M, K, panels, p0, p1, bias, y, ldy, N);
+  else q_panel_rows_bits<8>(x, M, K, panels, p0, p1, bias, y, ldy, N);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sampling one token from a row of logits (CPU): greedy (argmax, lowest index among ties, NaN
 // wins as in torch.argmax), or temperature with top-k, top-p and min-p (applied in that order,
 // with the semantics of leapfrog/sampling.py's filter_logits), drawn by inverting the CDF at one

@@ -349,7 +349,9 @@ class DecodeLoop {
   void product_range(const float* x, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
                      const float* b, float* y, int64_t N, int64_t a, int64_t c) const {
     if (panels.defined()) {
-      if (panels.scalar_type() == torch::kBFloat16) {
+      if (panels.scalar_type() == torch::kUInt8) {
+        q_panel_rows(x, T, K, panels.data_ptr<uint8_t>(), panels.size(2), a, c, b, y, N, N);
+      } else if (panels.scalar_type() == torch::kBFloat16) {
         // each thread rounds the rows itself (a few microseconds): no barrier to share them
         thread_local std::vector<uint32_t> pairs;
         const int64_t K2 = (K + 1) / 2;

@@ -114,6 +114,8 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
             continue
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             continue
+        if module.__dict__.get("_quant_panels") and kernel_panels(module) is not None:
+            continue                 # a GGUF weight's quantized panels (layers/quant.py) stay
         if precision == "bfloat16" and mod is not None and w.numel() * 2 <= PANEL_MAX_BYTES:
             # every product up to PANEL_ROWS_MAX rows reads the panels: no float16 copy
             module._panels = (mod.pack_panels(w.detach(), bf16=True), w, w._version)

@@ -1,0 +1,118 @@
+"""GGUF weights kept quantized on a CPU: packed panels the C++ kernels read in their blocks.
+
+A GGUF model's linears load dequantized (float32 parameters: prefill, autograd and every other
+device use them), and on a CPU those of a block type the kernels read (QUANT_TYPES) also get
+their blocks repacked into quantized panels (csrc/cpu_math.h, "Quantized panels"): every product
+of up to 256 rows (a decode step, a verify step, a batch's step) then reads 4.5-9 bits a weight
+instead of 32. The panels take the place of the float panels of compact_cpu_weights, so the
+layer path, the fused layers and the decode loop all use them.
+
+Every block type is held as w = d * q + m, q unsigned: Q4_0 (d (q - 8)), Q4_1, Q5_0 and Q5_1
+(5-bit values held in bytes), Q8_0 (its signed q shifted by 128). d and m stay float16.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+QBLOCK = 32
+PANEL = 16
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+QUANT_TYPES = tuple(BLOCK_BYTES)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8}
+
+
+def unpack_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks [N, row bytes] -> (q [N, K] uint8, d [N, K/32] float16, m [N, K/32] float16)
+    with every weight = d * q + m."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        q = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(n, -1), d, (np.float16(-128) * d).astype(np.float16)
+    if kind in ("Q4_1", "Q5_1"):
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        rest = blocks[..., 4:]
+    else:
+        m = None
+        rest = blocks[..., 2:]
+    if kind in ("Q5_0", "Q5_1"):
+        qh = rest[..., 0:4].copy().view(np.uint32)[..., 0]
+        high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        rest = rest[..., 4:]
+    else:
+        high = 0
+    qs = rest[..., 0:16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high          # elements 0..15, then 16..31
+    offset = {"Q4_0": -8, "Q5_0": -16}.get(kind)
+    if m is None:
+        m = (np.float16(offset) * d).astype(np.float16)
+    return q.astype(np.uint8).reshape(n, -1), d, m
+
+
+def pack_quant_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> torch.Tensor:
+    """[P, K/32, bytes per block] uint8 panels (columns padded to a multiple of 16 with zeros)."""
+    n, k = q.shape
+    nb, p = k // QBLOCK, -(-n // PANEL)
+    pad = p * PANEL - n
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, k), np.uint8)])
+        d = np.concatenate([d, np.zeros((pad, nb), np.float16)])
+        m = np.concatenate([m, np.zeros((pad, nb), np.float16)])
+    dp = np.ascontiguousarray(d.reshape(p, PANEL, nb).transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, 2 * PANEL)
+    mp = np.ascontiguousarray(m.reshape(p, PANEL, nb).transpose(0, 2, 1)).view(np.uint8).reshape(p, nb, 2 * PANEL)
+    qp = q.reshape(p, PANEL, nb, QBLOCK).transpose(0, 2, 3, 1)                  # [P, NB, 32 k, 16 columns]
+    if bits == 4:
+        qp = qp[..., :8] | (qp[..., 8:] << 4)
+    out = np.concatenate([dp, mp, np.ascontiguousarray(qp).reshape(p, nb, -1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def quant_panels(parts: list[tuple[str, np.ndarray]]) -> torch.Tensor | None:
+    """The panels of a linear stored as `parts` (a packed linear's shards, in order; each (GGUF
+    type, blocks [rows, row bytes])), or None when the kernels cannot read them together."""
+    kinds = {kind for kind, _ in parts}
+    if len(kinds) != 1 or not kinds <= set(QUANT_TYPES):
+        return None
+    kind = kinds.pop()
+    if len(parts) > 1 and any(raw.shape[0] % PANEL for _, raw in parts):
+        return None                    # a shard's rows would share a panel with the next's
+    unpacked = [unpack_blocks(kind, raw) for _, raw in parts]
+    q, d, m = (np.concatenate([u[i] for u in unpacked]) for i in range(3))
+    return pack_quant_panels(q, d, m, BITS[kind])
+
+
+def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]]) -> int:
+    """Give each CPU linear of `model` whose weights arrived in kernel-readable GGUF blocks
+    (`blocks`: checkpoint name -> (type, blocks)) its quantized panels; returns how many."""
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    from leapfrog.layers.linear import PackedLinear
+    if cpu_kernels() is None:
+        return 0
+    packed = getattr(model, "packed_modules", {})
+    done = 0
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or not isinstance(w, torch.Tensor) or w.device.type != "cpu":
+            continue
+        if isinstance(module, PackedLinear):
+            by_shard = {shard: src for src, (dst, shard) in packed.items() if name.endswith(f".{dst}")}
+            keys = [f"{name[:-len(dst)]}{by_shard[s]}.weight" for s in module.offsets
+                    for dst in [packed[by_shard[s]][0]] if s in by_shard]
+            if len(keys) != len(module.offsets):
+                continue
+        else:
+            keys = [f"{name}.weight"]
+        if name == "lm_head" and "lm_head.weight" not in blocks and getattr(model, "tie_word_embeddings", False):
+            keys = ["model.embed_tokens.weight"]
+        if not all(k in blocks for k in keys):
+            continue
+        panels = quant_panels([blocks[k] for k in keys])
+        if panels is None or panels.shape[1] * QBLOCK != w.shape[1] or panels.shape[0] != -(-w.shape[0] // PANEL):
+            continue              # (a tensor-parallel rank's share, for one)
+        module._panels = (panels, w, w._version)
+        module._quant_panels = True
+        done += 1
+    return done

@@ -1,0 +1,58 @@
+"""The CPU kernels' quantized panels (layers/quant.py, csrc/cpu_math.h): for every GGUF block type
+they read, products equal torch's matmul on the weights dequantized by the gguf package, each
+row's result the same bits whatever the rows beside it, and a GGUF model's linears get them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from leapfrog.layers.cpu_kernels import cpu_kernels  # noqa: E402
+from leapfrog.layers.quant import QUANT_TYPES, quant_panels, unpack_blocks  # noqa: E402
+
+mod = cpu_kernels()
+pytestmark = pytest.mark.skipif(mod is None, reason="the C++ CPU kernels did not build")
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(w, T[kind])
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", QUANT_TYPES)
+def test_unpacked_blocks_are_the_dequantized_weights(kind):
+    raw, ref = blocks(kind, 5, 64)
+    q, d, m = unpack_blocks(kind, raw)
+    got = d.astype(np.float32).repeat(32, 1) * q.astype(np.float32) + m.astype(np.float32).repeat(32, 1)
+    np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", QUANT_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 33, 100])
+def test_products_equal_dequantize_then_matmul(kind, rows):
+    n, k = 40, 96                                   # 40 columns: the last panel is padded
+    raw, w = blocks(kind, n, k, seed=rows)
+    panels = quant_panels([(kind, raw)])
+    x = torch.randn(rows, k)
+    bias = torch.randn(n)
+    got = mod.panel_linear(x, panels, bias, n)
+    ref = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    for i in (0, rows - 1):                          # a row alone: the same bits as in the batch
+        assert torch.equal(mod.panel_linear(x[i:i + 1], panels, bias, n)[0], got[i])
+
+
+def test_a_packed_linears_shards_stack_their_panels():
+    (a, wa), (b, wb) = blocks("Q4_1", 32, 64, 1), blocks("Q4_1", 16, 64, 2)
+    panels = quant_panels([("Q4_1", a), ("Q4_1", b)])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), 48), x @ torch.cat([wa, wb]).T,
+                               rtol=1e-5, atol=1e-5)
+    assert quant_panels([("Q4_1", a), ("Q8_0", blocks("Q8_0", 16, 64)[0])]) is None      # mixed types
+    assert quant_panels([("Q4_1", blocks("Q4_1", 8, 64)[0]), ("Q4_1", b)]) is None        # 8 rows: shared panel
+    assert quant_panels([("Q6_K", a)]) is None
