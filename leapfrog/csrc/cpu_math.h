@@ -857,7 +857,13 @@ static inline void panel_rows_bf16(const uint32_t* xp, int64_t M, int64_t K2, co
 static constexpr int64_t kQBlock = 32;
 static constexpr int64_t kQ4PanelBytes = 64 + kQBlock * kPanel / 2;
 static constexpr int64_t kQ8PanelBytes = 64 + kQBlock * kPanel;
+// Rows a tile decodes each weight vector for: as many as the accumulators (2 per row) and the
+// decoded weights fit the vector registers (32 with AVX-512, 16 with AVX2).
+#if defined(LEAPFROG_AVX512)
+static constexpr int kQTileRows = 8;
+#else
 static constexpr int kQTileRows = 4;
+#endif
 
 // The block sums of x: xs[r * NB + b] = x[r][32 b] + ... + x[r][32 b + 31], left to right.
 static inline void q_block_sums(const float* x, int64_t ldx, int64_t M, int64_t NB, float* xs) {
@@ -988,6 +994,12 @@ static inline void q_panel_rows_bits(const float* x, int64_t M, int64_t K, const
       const float* xr = x + r0 * K;
       const float* sr = xs.data() + r0 * NB;
       switch (R) {
+#if defined(LEAPFROG_AVX512)
+        case 8: q_panel_tile<8, BITS>(xr, K, sr, NB, pw, out); break;
+        case 7: q_panel_tile<7, BITS>(xr, K, sr, NB, pw, out); break;
+        case 6: q_panel_tile<6, BITS>(xr, K, sr, NB, pw, out); break;
+        case 5: q_panel_tile<5, BITS>(xr, K, sr, NB, pw, out); break;
+#endif
         case 4: q_panel_tile<4, BITS>(xr, K, sr, NB, pw, out); break;
         case 3: q_panel_tile<3, BITS>(xr, K, sr, NB, pw, out); break;
         case 2: q_panel_tile<2, BITS>(xr, K, sr, NB, pw, out); break;
