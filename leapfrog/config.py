@@ -54,7 +54,9 @@ class EngineConfig:
     # Precision of the CPU kernels' matrix products (decode, verify, batch steps; prefill past
     # 256 rows stays float32): float32 computes exactly on the stored weights; bfloat16 rounds
     # weights and activations to bfloat16 and sums in float32 with AVX512-BF16, so a step of
-    # up to ~12 rows costs about a one-row step on a memory-bound model. No effect on cuda.
+    # up to ~12 rows costs about a one-row step on a memory-bound model; int8 (GGUF weights kept
+    # quantized) quantizes activations to int8 per block of 32, llama.cpp's way, and multiplies
+    # with AVX512-VNNI integer dot products (other products stay float32). No effect on cuda.
     matmul_precision: str = "float32"
 
     @classmethod
@@ -76,7 +78,8 @@ class EngineConfig:
         check("dtype", self.dtype == "auto" or self.dtype in _DTYPES, f"expected auto or one of {sorted(_DTYPES)}")
         check("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
               f"expected auto or one of {sorted(_DTYPES)}")
-        check("matmul_precision", self.matmul_precision in ("float32", "bfloat16"), "expected float32 or bfloat16")
+        check("matmul_precision", self.matmul_precision in ("float32", "bfloat16", "int8"),
+              "expected float32, bfloat16 or int8")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps",
                      "tensor_parallel_size", "pipeline_parallel_size"):
             check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")

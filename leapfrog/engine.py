@@ -94,6 +94,10 @@ class LLMEngine:
             log.warning("matmul_precision=bfloat16 needs the C++ kernels on a CPU with AVX512-BF16; "
                         "using float32 products")
             self.config = self.config.replace(matmul_precision="float32")
+        if (self.device.type == "cpu" and self.config.matmul_precision == "int8"
+                and not linear_layers.int8_products_available()):
+            log.warning("matmul_precision=int8 needs the C++ kernels on a CPU with AVX512-VNNI; using float32 products")
+            self.config = self.config.replace(matmul_precision="float32")
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
             for module in [self.model, *self.method.modules()]:
                 compact_cpu_weights(module, self.config.matmul_precision)

@@ -4,14 +4,16 @@ from the file itself.
 `LLM("model.gguf")` and `leapfrog serve --model model.gguf` resolve the file to a small folder in
 the cache (`materialize_gguf`): config.json (the architecture's keys in Hugging Face's names),
 tokenizer.json and tokenizer_config.json (the vocabulary, merges, special tokens, BOS/EOS rule and
-chat template of the metadata), generation_config.json, and `gguf_source.json`, which points back at
-the file. The loader then reads the weights from the file (`read_tensors`), named as in a
+chat template of the metadata), generation_config.json, leapfrog.json (int8 products by default
+where the kernels keep the weights quantized), and `gguf_source.json`, which points back at the
+file. The loader then reads the weights from the file (`read_tensors`), named as in a
 Hugging Face checkpoint, so every engine path (fused layers, the C++ decode loop, tensor
 parallelism) serves them unchanged.
 
 The file is read with the `gguf` package, the format's reference reader. Weights are dequantized
-at load by its dequantizers (every type below); llama.cpp's converter stores a llama model's query
-and key rows permuted for its rotary layout, which is undone here.
+at load by its dequantizers (every type below), and the blocks of KERNEL_TYPES are also kept for
+the CPU kernels (layers/quant.py); llama.cpp's converter stores a llama model's query and key rows
+permuted for its rotary layout, which is undone here.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ import numpy as np
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "gguf_source.json"
-FORMAT = 1                 # bump when the folder made from a file changes
+FORMAT = 2                 # bump when the folder made from a file changes
+# Block types whose weights the CPU kernels keep quantized (layers/quant.py): a file holding
+# them decodes with int8 products by default (llama.cpp's scheme; float32 products on request).
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 # general.architecture -> (config.json architecture, model_type). llama.cpp's converter writes
 # Mistral models (and TinyLlama, Llama 2 and 3, SmolLM) as `llama`.
@@ -109,6 +114,10 @@ def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dic
             eos.append(int(eot))
         _write_json(tmp / "generation_config.json", {"bos_token_id": config.get("bos_token_id"),
                                                      "eos_token_id": eos, **(extra_generation or {})})
+        from gguf import GGMLQuantizationType
+        kinds = {GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
+        if kinds & set(KERNEL_TYPES):
+            _write_json(tmp / "leapfrog.json", {"engine_options": {"matmul_precision": "int8"}})
         _write_json(tmp / SOURCE_FILE, {"path": str(path), "size": st.st_size})
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

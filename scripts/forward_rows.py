@@ -24,9 +24,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-rows", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--matmul-precision", default=None, help="the engine's matmul_precision (default: the model's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, method="ar", max_batch_size=1)
+    extra = {"matmul_precision": args.matmul_precision} if args.matmul_precision else {}
+    llm = LLM(args.model, method="ar", max_batch_size=1, **extra)
     model, device = llm.engine.model, llm.engine.runner.device
     cfg = llm.engine.hf_config
     # Multiply-adds per row: every matrix but the embedding table, plus the LM head (tied or not).

@@ -127,7 +127,7 @@ def transformers_model(path):
 
 def assert_logits_match(path, prompts=PROMPTS, atol=2e-4, steps: int = 4):
     """Every decode step's logits equal transformers' GGUF model's on the same file."""
-    llm = LLM(str(path), block_size=4)
+    llm = LLM(str(path), block_size=4, matmul_precision="float32")      # exact products: transformers'
     seen = record_logits(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
     ref = transformers_model(path)
@@ -217,7 +217,10 @@ def test_smollm2_logits_equal_transformers_on_its_own_file(tmp_path):
 
 
 def test_smollm2_chats_through_its_own_template():
-    llm = LLM("smollm2")
+    # float32 products (transformers' arithmetic, which answers "Paris"); the folder's default, int8
+    # products, answers as llama.cpp on the same file does ("L'Étoile, la Marseillaise, ...": its
+    # first token is 0.08 nats from "The" in float32)
+    llm = LLM("smollm2", matmul_precision="float32")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0))
     out = out[0] if isinstance(out, list) else out
@@ -237,7 +240,7 @@ def test_the_perplexity_suite_scores_as_transformers_does(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the cat sat on the mat and then he said hello there"] * 40))
     rc = bench_main(["--suite", "perplexity", "--model", str(path), "--text", str(text), "--ctx", "64",
-                     "--chunks", "3", "--out", str(tmp_path / "out")])
+                     "--chunks", "3", "--matmul-precision", "float32", "--out", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "perplexity.json").read_text())
     ours, ref = result["rows"][0], result["rows"][1]
     assert rc == 0 and result["chunks"] == 3 and ours["scored_tokens"] == ref["scored_tokens"] == 3 * 31
@@ -285,3 +288,28 @@ def test_a_sentencepiece_vocabulary_adds_bos_as_llama_cpp_does(tmp_path):
         assert ids[0] == 1 and ids == ref.encode(text), (text, ids, ref.encode(text))
         assert tok.decode(ids) == text
     assert_logits_match(path, ["the cat", "a cat at the"], steps=2)
+
+
+def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
+    """A Q4_1 file: every linear (q/k/v and gate/up stacked) gets quantized panels, the folder asks
+    for int8 products; those stay close to transformers' float32 logits, and greedy decoding with
+    float32 products on the panels gives transformers' tokens."""
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels did not build")
+    path = tmp_path / "q41.gguf"
+    write_gguf(path, "llama", T.Q4_1, seed=3)
+    llm = LLM(str(path))
+    model = llm.engine.model
+    quant = [name for name, m in model.named_modules() if m.__dict__.get("_quant_panels")]
+    assert len(quant) == 4 * LAYERS + 1 and "lm_head" in quant        # the tied head reads the embedding's
+    from leapfrog.layers import linear
+    expect = "int8" if linear.int8_products_available() else "float32"
+    assert llm.engine.config.matmul_precision == expect
+    seen = record_logits(llm)
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = transformers_model(path)(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+    got = seen[out.request_id][0]
+    n0 = len(out.prompt_token_ids)
+    assert (got - ref[n0 - 1]).abs().max() <= 0.03 * ref[n0 - 1].abs().max()

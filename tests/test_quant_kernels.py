@@ -56,3 +56,32 @@ def test_a_packed_linears_shards_stack_their_panels():
     assert quant_panels([("Q4_1", a), ("Q8_0", blocks("Q8_0", 16, 64)[0])]) is None      # mixed types
     assert quant_panels([("Q4_1", blocks("Q4_1", 8, 64)[0]), ("Q4_1", b)]) is None        # 8 rows: shared panel
     assert quant_panels([("Q6_K", a)]) is None
+
+
+@pytest.mark.parametrize("kind", QUANT_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 9, 20])
+def test_int8_products_are_llama_cpp_s_scheme(kind, rows):
+    """matmul_precision="int8": each block of 32 activations quantized to int8 (scale max|x| / 127,
+    round to nearest) and multiplied as integers: equal to the same arithmetic written out in
+    torch, near the float32 product, and a row's result the same bits alone or in a batch."""
+    from leapfrog.layers.quant import int8_layout
+    n, k = 40, 96
+    raw, w = blocks(kind, n, k, seed=rows)
+    q, d, m = unpack_blocks(kind, raw)
+    panels = int8_layout(quant_panels([(kind, raw)]))
+    assert panels.dtype == torch.int8
+    x = torch.randn(rows, k)
+    got = mod.panel_linear(x, panels, torch.empty(0), n)
+    xb = x.reshape(rows, -1, 32)
+    a = xb.abs().amax(-1) / 127
+    inv = torch.where(a > 0, 1 / torch.where(a > 0, a, 1), 0)                          # float32, as the kernel
+    xq = torch.round(xb * inv[..., None])                                               # [rows, NB, 32]
+    qb = torch.from_numpy(q.astype(np.float32)).reshape(n, -1, 32)
+    s = torch.einsum("rbk,nbk->rnb", xq.double(), qb.double())                        # exact integer sums
+    ref = (torch.from_numpy(d.astype(np.float32)).double()[None] * s * a.double()[:, None]
+           + torch.from_numpy(m.astype(np.float32)).double()[None] * (a * xq.sum(-1)).double()[:, None]).sum(-1)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    exact = x @ w.T
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+    for i in (0, rows - 1):
+        assert torch.equal(mod.panel_linear(x[i:i + 1], panels, torch.empty(0), n)[0], got[i])

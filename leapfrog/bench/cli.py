@@ -65,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "$LLAMA_CPP_DIR; skipped when absent)")
     p.add_argument("--gguf", default=None, help="use this float16 GGUF instead of converting")
     p.add_argument("--out", default="bench_results", help="folder for JSON, markdown and PNG")
-    p.add_argument("--matmul-precision", choices=["float32", "bfloat16"], default=None,
-                   help="the engines' matmul_precision (peers, speculative and diffusion suites; default: the model "
-                        "folder's): bfloat16 products with AVX512-BF16 make a step of several rows about as "
-                        "cheap as one on a memory-bound model")
+    p.add_argument("--matmul-precision", choices=["float32", "bfloat16", "int8"], default=None,
+                   help="the engines' matmul_precision (peers, speculative, diffusion and perplexity suites; default: "
+                        "the model folder's): bfloat16 products with AVX512-BF16 make a step of several rows about "
+                        "as cheap as one on a memory-bound model; int8 (a GGUF model's quantized weights) uses "
+                        "AVX512-VNNI integer products on int8 activations")
     peers.add_arguments(p)
     speculative.add_arguments(p)
     diffusion.add_arguments(p)

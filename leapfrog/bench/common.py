@@ -58,5 +58,8 @@ def matmul_precision(args, model_dir) -> str:
     if precision == "bfloat16" and not linear.bf16_products_available():
         print("[bench] this CPU has no AVX512-BF16: the engines run float32 products", file=sys.stderr)
         return "float32"
+    if precision == "int8" and not linear.int8_products_available():
+        print("[bench] this CPU has no AVX512-VNNI: the engines run float32 products", file=sys.stderr)
+        return "float32"
     return precision
 

@@ -5,7 +5,8 @@ itself on the same file (a GGUF model: the same GGUF file for all three).
 The text (held-out stories, or --text) is tokenized whole and cut into chunks of --ctx tokens;
 in each chunk only the second half is scored (every token from ctx/2 + 1 on, given all before it
 in the chunk), and with a tokenizer that adds BOS the chunk's first token is replaced by BOS, as
-llama-perplexity does. Perplexity is exp of the mean negative log-likelihood over every scored
+llama-perplexity does. leapfrog prefills 128 rows a step, so that its scores come from the
+products decoding runs (`matmul_precision`), not from prefill's. Perplexity is exp of the mean negative log-likelihood over every scored
 token. leapfrog scores through the engine (prompt log-probabilities), transformers with its own
 forward of the same chunks (the GGUF loader for a GGUF model), llama.cpp in a clean process.
 """
@@ -19,9 +20,12 @@ import time
 from pathlib import Path
 
 from leapfrog.bench import llama_cpp
-from leapfrog.bench.common import load_average, log
+from leapfrog.bench.common import load_average, log, matmul_precision
 from leapfrog.config import resolve_model
 from leapfrog.gguf_file import source_of
+
+
+PREFILL_ROWS = 128
 
 
 def heldout_text(limit_chars: int) -> str:
@@ -107,7 +111,11 @@ def run(args: argparse.Namespace) -> dict:
     text_file = out / "perplexity-text.txt"
     text_file.write_text(text, encoding="utf-8")
     load_before = load_average()
-    llm = LLM(str(folder), method="ar", num_threads=args.threads, max_batch_size=4)
+    precision = matmul_precision(args, folder)
+    # prompts prefilled 128 rows a step: the products decoding uses (past 256 rows a step, BLAS
+    # on the dequantized weights would score instead)
+    llm = LLM(str(folder), method="ar", num_threads=args.threads, max_batch_size=4, matmul_precision=precision,
+              max_num_batched_tokens=PREFILL_ROWS)
     tok = llm.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     bos = tok.bos_token_id if tok.encode("x") != tok.encode("x", add_special_tokens=False) else None
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     t0 = time.perf_counter()
     nll, n = leapfrog_nll(llm, parts, args.ctx)
-    rows.append({"engine": "leapfrog", "ppl": math.exp(nll / n), "scored_tokens": n,
+    rows.append({"engine": f"leapfrog ({precision} products)", "ppl": math.exp(nll / n), "scored_tokens": n,
                  "seconds": time.perf_counter() - t0})
     del llm
     if not args.no_transformers:
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     for r in rows:
         r["vs_leapfrog"] = r["ppl"] / base
     return {"suite": "perplexity", "model": str(folder), "gguf": str(gguf) if gguf else None, "ctx": args.ctx,
+            "matmul_precision": precision,
             "chunks": len(parts), "text_tokens": len(ids), "threads": args.threads, "rows": rows,
             "load_average": [load_before, load_average()],
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -219,7 +219,7 @@ torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
 // [P, ceil(K/2), 32] bfloat16.
 static bool panels_match(const torch::Tensor& wp, int64_t K, int64_t N) {
   if (wp.dim() != 3 || !wp.is_contiguous() || wp.size(0) * kPanel < N || (wp.size(0) - 1) * kPanel >= N) return false;
-  if (wp.scalar_type() == torch::kUInt8)      // quantized panels: [P, K / 32, bytes per block]
+  if (wp.scalar_type() == torch::kUInt8 || wp.scalar_type() == torch::kChar)   // quantized: [P, K / 32, bytes]
     return K % kQBlock == 0 && wp.size(1) == K / kQBlock && q_panel_bits(wp.size(2)) != 0;
   if (wp.scalar_type() == torch::kBFloat16) return wp.size(1) == (K + 1) / 2 && wp.size(2) == 2 * kPanel;
   return (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kHalf) && wp.size(1) == K &&
@@ -264,11 +264,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
       panel_rows(xp + m0 * K, rows, K, panels, p, p1, bp, yp + m0 * N, N, N);
     });
   };
-  if (wp.scalar_type() == torch::kUInt8) {
-    const uint8_t* panels = wp.data_ptr<uint8_t>();
+  if (wp.scalar_type() == torch::kUInt8 || wp.scalar_type() == torch::kChar) {
+    const uint8_t* panels = reinterpret_cast<const uint8_t*>(wp.data_ptr());
     const int64_t bytes = wp.size(2);
+    const bool int8 = wp.scalar_type() == torch::kChar;
     tasks([&](int64_t m0, int64_t rows, int64_t p, int64_t p1) {
-      q_panel_rows(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
+      if (int8) q_panel_rows_int8(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
+      else q_panel_rows(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
     });
   } else if (wp.scalar_type() == torch::kBFloat16) {
     // the rows rounded to bfloat16 pairs once, then the same tasks over the bfloat16 panels
@@ -729,6 +731,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels,
         "w [N, K] -> column panels [ceil(N/16), K, 16] (bf16: [ceil(N/16), ceil(K/2), 32] bfloat16)",
         py::arg("w"), py::arg("bf16") = false, nogil);
+  m.def("int8_dot_available", &int8_products_available,
+        "whether int8 panel products run on AVX512-VNNI on this CPU (else a slow scalar loop)");
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
   register_decode_loop(m);
 }

@@ -1010,6 +1010,145 @@ static inline void q_panel_rows_bits(const float* x, int64_t M, int64_t K, const
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Quantized panels with integer products (matmul_precision="int8", AVX512-VNNI): llama.cpp's
+// scheme. Each row of x is quantized per block of 32 to int8 (scale a = max |x| / 127, round to
+// nearest), and vpdpbusd multiplies 4 unsigned weight bytes by 4 signed activation bytes and adds
+// them to an int32 lane: 64 multiply-adds an instruction. Per block: s = sum q xq (exact, int32),
+// then acc = fma(d, float(s) * a, acc) and acc = fma(m, a * sum xq, acc). The panel's value bytes
+// are laid out for it: 8 groups of 4 k, each [16 columns][4 k] (64 bytes); 4-bit values pair
+// groups 2i and 2i + 1 in the low and high nibbles of one 64-byte run.
+struct QRows {             // x quantized per block: values, scales, and sums of the values
+  std::vector<int8_t> q;
+  std::vector<float> a;
+  std::vector<int32_t> sum;
+};
+
+static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QRows& out) {
+  const int64_t NB = K / kQBlock;
+  out.q.resize(M * K);
+  out.a.resize(M * NB);
+  out.sum.resize(M * NB);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < NB; ++b) {
+      const float* v = x + r * ldx + b * kQBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float a = amax / 127.f, inv = a > 0.f ? 1.f / a : 0.f;
+      int8_t* q = out.q.data() + r * K + b * kQBlock;
+      int32_t s = 0;
+      for (int64_t k = 0; k < kQBlock; ++k) {
+        q[k] = static_cast<int8_t>(std::lrintf(v[k] * inv));
+        s += q[k];
+      }
+      out.a[r * NB + b] = a;
+      out.sum[r * NB + b] = s;
+    }
+}
+
+#if defined(LEAPFROG_AVX512) && defined(__AVX512VNNI__)
+#define LEAPFROG_VNNI 1
+template <int R, int BITS>
+static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int64_t NB, const uint8_t* pw,
+                                     float* out) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * BB;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    const uint8_t* q = blk + 64;
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      __m512i w;
+      if (BITS == 4) {
+        const __m512i v = _mm512_loadu_si512(q + (g / 2) * 64);
+        w = (g & 1) ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : _mm512_and_si512(v, low);
+      } else {
+        w = _mm512_loadu_si512(q + g * 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (r0 + r) * K + b * kQBlock + 4 * g, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float a = xq.a[(r0 + r) * NB + b];
+      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(a)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a * static_cast<float>(xq.sum[(r0 + r) * NB + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
+}
+#endif
+
+static inline bool int8_products_available() {
+#if defined(LEAPFROG_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q_panel_rows for int8 panels (see above); without AVX512-VNNI, the same integer products one
+// at a time (the same bits, slowly: the engine does not choose int8 there).
+template <int BITS>
+static inline void q_panel_rows_int8_bits(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t p0,
+                                          int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+  const int64_t NB = K / kQBlock;
+  thread_local QRows xq;
+  q8_rows(x, K, M, K, xq);
+  alignas(64) float out[kQTileRows * kPanel];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pw = panels + p * NB * BB;
+    for (int64_t r0 = 0; r0 < M; r0 += kQTileRows) {
+      const int64_t R = std::min<int64_t>(kQTileRows, M - r0);
+#if defined(LEAPFROG_VNNI)
+      switch (R) {
+        case 8: q_panel_tile_int8<8, BITS>(xq, r0, K, NB, pw, out); break;
+        case 7: q_panel_tile_int8<7, BITS>(xq, r0, K, NB, pw, out); break;
+        case 6: q_panel_tile_int8<6, BITS>(xq, r0, K, NB, pw, out); break;
+        case 5: q_panel_tile_int8<5, BITS>(xq, r0, K, NB, pw, out); break;
+        case 4: q_panel_tile_int8<4, BITS>(xq, r0, K, NB, pw, out); break;
+        case 3: q_panel_tile_int8<3, BITS>(xq, r0, K, NB, pw, out); break;
+        case 2: q_panel_tile_int8<2, BITS>(xq, r0, K, NB, pw, out); break;
+        default: q_panel_tile_int8<1, BITS>(xq, r0, K, NB, pw, out); break;
+      }
+#else
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < kPanel; ++c) {
+          float o = 0.f;
+          for (int64_t b = 0; b < NB; ++b) {
+            const uint8_t* blk = pw + b * BB;
+            uint16_t dh, mh;
+            std::memcpy(&dh, blk + 2 * c, 2);
+            std::memcpy(&mh, blk + 32 + 2 * c, 2);
+            int32_t s = 0;
+            for (int g = 0; g < 8; ++g)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t* q = blk + 64;
+                const int v = BITS == 4 ? ((q[(g / 2) * 64 + c * 4 + j] >> ((g & 1) * 4)) & 0x0F) : q[g * 64 + c * 4 + j];
+                s += v * xq.q[(r0 + r) * K + b * kQBlock + 4 * g + j];
+              }
+            const float a = xq.a[(r0 + r) * NB + b];
+            o = std::fma(half_to_float(dh), static_cast<float>(s) * a, o);
+            o = std::fma(half_to_float(mh), a * static_cast<float>(xq.sum[(r0 + r) * NB + b]), o);
+          }
+          out[r * kPanel + c] = o;
+        }
+#endif
+      panel_store(out, R, bias, y + r0 * ldy, ldy, N, p);
+    }
+  }
+}
+
 // Bytes a quantized panel holds per block (kQ4PanelBytes or kQ8PanelBytes): its bit width.
 static inline int q_panel_bits(int64_t bytes_per_block) {
   return bytes_per_block == kQ4PanelBytes ? 4 : bytes_per_block == kQ8PanelBytes ? 8 : 0;
@@ -1021,6 +1160,14 @@ static inline void q_panel_rows(const float* x, int64_t M, int64_t K, const uint
                                 int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
   if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_bits<4>(x, M, K, panels, p0, p1, bias, y, ldy, N);
   else q_panel_rows_bits<8>(x, M, K, panels, p0, p1, bias, y, ldy, N);
+}
+
+// The same over int8 panels (held as torch int8: their value bytes in the integer layout).
+static inline void q_panel_rows_int8(const float* x, int64_t M, int64_t K, const uint8_t* panels,
+                                     int64_t bytes_per_block, int64_t p0, int64_t p1, const float* bias, float* y,
+                                     int64_t ldy, int64_t N) {
+  if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_int8_bits<4>(x, M, K, panels, p0, p1, bias, y, ldy, N);
+  else q_panel_rows_int8_bits<8>(x, M, K, panels, p0, p1, bias, y, ldy, N);
 }
 
 // ---------------------------------------------------------------------------------------------

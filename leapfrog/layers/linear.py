@@ -78,6 +78,12 @@ def kernel_bias(layer: nn.Linear) -> torch.Tensor:
     return layer.bias if layer.bias is not None else _EMPTY
 
 
+def int8_products_available() -> bool:
+    """Whether int8 products over quantized panels run on AVX512-VNNI here."""
+    mod = cpu_kernels()
+    return mod is not None and bool(mod.int8_dot_available())
+
+
 def bf16_products_available() -> bool:
     """Whether bfloat16 panel products run on AVX512-BF16 here: the C++ kernels are built (for
     this CPU) and it has the instruction. Elsewhere they would run as a scalar loop."""
@@ -104,8 +110,8 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), still the same bits
     whatever the row count, at about the cost of a one-row step up to 8-12 rows while the
     weights stream from memory. Returns the number of float16 copies made."""
-    if precision not in ("float32", "bfloat16"):
-        raise ValueError(f"matmul precision {precision!r}: expected float32 or bfloat16")
+    if precision not in ("float32", "bfloat16", "int8"):
+        raise ValueError(f"matmul precision {precision!r}: expected float32, bfloat16 or int8")
     n = 0
     mod = cpu_kernels()
     for module in model.modules():
@@ -114,8 +120,12 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
             continue
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             continue
-        if module.__dict__.get("_quant_panels") and kernel_panels(module) is not None:
-            continue                 # a GGUF weight's quantized panels (layers/quant.py) stay
+        panels = kernel_panels(module) if module.__dict__.get("_quant_panels") else None
+        if panels is not None:       # a GGUF weight's quantized panels (layers/quant.py) stay, relaid for int8
+            if precision == "int8" and panels.dtype == torch.uint8:
+                from leapfrog.layers.quant import int8_layout
+                module._panels = (int8_layout(panels), w, w._version)
+            continue
         if precision == "bfloat16" and mod is not None and w.numel() * 2 <= PANEL_MAX_BYTES:
             # every product up to PANEL_ROWS_MAX rows reads the panels: no float16 copy
             module._panels = (mod.pack_panels(w.detach(), bf16=True), w, w._version)

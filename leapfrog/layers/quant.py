@@ -70,6 +70,22 @@ def pack_quant_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) ->
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
+def int8_layout(panels: torch.Tensor) -> torch.Tensor:
+    """Quantized panels relaid for the integer products (matmul_precision="int8", csrc/cpu_math.h):
+    each block's values as 8 groups of 4 k, [16 columns][4 k] each; 4-bit values pair groups 2i
+    and 2i + 1 in the low and high nibbles. Held as int8, which tells the kernels the layout."""
+    p, nb, size = panels.shape
+    head, body = panels[..., :64], panels[..., 64:]
+    bits = 4 if size == 64 + QBLOCK * PANEL // 2 else 8
+    if bits == 4:
+        body = body.reshape(p, nb, QBLOCK, PANEL // 2)
+        body = torch.cat([body & 0x0F, body >> 4], dim=-1)                    # [P, NB, 32 k, 16 columns]
+    q = body.reshape(p, nb, 8, 4, PANEL).transpose(3, 4)                        # [P, NB, 8 groups, 16, 4 k]
+    if bits == 4:
+        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
+    return torch.cat([head, q.reshape(p, nb, -1)], dim=-1).contiguous().view(torch.int8)
+
+
 def quant_panels(parts: list[tuple[str, np.ndarray]]) -> torch.Tensor | None:
     """The panels of a linear stored as `parts` (a packed linear's shards, in order; each (GGUF
     type, blocks [rows, row bytes])), or None when the kernels cannot read them together."""
