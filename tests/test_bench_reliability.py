@@ -19,7 +19,9 @@ def test_overload_and_recovery_parts(tmp_path):
     assert o["retry_after_on_all_429"] and o["other"] == 0 and o["server_5xx"] == 0
     assert o["kv_used_after"] == 0 and o["served_after"] and o["server_exit"] == 0
     rec = r["recovery"]
-    assert len(rec["rows"]) == 6 and rec["restarts_counted"] == 6 and rec["hung"] == 0
+    served = {row["model"] for row in rec["rows"]}           # every default model, crashed 3 times
+    assert {"stories", "couplets"} <= served and len(rec["rows"]) == 3 * len(served)
+    assert rec["restarts_counted"] == len(rec["rows"]) and rec["hung"] == 0
     assert rec["max_recovery_s"] < 10
     for row in rec["rows"]:        # every request in flight ended: finished, or told why not
         assert sum(row["in_flight_outcomes"].values()) == row["in_flight"]

@@ -83,7 +83,7 @@ def test_compact_cpu_weights_packs_bfloat16_panels_for_every_linear():
         y = layer(x)
     assert torch.equal(y, mod.panel_linear(x, panels, layer.bias, 48))
     torch.testing.assert_close(y, rounded_product(x, layer.weight.detach(), layer.bias.detach()), rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         lin_mod.compact_cpu_weights(layer, "float8")
 
 

@@ -129,15 +129,29 @@ def gguf_kind(path: Path) -> str:
     return f"{found.group(1).upper() if found else 'gguf'} file"
 
 
-def single_rows(best: dict[str, dict], folder: Path, precision: str = "float32") -> list[dict]:
+def kernel_bytes(model) -> int:
+    """Bytes of weights a one-row decode step of `model` reads on a CPU: each linear's packed
+    panels (quantized, float16, bfloat16 or float32) or the weight the few-row kernel reads."""
+    from torch import nn
+
+    from leapfrog.layers.linear import kernel_panels, kernel_weight
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            t = kernel_panels(m)
+            t = t if t is not None else kernel_weight(m)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def single_rows(best: dict[str, dict], folder: Path, leapfrog_bytes: int | None = None) -> list[dict]:
     f16 = weight_bytes_per_token(folder, 2)
     source = source_of(folder)
     out = []
     for name, r in best.items():
         per_token = f16 * (2 if name in ("llama.cpp f32", "transformers") else 1)   # both read float32
-        if source is not None:     # leapfrog reads the weights dequantized; llama.cpp the file's blocks
-            per_token = source.stat().st_size if name.startswith("llama.cpp") else f16 * (
-                2 if precision == "float32" else 1)
+        if source is not None:     # llama.cpp reads the file's blocks, leapfrog its panels
+            per_token = source.stat().st_size if name.startswith("llama.cpp") else (leapfrog_bytes or per_token)
         tps = r["decode_tokens_per_s"]
         out.append({"engine": name, "decode_tokens_per_s": tps, "ms_per_token": 1000 / tps,
                     "weight_bytes_per_token": per_token, "weight_gb_per_s": per_token * tps / 1e9,
@@ -179,7 +193,7 @@ def run_peers(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(single, folder, precision), "rows": concurrency_table(rows),
+            "single": single_rows(single, folder, kernel_bytes(llm.engine.model)), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 

@@ -104,7 +104,6 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
     """Give each CPU linear of `model` whose weights arrived in kernel-readable GGUF blocks
     (`blocks`: checkpoint name -> (type, blocks)) its quantized panels; returns how many."""
     from leapfrog.layers.cpu_kernels import cpu_kernels
-    from leapfrog.layers.linear import PackedLinear
     if cpu_kernels() is None:
         return 0
     packed = getattr(model, "packed_modules", {})
@@ -113,7 +112,7 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
         w = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or not isinstance(w, torch.Tensor) or w.device.type != "cpu":
             continue
-        if isinstance(module, PackedLinear):
+        if isinstance(getattr(module, "offsets", None), dict):          # a PackedLinear: its shards in order
             by_shard = {shard: src for src, (dst, shard) in packed.items() if name.endswith(f".{dst}")}
             keys = [f"{name[:-len(dst)]}{by_shard[s]}.weight" for s in module.offsets
                     for dst in [packed[by_shard[s]][0]] if s in by_shard]
