@@ -331,7 +331,10 @@ static constexpr int64_t kPanelRows = 256;
 static torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t i,
                              int64_t f32_index) {
   const int64_t packed = f32_index + 4;
-  if (x.size(0) <= kPanelRows && w.size() == 20 && w[packed].dim() == 3)
+  // quantized panels (GGUF blocks) serve every row count: their layer keeps no float32 weights
+  const bool quantized = w.size() == 20 && (w[packed].scalar_type() == torch::kUInt8 ||
+                                            w[packed].scalar_type() == torch::kChar);
+  if ((x.size(0) <= kPanelRows || quantized) && w.size() == 20 && w[packed].dim() == 3)
     return panel_linear(x, w[packed], w[i + 1], w[f32_index].size(0));
   if (x.size(0) > kSkinnyRows && w.size() >= 16) {
     const auto& b = w[i + 1];

@@ -125,10 +125,16 @@ class DecodeLoop {
         L.p_gu = w[18].dim() == 3 ? w[18] : torch::Tensor();
         L.p_down = w[19].dim() == 3 ? w[19] : torch::Tensor();
       }
-      for (auto* t : {&L.qkv, &L.o, &L.gu, &L.down})
-        TORCH_CHECK(t->is_contiguous() && (t->scalar_type() == torch::kHalf) == half_ &&
+      const torch::Tensor* packed[] = {&L.p_qkv, &L.p_o, &L.p_gu, &L.p_down};
+      int j = 0;
+      for (auto* t : {&L.qkv, &L.o, &L.gu, &L.down}) {
+        // a projection read from quantized panels keeps only a placeholder of its weight's shape
+        const auto* pk = packed[j++];
+        const bool quantized = pk->defined() && (pk->scalar_type() == torch::kUInt8 || pk->scalar_type() == torch::kChar);
+        TORCH_CHECK((t->is_contiguous() || quantized) && (t->scalar_type() == torch::kHalf) == half_ &&
                     (t->scalar_type() == torch::kHalf || t->scalar_type() == torch::kFloat32),
                     "DecodeLoop: every projection must be float16 or every one float32, contiguous");
+      }
       L.k_cache = k_caches[l];
       L.v_cache = v_caches[l];
       TORCH_CHECK(L.k_cache.is_contiguous() && L.v_cache.is_contiguous() &&

@@ -41,6 +41,11 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     the row count; without panels, few rows to the row-major skinny kernel."""
     w = layer.weight
     rows = x.numel() // max(1, x.shape[-1])
+    if layer.__dict__.get("_quant_panels") and cpu_inference(x, w):
+        panels, mod = kernel_panels(layer), cpu_kernels()
+        if panels is not None and mod is not None:      # GGUF blocks: every row count reads them
+            y = mod.panel_linear(x.reshape(-1, x.shape[-1]), panels, kernel_bias(layer), w.shape[0])
+            return y.view(*x.shape[:-1], w.shape[0])
     if rows <= PANEL_ROWS_MAX and cpu_inference(x, w):
         mod = cpu_kernels()
         if mod is not None:

@@ -1,11 +1,12 @@
 """GGUF weights kept quantized on a CPU: packed panels the C++ kernels read in their blocks.
 
-A GGUF model's linears load dequantized (float32 parameters: prefill, autograd and every other
-device use them), and on a CPU those of a block type the kernels read (QUANT_TYPES) also get
-their blocks repacked into quantized panels (csrc/cpu_math.h, "Quantized panels"): every product
-of up to 256 rows (a decode step, a verify step, a batch's step) then reads 4.5-9 bits a weight
-instead of 32. The panels take the place of the float panels of compact_cpu_weights, so the
-layer path, the fused layers and the decode loop all use them.
+A GGUF model's linears load dequantized (float32 parameters, as every other device uses them),
+and on a CPU those of a block type the kernels read (QUANT_TYPES) get their blocks repacked into
+quantized panels (csrc/cpu_math.h, "Quantized panels") instead: every product (a decode step, a
+verify step, a batch's step, a prefill) then reads 4.5-9 bits a weight instead of 32, and the
+float32 weight is dropped for a placeholder of its shape (the LM head keeps it: it may be the
+embedding). The panels take the place of the float panels of compact_cpu_weights, so the layer
+path, the fused layers and the decode loop all use them.
 
 Every block type is held as w = d * q + m, q unsigned: Q4_0 (d (q - 8)), Q4_1, Q5_0 and Q5_1
 (5-bit values held in bytes), Q8_0 (its signed q shifted by 128). d and m stay float16.
@@ -127,6 +128,11 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
         panels = quant_panels([blocks[k] for k in keys])
         if panels is None or panels.shape[1] * QBLOCK != w.shape[1] or panels.shape[0] != -(-w.shape[0] // PANEL):
             continue              # (a tensor-parallel rank's share, for one)
+        if name != "lm_head":
+            # the float32 weight is read no more (every product reads the panels): a placeholder
+            # of its shape takes its place, and the memory goes (the head may be the embedding)
+            module.weight = nn.Parameter(torch.zeros(1, dtype=w.dtype).expand(w.shape), requires_grad=False)
+            w = module.weight
         module._panels = (panels, w, w._version)
         module._quant_panels = True
         done += 1
