@@ -268,8 +268,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
     const uint8_t* panels = reinterpret_cast<const uint8_t*>(wp.data_ptr());
     const int64_t bytes = wp.size(2);
     const bool int8 = wp.scalar_type() == torch::kChar;
+    QRows xq;                        // the rows quantized once for every task
+    if (int8) q8_rows(xp, K, M, K, xq);
     tasks([&](int64_t m0, int64_t rows, int64_t p, int64_t p1) {
-      if (int8) q_panel_rows_int8(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
+      if (int8) q_panel_rows_int8(xq, m0, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
       else q_panel_rows(xp + m0 * K, rows, K, panels, bytes, p, p1, bp, yp + m0 * N, N, N);
     });
   } else if (wp.scalar_type() == torch::kBFloat16) {

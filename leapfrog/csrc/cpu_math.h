@@ -1098,18 +1098,17 @@ static inline bool int8_products_available() {
 
 // q_panel_rows for int8 panels (see above); without AVX512-VNNI, the same integer products one
 // at a time (the same bits, slowly: the engine does not choose int8 there).
+// Rows m0 .. m0 + M - 1 of x, quantized in xq (q8_rows over all rows, once per product).
 template <int BITS>
-static inline void q_panel_rows_int8_bits(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t p0,
-                                          int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+static inline void q_panel_rows_int8_bits(const QRows& xq, int64_t m0, int64_t M, int64_t K, const uint8_t* panels,
+                                          int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
   constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
   const int64_t NB = K / kQBlock;
-  thread_local QRows xq;
-  q8_rows(x, K, M, K, xq);
   alignas(64) float out[kQTileRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* pw = panels + p * NB * BB;
-    for (int64_t r0 = 0; r0 < M; r0 += kQTileRows) {
-      const int64_t R = std::min<int64_t>(kQTileRows, M - r0);
+    for (int64_t r0 = m0; r0 < m0 + M; r0 += kQTileRows) {
+      const int64_t R = std::min<int64_t>(kQTileRows, m0 + M - r0);
 #if defined(LEAPFROG_VNNI)
       switch (R) {
         case 8: q_panel_tile_int8<8, BITS>(xq, r0, K, NB, pw, out); break;
@@ -1144,7 +1143,7 @@ static inline void q_panel_rows_int8_bits(const float* x, int64_t M, int64_t K, 
           out[r * kPanel + c] = o;
         }
 #endif
-      panel_store(out, R, bias, y + r0 * ldy, ldy, N, p);
+      panel_store(out, R, bias, y + (r0 - m0) * ldy, ldy, N, p);
     }
   }
 }
@@ -1162,12 +1161,13 @@ static inline void q_panel_rows(const float* x, int64_t M, int64_t K, const uint
   else q_panel_rows_bits<8>(x, M, K, panels, p0, p1, bias, y, ldy, N);
 }
 
-// The same over int8 panels (held as torch int8: their value bytes in the integer layout).
-static inline void q_panel_rows_int8(const float* x, int64_t M, int64_t K, const uint8_t* panels,
+// The same over int8 panels (held as torch int8: their value bytes in the integer layout), for
+// rows m0 .. m0 + M - 1 of the rows quantized in xq; y points at row m0's output.
+static inline void q_panel_rows_int8(const QRows& xq, int64_t m0, int64_t M, int64_t K, const uint8_t* panels,
                                      int64_t bytes_per_block, int64_t p0, int64_t p1, const float* bias, float* y,
                                      int64_t ldy, int64_t N) {
-  if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_int8_bits<4>(x, M, K, panels, p0, p1, bias, y, ldy, N);
-  else q_panel_rows_int8_bits<8>(x, M, K, panels, p0, p1, bias, y, ldy, N);
+  if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_int8_bits<4>(xq, m0, M, K, panels, p0, p1, bias, y, ldy, N);
+  else q_panel_rows_int8_bits<8>(xq, m0, M, K, panels, p0, p1, bias, y, ldy, N);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -358,8 +358,10 @@ class DecodeLoop {
       if (panels.scalar_type() == torch::kUInt8) {
         q_panel_rows(x, T, K, panels.data_ptr<uint8_t>(), panels.size(2), a, c, b, y, N, N);
       } else if (panels.scalar_type() == torch::kChar) {
-        q_panel_rows_int8(x, T, K, reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(2), a, c, b, y,
-                          N, N);
+        thread_local QRows xq;       // each thread quantizes the step's rows itself: no barrier
+        q8_rows(x, K, T, K, xq);
+        q_panel_rows_int8(xq, 0, T, K, reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(2), a, c, b,
+                          y, N, N);
       } else if (panels.scalar_type() == torch::kBFloat16) {
         // each thread rounds the rows itself (a few microseconds): no barrier to share them
         thread_local std::vector<uint32_t> pairs;
