@@ -87,16 +87,12 @@ class LLMEngine:
                                  f"{self.model_path / 'leapfrog.json'}: {folder_options})") from None
             raise
         self.method_name = method
-        if (self.device.type == "cpu" and self.config.matmul_precision == "bfloat16"
-                and not linear_layers.bf16_products_available()):
-            # a model folder's default as much as a caller's: on a CPU without AVX512-BF16 the
-            # bfloat16 products would run as scalar loops, many times slower than float32 ones
-            log.warning("matmul_precision=bfloat16 needs the C++ kernels on a CPU with AVX512-BF16; "
-                        "using float32 products")
-            self.config = self.config.replace(matmul_precision="float32")
-        if (self.device.type == "cpu" and self.config.matmul_precision == "int8"
-                and not linear_layers.int8_products_available()):
-            log.warning("matmul_precision=int8 needs the C++ kernels on a CPU with AVX512-VNNI; using float32 products")
+        missing = linear_layers.products_available(self.config.matmul_precision)
+        if self.device.type == "cpu" and missing:
+            # a model folder's default as much as a caller's: without the instructions the
+            # products would run as scalar loops, many times slower than float32 ones
+            log.warning("matmul_precision=%s needs the C++ kernels on a CPU with %s; using float32 products",
+                        self.config.matmul_precision, missing)
             self.config = self.config.replace(matmul_precision="float32")
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
             for module in [self.model, *self.method.modules()]:

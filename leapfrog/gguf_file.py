@@ -78,10 +78,7 @@ def _reader(path: Path) -> Any:
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
+    return default if f is None else f.contents()
 
 
 def _require(reader: Any, path: Path, key: str) -> Any:

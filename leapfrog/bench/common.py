@@ -47,19 +47,18 @@ def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> 
 
 def matmul_precision(args, model_dir) -> str:
     """The products a suite's engines run with: --matmul-precision, else the model folder's
-    default (its leapfrog.json), else float32. bfloat16 on a CPU without AVX512-BF16 is float32,
-    as the engine runs it (it falls back), so the tables name the products that ran."""
+    default (its leapfrog.json), else float32. bfloat16 or int8 on a CPU without AVX512-BF16 or
+    AVX512-VNNI is float32, as the engine runs it (it falls back), so the tables name the products
+    that ran."""
     import sys
 
     from leapfrog.layers import linear
     from leapfrog.loader import model_engine_options
     precision = getattr(args, "matmul_precision", None) or \
         model_engine_options(model_dir).get("matmul_precision", "float32")
-    if precision == "bfloat16" and not linear.bf16_products_available():
-        print("[bench] this CPU has no AVX512-BF16: the engines run float32 products", file=sys.stderr)
-        return "float32"
-    if precision == "int8" and not linear.int8_products_available():
-        print("[bench] this CPU has no AVX512-VNNI: the engines run float32 products", file=sys.stderr)
+    missing = linear.products_available(precision)
+    if missing:
+        print(f"[bench] this CPU has no {missing}: the engines run float32 products", file=sys.stderr)
         return "float32"
     return precision
 

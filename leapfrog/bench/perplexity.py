@@ -97,9 +97,8 @@ def llama_perplexity(exe: str, gguf: Path, text_file: Path, ctx: int, num: int, 
     if proc.returncode != 0 or not found:
         tail = ((proc.stderr or proc.stdout).strip().splitlines() or ["?"])[-1]
         raise RuntimeError(f"llama-perplexity failed ({proc.returncode}): {tail}")
-    tokens = re.search(r"tokenizing the input \.\.\.\s*\n.*?(\d+) tokens|tokenization took .*?\n", proc.stderr)
     return {"ppl": float(found.group(1)), "stderr": float(found.group(2)), "command": " ".join(cmd),
-            "env_dropped": dropped, "log_tokens": tokens.group(1) if tokens and tokens.lastindex else None}
+            "env_dropped": dropped}
 
 
 def run(args: argparse.Namespace) -> dict:

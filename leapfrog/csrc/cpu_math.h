@@ -865,6 +865,31 @@ static constexpr int kQTileRows = 8;
 static constexpr int kQTileRows = 4;
 #endif
 
+// f(std::integral_constant<int, R>) for the tile's row count R in [1, kQTileRows].
+template <typename F>
+static inline void with_tile_rows(int64_t rows, F&& f) {
+  switch (rows) {
+#if defined(LEAPFROG_AVX512)
+    case 8: return f(std::integral_constant<int, 8>());
+    case 7: return f(std::integral_constant<int, 7>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 5: return f(std::integral_constant<int, 5>());
+#endif
+    case 4: return f(std::integral_constant<int, 4>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 2: return f(std::integral_constant<int, 2>());
+    default: return f(std::integral_constant<int, 1>());
+  }
+}
+
+#if defined(LEAPFROG_AVX512)
+// A quantized panel block's 16 scales d and 16 offsets m, widened from float16.
+static inline void q_block_scales(const uint8_t* blk, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+}
+#endif
+
 // The block sums of x: xs[r * NB + b] = x[r][32 b] + ... + x[r][32 b + 31], left to right.
 static inline void q_block_sums(const float* x, int64_t ldx, int64_t M, int64_t NB, float* xs) {
   for (int64_t r = 0; r < M; ++r)
@@ -890,8 +915,8 @@ static inline void q_panel_tile(const float* x, int64_t ldx, const float* xs, in
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512 d, m;
+    q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
     __m512 s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
@@ -993,18 +1018,7 @@ static inline void q_panel_rows_bits(const float* x, int64_t M, int64_t K, const
       const int64_t R = std::min<int64_t>(kQTileRows, M - r0);
       const float* xr = x + r0 * K;
       const float* sr = xs.data() + r0 * NB;
-      switch (R) {
-#if defined(LEAPFROG_AVX512)
-        case 8: q_panel_tile<8, BITS>(xr, K, sr, NB, pw, out); break;
-        case 7: q_panel_tile<7, BITS>(xr, K, sr, NB, pw, out); break;
-        case 6: q_panel_tile<6, BITS>(xr, K, sr, NB, pw, out); break;
-        case 5: q_panel_tile<5, BITS>(xr, K, sr, NB, pw, out); break;
-#endif
-        case 4: q_panel_tile<4, BITS>(xr, K, sr, NB, pw, out); break;
-        case 3: q_panel_tile<3, BITS>(xr, K, sr, NB, pw, out); break;
-        case 2: q_panel_tile<2, BITS>(xr, K, sr, NB, pw, out); break;
-        default: q_panel_tile<1, BITS>(xr, K, sr, NB, pw, out); break;
-      }
+      with_tile_rows(R, [&](auto rows) { q_panel_tile<rows(), BITS>(xr, K, sr, NB, pw, out); });
       panel_store(out, R, bias, y + r0 * ldy, ldy, N, p);
     }
   }
@@ -1058,8 +1072,8 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512 d, m;
+    q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
@@ -1110,16 +1124,7 @@ static inline void q_panel_rows_int8_bits(const QRows& xq, int64_t m0, int64_t M
     for (int64_t r0 = m0; r0 < m0 + M; r0 += kQTileRows) {
       const int64_t R = std::min<int64_t>(kQTileRows, m0 + M - r0);
 #if defined(LEAPFROG_VNNI)
-      switch (R) {
-        case 8: q_panel_tile_int8<8, BITS>(xq, r0, K, NB, pw, out); break;
-        case 7: q_panel_tile_int8<7, BITS>(xq, r0, K, NB, pw, out); break;
-        case 6: q_panel_tile_int8<6, BITS>(xq, r0, K, NB, pw, out); break;
-        case 5: q_panel_tile_int8<5, BITS>(xq, r0, K, NB, pw, out); break;
-        case 4: q_panel_tile_int8<4, BITS>(xq, r0, K, NB, pw, out); break;
-        case 3: q_panel_tile_int8<3, BITS>(xq, r0, K, NB, pw, out); break;
-        case 2: q_panel_tile_int8<2, BITS>(xq, r0, K, NB, pw, out); break;
-        default: q_panel_tile_int8<1, BITS>(xq, r0, K, NB, pw, out); break;
-      }
+      with_tile_rows(R, [&](auto rows) { q_panel_tile_int8<rows(), BITS>(xq, r0, K, NB, pw, out); });
 #else
       for (int64_t r = 0; r < R; ++r)
         for (int64_t c = 0; c < kPanel; ++c) {

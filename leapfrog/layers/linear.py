@@ -38,15 +38,12 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """F.linear, except float32 inference on a CPU at decode-like row counts, which goes to the
     C++ kernels (layers/cpu_kernels.py): up to PANEL_ROWS_MAX rows (decode, draft verification,
     a batch's step) to the packed-panel kernel, which sums every output the same way whatever
-    the row count; without panels, few rows to the row-major skinny kernel."""
+    the row count; without panels, few rows to the row-major skinny kernel. Quantized panels
+    (a GGUF weight's blocks, layers/quant.py) serve every row count: no float32 weight is kept."""
     w = layer.weight
     rows = x.numel() // max(1, x.shape[-1])
-    if layer.__dict__.get("_quant_panels") and cpu_inference(x, w):
-        panels, mod = kernel_panels(layer), cpu_kernels()
-        if panels is not None and mod is not None:      # GGUF blocks: every row count reads them
-            y = mod.panel_linear(x.reshape(-1, x.shape[-1]), panels, kernel_bias(layer), w.shape[0])
-            return y.view(*x.shape[:-1], w.shape[0])
-    if rows <= PANEL_ROWS_MAX and cpu_inference(x, w):
+    quantized = bool(layer.__dict__.get("_quant_panels"))
+    if (rows <= PANEL_ROWS_MAX or quantized) and cpu_inference(x, w):
         mod = cpu_kernels()
         if mod is not None:
             b = layer.bias if layer.bias is not None else _EMPTY
@@ -87,6 +84,14 @@ def int8_products_available() -> bool:
     """Whether int8 products over quantized panels run on AVX512-VNNI here."""
     mod = cpu_kernels()
     return mod is not None and bool(mod.int8_dot_available())
+
+
+def products_available(precision: str) -> str | None:
+    """None when `precision` (matmul_precision) runs at speed on this CPU, else the instruction
+    set it lacks (the products would run as scalar loops: callers fall back to float32)."""
+    needs = {"bfloat16": (bf16_products_available, "AVX512-BF16"), "int8": (int8_products_available, "AVX512-VNNI")}
+    check, isa = needs.get(precision, (lambda: True, ""))
+    return None if check() else isa
 
 
 def bf16_products_available() -> bool:

@@ -727,7 +727,8 @@ COUPLET_UPDATE_S = 1.0      # how often a streamed couplet's place in line is re
 async def _couplet_events(server: ModelServer, ticket: Any, req: CoupletRequest, keywords: list[str],
                           arrival: float) -> AsyncIterator[str]:
     """The streamed couplet: its place in line when it changes (checked every second), then
-    the couplet. A client that goes away cancels this, which releases the ticket."""
+    the couplet. A client that goes away cancels this; the response's background task releases
+    the ticket in every case."""
     try:
         last = None
         while not ticket.turn.done():
@@ -742,8 +743,6 @@ async def _couplet_events(server: ModelServer, ticket: Any, req: CoupletRequest,
         yield sse_event("couplet", await _write_couplet(server, None, ticket, req, keywords, arrival))
     except (APIError, RequestTimeout, EngineError, ValueError) as exc:
         yield sse_event("error", as_api_error(exc).body())
-    finally:
-        server.couplet_line.release(ticket)
 
 
 def sse_event(name: str, data: dict) -> str:
