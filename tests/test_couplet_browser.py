@@ -225,9 +225,10 @@ def test_after_a_minute_of_429s_the_page_says_plainly_that_the_server_is_too_bus
         assert "太忙" in text and "too busy" in text, text
         assert not any(s in text for s in ("{", "<", "queue_full", "429")), text
         gaps = [b - a for a, b in zip(tries, tries[1:])]
-        # (7 s, plus up to 1 s of jitter, plus up to 1 s for the clock running forward in 1 s steps)
-        assert 6 <= len(tries) <= 9 and all(7000 <= g <= 9500 for g in gaps), (tries, gaps)
-        assert tries[-1] - tries[0] <= 61_000          # a minute, plus the clock's 1 s steps
+        # never before Retry-After; at most 1 s of jitter later, plus the page's 1 s countdown ticks
+        # landing on the clock's 1 s steps (up to 2 s more)
+        assert 5 <= len(tries) <= 9 and all(7000 <= g <= 10_500 for g in gaps), (tries, gaps)
+        assert tries[-1] - tries[0] <= 62_000          # a minute, plus the clock's steps
         assert page.get_attribute("#gate", "data-state") == "idle" and page.is_enabled("#write")
         assert not errors, errors
     finally:
