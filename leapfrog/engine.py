@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort over the scheduler, runner and decoding method."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import itertools
 import json
@@ -53,6 +54,15 @@ class EngineStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc): loading a GGUF file dequantizes
+    and repacks tensors whose freed memory would otherwise stay resident. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class LLMEngine:
     def __init__(self, model: str, method: str = "ar", draft_model: str | None = None,
                  **options: object) -> None:
@@ -97,6 +107,7 @@ class LLMEngine:
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
             for module in [self.model, *self.method.modules()]:
                 compact_cpu_weights(module, self.config.matmul_precision)
+            release_freed_heap()
         # KV blocks hold whole attention blocks, so prefix-cache hits and rollbacks end on the
         # block-causal grid, where a block's KV no longer depends on tokens after it.
         if self.config.block_size % self.method.attn_block_size:

@@ -125,8 +125,9 @@ def load_weights(model: nn.Module, files: list[Path], config: dict | None = None
         loaded.add(f"{target}:{shard}")
     check_complete(model, packed, loaded, files)
     if blocks and next(iter(params.values())).dtype == torch.float32:
-        from leapfrog.layers.quant import attach_quant_panels
+        from leapfrog.layers.quant import attach_embedding_panels, attach_quant_panels
         attach_quant_panels(model, blocks)
+        attach_embedding_panels(model, blocks)
 
 
 def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object]:

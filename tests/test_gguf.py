@@ -302,8 +302,18 @@ def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
     llm = LLM(str(path))
     model = llm.engine.model
     quant = [name for name, m in model.named_modules() if m.__dict__.get("_quant_panels")]
-    assert len(quant) == 4 * LAYERS + 1 and "lm_head" in quant        # the tied head reads the embedding's
     from leapfrog.layers import linear
+    assert len(quant) == 4 * LAYERS + 1 and "lm_head" in quant        # the tied head reads the embedding's
+    # the embedding is looked up in the head's panels: no float32 table is kept
+    from leapfrog.layers.quant import embedding_panels
+    emb = model.model.embed_tokens
+    assert emb.weight.stride(0) == 0 and embedding_panels(emb) is linear.kernel_panels(model.lm_head)
+    import gguf
+    table = gguf.GGUFReader(str(path)).get_tensor(0)
+    assert table.name == "token_embd.weight"
+    ids = torch.tensor([0, 5, len(table.data) - 1])
+    want = torch.from_numpy(gguf.quants.dequantize(table.data, table.tensor_type).reshape(-1, HIDDEN).copy())[ids]
+    torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
     expect = "int8" if linear.int8_products_available() else "float32"
     assert llm.engine.config.matmul_precision == expect
     seen = record_logits(llm)

@@ -291,6 +291,27 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias
   return y;
 }
 
+// Rows ids of a weight held in quantized panels ([P, NB, bytes per block], uint8 or int8 layout),
+// dequantized: [n, 32 NB] float32 (an embedding lookup in a table kept as its blocks).
+torch::Tensor panel_rows_gather(torch::Tensor panels, torch::Tensor ids) {
+  TORCH_CHECK(panels.dim() == 3 && (panels.scalar_type() == torch::kUInt8 || panels.scalar_type() == torch::kChar) &&
+              q_panel_bits(panels.size(2)) != 0, "panel_rows_gather: panels must be quantized panels");
+  auto pc = panels.contiguous();
+  auto ic = ids.reshape(-1).to(torch::kLong).contiguous();
+  const int64_t n = ic.numel(), NB = pc.size(1), rows = pc.size(0) * kPanel;
+  auto out = torch::empty({n, NB * kQBlock}, torch::kFloat32);
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "panel_rows_gather: index ", ip[i], " out of range");
+  const uint8_t* pp = reinterpret_cast<const uint8_t*>(pc.data_ptr());
+  const bool int8 = pc.scalar_type() == torch::kChar;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) q_panel_row(pp, pc.size(2), int8, NB, ip[i], op + i * NB * kQBlock);
+  });
+  return out;
+}
+
 // RMSNorm over the last dimension, float32: one pass for the mean square, one for the scale.
 // torch's CPU rms_norm is several kernels (~40 us for a [9, 256] input); this is ~2 us.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -738,6 +759,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("bf16") = false, nogil);
   m.def("int8_dot_available", &int8_products_available,
         "whether int8 panel products run on AVX512-VNNI on this CPU (else a slow scalar loop)");
+  m.def("panel_rows_gather", &panel_rows_gather, "rows of a weight held in quantized panels, dequantized (CPU)");
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
   register_decode_loop(m);
 }

@@ -857,6 +857,10 @@ static inline void panel_rows_bf16(const uint32_t* xp, int64_t M, int64_t K2, co
 static constexpr int64_t kQBlock = 32;
 static constexpr int64_t kQ4PanelBytes = 64 + kQBlock * kPanel / 2;
 static constexpr int64_t kQ8PanelBytes = 64 + kQBlock * kPanel;
+// Blocks ahead that a quantized tile asks the memory for, every cache line of the block: with
+// several rows the products run long enough per block that the hardware prefetcher alone
+// leaves the next blocks' lines late.
+static constexpr int64_t kQPrefetchBlocks = 8;
 // Rows a tile decodes each weight vector for: as many as the accumulators (2 per row) and the
 // decoded weights fit the vector registers (32 with AVX-512, 16 with AVX2).
 #if defined(LEAPFROG_AVX512)
@@ -914,7 +918,8 @@ static inline void q_panel_tile(const float* x, int64_t ldx, const float* xs, in
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
+    for (int64_t line = 0; line < BB; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
     __m512 d, m;
     q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
@@ -1046,15 +1051,27 @@ static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QR
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < NB; ++b) {
       const float* v = x + r * ldx + b * kQBlock;
+      int8_t* q = out.q.data() + r * K + b * kQBlock;
+#if defined(LEAPFROG_AVX512)
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float a = amax / 127.f, inv = a > 0.f ? 1.f / a : 0.f;
+      const __m512 iv = _mm512_set1_ps(inv);
+      // rounded to nearest even, as lrintf under the default rounding mode
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
       float amax = 0.f;
       for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
       const float a = amax / 127.f, inv = a > 0.f ? 1.f / a : 0.f;
-      int8_t* q = out.q.data() + r * K + b * kQBlock;
       int32_t s = 0;
       for (int64_t k = 0; k < kQBlock; ++k) {
         q[k] = static_cast<int8_t>(std::lrintf(v[k] * inv));
         s += q[k];
       }
+#endif
       out.a[r * NB + b] = a;
       out.sum[r * NB + b] = s;
     }
@@ -1062,6 +1079,12 @@ static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QR
 
 #if defined(LEAPFROG_AVX512) && defined(__AVX512VNNI__)
 #define LEAPFROG_VNNI 1
+// s + w (16 lanes of 4 unsigned bytes) . the 4 signed bytes at x, repeated in every lane: one
+// instruction, the 4 bytes read by its own broadcast (compilers load them apart otherwise).
+static inline __m512i dpbusd_broadcast(__m512i s, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return s;
+}
 template <int R, int BITS>
 static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int64_t NB, const uint8_t* pw,
                                      float* out) {
@@ -1071,7 +1094,8 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * BB), _MM_HINT_T0);
+    for (int64_t line = 0; line < BB; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
     __m512 d, m;
     q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
@@ -1086,11 +1110,7 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
       } else {
         w = _mm512_loadu_si512(q + g * 64);
       }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq.q.data() + (r0 + r) * K + b * kQBlock + 4 * g, 4);
-        s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
-      }
+      for (int r = 0; r < R; ++r) s[r] = dpbusd_broadcast(s[r], w, xq.q.data() + (r0 + r) * K + b * kQBlock + 4 * g);
     }
     for (int r = 0; r < R; ++r) {
       const float a = xq.a[(r0 + r) * NB + b];
@@ -1173,6 +1193,35 @@ static inline void q_panel_rows_int8(const QRows& xq, int64_t m0, int64_t M, int
                                      int64_t ldy, int64_t N) {
   if (q_panel_bits(bytes_per_block) == 4) q_panel_rows_int8_bits<4>(xq, m0, M, K, panels, p0, p1, bias, y, ldy, N);
   else q_panel_rows_int8_bits<8>(xq, m0, M, K, panels, p0, p1, bias, y, ldy, N);
+}
+
+// Row v of the weight held in quantized panels, dequantized (w = d * q + m, the product and the
+// sum rounded apart, as the gguf package's float32 dequantization): out[0..32 NB - 1]. int8:
+// the panels are in the integer layout (q_panel_rows_int8), else in the plain one.
+static inline void q_panel_row(const uint8_t* panels, int64_t bytes_per_block, bool int8, int64_t NB, int64_t v,
+                               float* out) {
+  const int bits = q_panel_bits(bytes_per_block);
+  const int64_t c = v % kPanel;
+  const uint8_t* pw = panels + (v / kPanel) * NB * bytes_per_block;
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * bytes_per_block;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk + 2 * c, 2);
+    std::memcpy(&mh, blk + 32 + 2 * c, 2);
+    const float d = half_to_float(dh), m = half_to_float(mh);
+    const uint8_t* q = blk + 64;
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      int v8;
+      if (int8) {
+        const int64_t g = k / 4, j = k % 4;
+        v8 = bits == 4 ? (q[(g / 2) * 64 + c * 4 + j] >> ((g & 1) * 4)) & 0x0F : q[g * 64 + c * 4 + j];
+      } else {
+        v8 = bits == 4 ? (c < 8 ? q[k * 8 + c] & 0x0F : q[k * 8 + c - 8] >> 4) : q[k * 16 + c];
+      }
+      const float w = d * static_cast<float>(v8);
+      out[b * kQBlock + k] = w + m;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -144,9 +144,10 @@ class DecodeLoop {
       layers_.push_back(L);
     }
     kv_half_ = k_caches[0].scalar_type() == torch::kHalf;
-    embed_ = embed.contiguous();
+    // a table held as quantized panels leaves a placeholder of its shape (set_embed_panels)
+    embed_ = embed.stride(0) == 0 ? embed : embed.contiguous();
     final_norm_ = final_norm.contiguous();
-    lm_head_ = lm_head.contiguous();
+    lm_head_ = lm_panels_quantized(lm_head_panels) ? lm_head : lm_head.contiguous();
     lm_head_b_ = lm_head_bias;
     lm_panels_ = lm_head_panels.dim() == 3 ? lm_head_panels : torch::Tensor();
     cos_ = cos.contiguous();
@@ -268,6 +269,14 @@ class DecodeLoop {
   // confidence in its drafts).
   void set_pick_probs(bool on) { pick_probs_ = on; }
 
+  // The embedding read from quantized panels (the table's own, or the tied LM head's) instead of
+  // the float32 table, which is then a placeholder of its shape.
+  void set_embed_panels(torch::Tensor panels) {
+    TORCH_CHECK(lm_panels_quantized(panels) && panels.size(1) * kQBlock == d_ && panels.size(0) * kPanel >= embed_.size(0),
+                "DecodeLoop: embedding panels must be quantized panels of the table's shape");
+    embed_panels_ = panels.contiguous();
+  }
+
   // Whether a forward of `rows` rows runs here with the arithmetic decode_layer gives them:
   // with every projection packed, up to kPanelRows rows; without, the few rows the row-major
   // kernel takes (decode_layer hands more to BLAS).
@@ -344,6 +353,21 @@ class DecodeLoop {
     float* captured = nullptr;         // [B, steps, C, d]: the residual stream after those layers
     int64_t* anchor = nullptr;         // [B] or null: each row's first anchor token (coupled positions)
   };
+
+  static bool lm_panels_quantized(const torch::Tensor& p) {
+    return p.defined() && p.dim() == 3 && (p.scalar_type() == torch::kUInt8 || p.scalar_type() == torch::kChar);
+  }
+
+  // Token tok's embedding row into out[0..d - 1].
+  void embed_row(int64_t tok, float* out) const {
+    if (embed_panels_.defined()) {
+      q_panel_row(reinterpret_cast<const uint8_t*>(embed_panels_.data_ptr()), embed_panels_.size(2),
+                  embed_panels_.scalar_type() == torch::kChar, embed_panels_.size(1), tok, out);
+    } else {
+      const float* e = embed_.data_ptr<float>() + tok * d_;
+      std::copy(e, e + d_, out);
+    }
+  }
 
   template <typename wt>
   static const wt* wp(const torch::Tensor& t) { return reinterpret_cast<const wt*>(t.data_ptr()); }
@@ -532,9 +556,8 @@ class DecodeLoop {
     std::vector<const int64_t*> rtab(T);
     const int64_t* tp = tab.data_ptr<int64_t>();
     for (int64_t r = 0; r < T; ++r) rtab[r] = tp + r * MB;
-    const float* embed = embed_.data_ptr<float>();
     const int64_t* tk = tok.data_ptr<int64_t>();
-    for (int64_t r = 0; r < T; ++r) std::copy(embed + tk[r] * d, embed + (tk[r] + 1) * d, x.data() + r * d);
+    for (int64_t r = 0; r < T; ++r) embed_row(tk[r], x.data() + r * d);
     float* hid = hidden.data_ptr<float>();
     float* cap = captured.data_ptr<float>();
     in_region([&](int tid, int nt, SpinBarrier& bar) {
@@ -561,7 +584,6 @@ class DecodeLoop {
     const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
     int64_t T = 0;
     for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
-    const float* embed = embed_.data_ptr<float>();
     in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
       SampleScratch scratch;
@@ -582,7 +604,7 @@ class DecodeLoop {
               if (a >= 0 && a < p) rpos[T] = p - a;
             }
             rtab[T] = st.tab + b * st.MB;
-            std::copy(embed + next[b] * d, embed + (next[b] + 1) * d, x.data() + T * d);
+            embed_row(next[b], x.data() + T * d);
             ++T;
           }
         }
@@ -633,7 +655,7 @@ class DecodeLoop {
   std::vector<LayerWeights> layers_;
   int64_t anchor_tok_ = -1;
   bool pick_probs_ = false;
-  torch::Tensor embed_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
+  torch::Tensor embed_, embed_panels_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
   int64_t H_, KVH_, D_, block_size_;
   float scale_, eps_, qk_eps_, final_eps_;
   int64_t lm_skinny_rows_;
@@ -684,6 +706,7 @@ void register_decode_loop(pybind11::module& m) {
       .def("supports_rows", &DecodeLoop::supports_rows)
       .def("set_anchor_token", &DecodeLoop::set_anchor_token)
       .def("set_pick_probs", &DecodeLoop::set_pick_probs)
+      .def("set_embed_panels", &DecodeLoop::set_embed_panels)
       .def("forward_supports", &DecodeLoop::forward_supports)
       .def("forward", &DecodeLoop::forward, "one forward of query rows through every layer (CPU, float32)", nogil)
       .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);

@@ -6,7 +6,9 @@ quantized panels (csrc/cpu_math.h, "Quantized panels") instead: every product (a
 verify step, a batch's step, a prefill) then reads 4.5-9 bits a weight instead of 32, and the
 float32 weight is dropped for a placeholder of its shape (the LM head keeps it: it may be the
 embedding). The panels take the place of the float panels of compact_cpu_weights, so the layer
-path, the fused layers and the decode loop all use them.
+path, the fused layers and the decode loop all use them. A token embedding in such blocks is
+read from panels too (the tied LM head's, else its own): a lookup dequantizes its rows
+(embedding_panels), and its float32 table gives way to a placeholder as well.
 
 Every block type is held as w = d * q + m, q unsigned: Q4_0 (d (q - 8)), Q4_1, Q5_0 and Q5_1
 (5-bit values held in bytes), Q8_0 (its signed q shifted by 128). d and m stay float16.
@@ -137,3 +139,45 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
         module._quant_panels = True
         done += 1
     return done
+
+
+def attach_embedding_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]]) -> bool:
+    """Read `model`'s token embedding from quantized panels when its GGUF blocks allow it: the
+    tied LM head's panels, or panels of its own; its float32 table (and the tied head's weight)
+    becomes a placeholder of its shape. Single-process CPU models only."""
+    from leapfrog.layers import parallel as tp
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    key = "model.embed_tokens.weight"
+    if (not isinstance(emb, nn.Embedding) or key not in blocks or emb.weight.device.type != "cpu"
+            or emb.weight.dtype != torch.float32 or tp.world_size() > 1 or cpu_kernels() is None):
+        return False
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is emb.weight
+    own = None
+    if not (tied and head.__dict__.get("_quant_panels")):
+        own = quant_panels([blocks[key]])
+        if own is None or own.shape[1] * QBLOCK != emb.weight.shape[1] or own.shape[0] * PANEL < emb.weight.shape[0]:
+            return False
+    placeholder = nn.Parameter(torch.zeros(1, dtype=emb.weight.dtype).expand(emb.weight.shape), requires_grad=False)
+    emb.weight = placeholder
+    if tied:
+        head.weight = placeholder
+        if head.__dict__.get("_quant_panels"):
+            head._panels = (head._panels[0], placeholder, placeholder._version)
+    emb.__dict__["_own_panels"] = own
+    emb.__dict__["_tied_head"] = head if own is None else None      # not a submodule of the embedding
+    return True
+
+
+def embedding_panels(emb: nn.Module) -> torch.Tensor | None:
+    """The quantized panels `emb`'s rows are read from (attach_embedding_panels), or None when it
+    keeps its float table."""
+    own = emb.__dict__.get("_own_panels")
+    if own is not None:
+        return own
+    head = emb.__dict__.get("_tied_head")
+    if head is None:
+        return None
+    from leapfrog.layers.linear import kernel_panels
+    return kernel_panels(head)

@@ -20,6 +20,7 @@ from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_pa
                                     skinny_rows_max)
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
+from leapfrog.layers.quant import embedding_panels
 from leapfrog.layers.rotary import RotaryEmbedding, coupled_positions
 from leapfrog.models import mask_stream
 
@@ -344,6 +345,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight
         if tp.tp_size() == 1:
+            panels = embedding_panels(self.model.embed_tokens)
+            if panels is not None:           # a GGUF table kept in its blocks (layers/quant.py)
+                return cpu_kernels().panel_rows_gather(panels, input_ids).view(*input_ids.shape, -1)
             return F.embedding(input_ids, w)
         local = input_ids - self.model.vocab_start
         outside = (local < 0) | (local >= w.shape[0])
@@ -398,6 +402,9 @@ class LlamaForCausalLM(nn.Module):
             self.model.norm.eps, skinny_rows_max())
         if self.coupled_anchor is not None:    # run() takes each row's anchor index
             loop.set_anchor_token(self.coupled_anchor[1])
+        embed_panels = embedding_panels(self.model.embed_tokens)
+        if embed_panels is not None:
+            loop.set_embed_panels(embed_panels)
         watch = [(mod, name, p, p._version) for mod in self.modules()
                  for name, p in mod._parameters.items() if p is not None]
         self.__dict__["_decode_loop"] = (key, loop, watch)

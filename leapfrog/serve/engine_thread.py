@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from leapfrog.engine import release_freed_heap
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.serve.line import DrainRate
@@ -231,6 +232,7 @@ class AsyncEngine:
             # second or more under load.
             gc.collect()
             gc.freeze()
+            release_freed_heap()             # what loading and warm-up freed leaves the process
         except BaseException as exc:       # surfaced by /health and the startup log
             self.load_error = exc
             log.error("engine failed to load: %s", exc)

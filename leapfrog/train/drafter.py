@@ -137,6 +137,8 @@ class Distiller:
         # A narrow drafter embeds and reads out with its own (frozen) tables, else the target's.
         own = drafter.embed_tokens
         self.embed = own.weight if own is not None else target.model.embed_tokens.weight
+        if self.embed.stride(0) == 0:          # the target reads its table from quantized blocks
+            self.embed = target.embed(torch.arange(self.embed.shape[0]))
         self.weights = position_weights(self.gamma, r.decay)
 
     @torch.no_grad()
