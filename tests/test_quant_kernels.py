@@ -85,3 +85,40 @@ def test_int8_products_are_llama_cpp_s_scheme(kind, rows):
     assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
     for i in (0, rows - 1):
         assert torch.equal(mod.panel_linear(x[i:i + 1], panels, torch.empty(0), n)[0], got[i])
+
+
+def test_int8_products_hold_at_the_extremes():
+    """8-bit weights at both ends (-128 and 127) against activations at full scale, neighbours
+    alike: the AVX2 route's 16-bit pair sums must not saturate (and VNNI's are 32-bit anyway)."""
+    from leapfrog.layers.quant import int8_layout
+    n, k = 16, 64
+    vals = np.where(np.arange(n * k).reshape(n, k) % 3 == 0, 127, -128).astype(np.int8)
+    raw = np.zeros((n, k // 32, 34), np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:] = vals.reshape(n, k // 32, 32).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    panels = int8_layout(quant_panels([("Q8_0", raw)]))
+    w = torch.from_numpy(vals.astype(np.float32)) * float(np.float16(0.01))
+    for x in (torch.full((2, k), 3.0), torch.full((2, k), -3.0), torch.tensor([1.0, -1.0]).repeat(2, k // 2)):
+        got = mod.panel_linear(x, panels, torch.empty(0), n)
+        torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_the_avx2_build_passes_these_tests_too():
+    """On a CPU with AVX-512 the kernels' AVX2 paths (those of an AVX2-only machine, int8 products
+    included) are built apart (LEAPFROG_CPU_ISA=avx2) and run through this file's tests."""
+    import os
+    import subprocess
+    import sys
+    if "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU's own build is the AVX2 one: the tests above ran it")
+    env = {**os.environ, "LEAPFROG_CPU_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__,
+                          "-k", "not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.lower(), run.stdout[-1000:]
+
+
+def test_int8_products_run_at_speed_on_avx2_and_wider():
+    if " avx2" in open("/proc/cpuinfo").read():
+        assert mod.int8_dot_available()

@@ -1062,6 +1062,30 @@ static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QR
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
       const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(LEAPFROG_AVX2)
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 v8[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v8[i] = _mm256_loadu_ps(v + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v8[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const float a = amax / 127.f, inv = a > 0.f ? 1.f / a : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v8[i], iv));   // nearest even
+      const __m256i w16 = _mm256_permute4x64_epi64(
+          _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi32(w16, 0xD8));
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      const int32_t s = _mm_cvtsi128_si32(t4);
 #else
       float amax = 0.f;
       for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
@@ -1122,16 +1146,89 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
 }
 #endif
 
+#if !defined(LEAPFROG_VNNI) && defined(LEAPFROG_AVX2) && defined(__F16C__)
+#define LEAPFROG_INT8_AVX2 1
+// The same tile with AVX2 (llama.cpp's route there): vpmaddubsw multiplies unsigned weight bytes
+// by signed activation bytes and adds neighbouring pairs into 16 bits, vpmaddwd adds those pairs
+// into 32-bit lanes: per lane the sum over 4 k, as one vpdpbusd. A pair of 4-bit values times
+// activations (|xq| <= 127) cannot overflow 16 bits; 8-bit values (0..255) could, so they are
+// taken as signed (q - 128) with their sign moved onto the activation, and 128 times the block's
+// activation sum is added back. Integer sums are exact, and the float steps are the VNNI tile's,
+// so both give the same bits. Two 8-column halves per 16-column panel.
+template <int R, int BITS>
+static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int64_t NB, const uint8_t* pw,
+                                     float* out) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = pw + b * BB;
+    for (int64_t line = 0; line < BB; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+    const uint8_t* q = blk + 64;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      __m256i w[2];
+      for (int h = 0; h < 2; ++h) {
+        if (BITS == 4) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g / 2) * 64 + h * 32));
+          w[h] = (g & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+        } else {
+          w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 64 + h * 32)), flip);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (r0 + r) * K + b * kQBlock + 4 * g, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int h = 0; h < 2; ++h) {
+          if (BITS == 4) {            // 8 groups of pair sums (each |.| <= 2 * 15 * 127) fit 16 bits
+            s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(w[h], xv));
+          } else {
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w[h]), _mm256_sign_epi8(xv, w[h]));
+            s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    if (BITS == 4)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) s[r][h] = _mm256_madd_epi16(s[r][h], ones);
+    for (int r = 0; r < R; ++r) {
+      const float a = xq.a[(r0 + r) * NB + b];
+      const int32_t xs = xq.sum[(r0 + r) * NB + b];
+      const __m256 av = _mm256_set1_ps(a), mv = _mm256_set1_ps(a * static_cast<float>(xs));
+      const __m256i back = _mm256_set1_epi32(BITS == 4 ? 0 : 128 * xs);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r][h], back)), av);
+        acc[r][h] = _mm256_fmadd_ps(h ? d1 : d0, sf, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(h ? m1 : m0, mv, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
+  }
+}
+#endif
+
 static inline bool int8_products_available() {
-#if defined(LEAPFROG_VNNI)
+#if defined(LEAPFROG_VNNI) || defined(LEAPFROG_INT8_AVX2)
   return true;
 #else
   return false;
 #endif
 }
 
-// q_panel_rows for int8 panels (see above); without AVX512-VNNI, the same integer products one
-// at a time (the same bits, slowly: the engine does not choose int8 there).
+// q_panel_rows for int8 panels (see above); without AVX512-VNNI or AVX2, the same integer
+// products one at a time (the same bits, slowly: the engine does not choose int8 there).
 // Rows m0 .. m0 + M - 1 of x, quantized in xq (q8_rows over all rows, once per product).
 template <int BITS>
 static inline void q_panel_rows_int8_bits(const QRows& xq, int64_t m0, int64_t M, int64_t K, const uint8_t* panels,
@@ -1143,7 +1240,7 @@ static inline void q_panel_rows_int8_bits(const QRows& xq, int64_t m0, int64_t M
     const uint8_t* pw = panels + p * NB * BB;
     for (int64_t r0 = m0; r0 < m0 + M; r0 += kQTileRows) {
       const int64_t R = std::min<int64_t>(kQTileRows, m0 + M - r0);
-#if defined(LEAPFROG_VNNI)
+#if defined(LEAPFROG_VNNI) || defined(LEAPFROG_INT8_AVX2)
       with_tile_rows(R, [&](auto rows) { q_panel_tile_int8<rows(), BITS>(xq, r0, K, NB, pw, out); });
 #else
       for (int64_t r = 0; r < R; ++r)

@@ -13,6 +13,12 @@ import torch
 
 _module = None
 _tried = False
+# Instruction sets turned off on top of -march=native, by LEAPFROG_CPU_ISA.
+ISA_FLAGS = {
+    "native": [],
+    "avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+
+}
 
 
 def cpu_inference(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -54,6 +60,9 @@ def cpu_kernels():
         # the compiler never fuses a multiply-add in one caller and not in another, so the
         # decode loop and the layer kernels compute the same bits (csrc/cpu_math.h).
         cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+        # LEAPFROG_CPU_ISA=avx2 builds the AVX2 paths on a wider CPU (tests,
+        # and measuring what an AVX2-only machine gets).
+        cflags += ISA_FLAGS.get(os.environ.get("LEAPFROG_CPU_ISA", "native"), [])
         # Named by the sources' hash and path: other versions and other checkouts build side by
         # side. (torch's build file records the source path, so two checkouts sharing one build
         # folder would rebuild it over each other on every load, each taking minutes.)

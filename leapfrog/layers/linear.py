@@ -81,7 +81,7 @@ def kernel_bias(layer: nn.Linear) -> torch.Tensor:
 
 
 def int8_products_available() -> bool:
-    """Whether int8 products over quantized panels run on AVX512-VNNI here."""
+    """Whether int8 products over quantized panels run at speed here (AVX512-VNNI or AVX2)."""
     mod = cpu_kernels()
     return mod is not None and bool(mod.int8_dot_available())
 
@@ -89,7 +89,7 @@ def int8_products_available() -> bool:
 def products_available(precision: str) -> str | None:
     """None when `precision` (matmul_precision) runs at speed on this CPU, else the instruction
     set it lacks (the products would run as scalar loops: callers fall back to float32)."""
-    needs = {"bfloat16": (bf16_products_available, "AVX512-BF16"), "int8": (int8_products_available, "AVX512-VNNI")}
+    needs = {"bfloat16": (bf16_products_available, "AVX512-BF16"), "int8": (int8_products_available, "AVX2")}
     check, isa = needs.get(precision, (lambda: True, ""))
     return None if check() else isa
 
