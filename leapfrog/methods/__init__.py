@@ -9,6 +9,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "dspark": ("leapfrog.methods.drafters", "DSparkMethod"),
     "diffusion": ("leapfrog.methods.diffusion", "DiffusionMethod"),
     "draft": ("leapfrog.methods.draft_model", "DraftModelMethod"),
+    "ngram": ("leapfrog.methods.ngram", "NgramMethod"),
 }
 
 

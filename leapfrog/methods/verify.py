@@ -81,6 +81,11 @@ class VerifyPolicy:
     def next_step(self) -> None:
         """The step's drafting, or the decision not to draft, is done."""
 
+    def drafted_anyway(self, verifies: bool) -> None:
+        """For a drafter that costs nothing (`ngram`), which drafts at every step without asking
+        should_draft: whether the next step verifies drafts, so that its time is measured as a
+        verify step or as a plain one."""
+
     def observe_step(self, num_tokens: int, decode_only: bool = True) -> None:
         """A step of `num_tokens` query tokens finished its forward and verification;
         `decode_only`: every row was a request's next token and its drafts (no prompt chunk)."""
@@ -378,6 +383,9 @@ class ConfidencePolicy(VerifyPolicy):
             self._last_probe_end = now
         self._probing = False
         self._step_end = now                      # the next step's clock starts after drafting
+
+    def drafted_anyway(self, verifies: bool) -> None:
+        self._next_kind = "verify" if verifies else "plain"
 
     def dormant(self, batch: int) -> bool:
         """The last decision, for this batch size, found that drafting could not pay even if

@@ -1,0 +1,161 @@
+"""`ngram`: speculative decoding without a drafter, by prompt lookup (vLLM's `ngram` method,
+Saxena's prompt lookup decoding).
+
+After each verify, the last n tokens of a request (prompt and output so far) are looked up among
+its earlier tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; at the latest earlier
+place where they occur, the tokens that followed there become the drafts (up to
+`num_speculative_tokens`). It pays where the output copies its input: summaries, extraction,
+rewriting, code edits. No match, no drafts: that step is a plain decode step.
+
+Drafts are copies, so verification treats the draft distribution as one-hot, as for `draft`:
+greedy requests keep "accept while the draft is the target's argmax", sampled ones the lossless
+rule. A draft's confidence for the verify policy is the acceptance verification has shown so far
+for drafts at that position after a match of that length (a running estimate); `confidence`
+scheduling (the default) then prices verifying against the target's measured step costs, as for
+the other speculative methods, and stops drafting where it does not pay.
+
+Each request keeps an index of its n-grams (n-gram -> where it last ended), extended by the
+tokens committed since its last lookup, so a lookup costs a few dictionary reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from leapfrog.methods.base import Batch
+from leapfrog.methods.confidence_schedule import StepCostTable
+from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
+from leapfrog.methods.verify import make_policy
+from leapfrog.sequence import Sequence
+
+if TYPE_CHECKING:
+    from leapfrog.methods.base import MethodContext
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """One request's n-grams: (n-gram) -> the position of its last token, for every n-gram that
+    ends before position `indexed` (the request's last token is looked up, not indexed)."""
+    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0
+    match_len: int = 0            # n of the last proposal's match (0: none)
+
+
+@dataclass(slots=True)
+class AcceptanceTable:
+    """Acceptance of drafts by match length and position, as verification has shown it:
+    accepted / verified with a prior of `prior` over `weight` drafts, decayed so that it
+    follows the text being written."""
+    gamma: int
+    prior: float = 0.5
+    weight: float = 4.0
+    decay: float = 0.995
+    counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def rate(self, n: int, j: int) -> float:
+        acc, seen = self.counts.get((n, j), (0.0, 0.0))
+        return (acc + self.prior * self.weight) / (seen + self.weight)
+
+    def row(self, n: int, k: int) -> list[float]:
+        """Conditional acceptance of drafts 1..k after a match of length n."""
+        return [self.rate(n, j) for j in range(k)]
+
+    def observe(self, n: int, verified: int, accepted: int) -> None:
+        """Drafts 0..verified-1 were checked: the first `accepted` survived, the next failed."""
+        for j in range(min(verified, accepted + 1)):
+            c = self.counts.setdefault((n, j), [0.0, 0.0])
+            c[0] = c[0] * self.decay + (1.0 if j < accepted else 0.0)
+            c[1] = c[1] * self.decay + 1.0
+
+
+class NgramMethod(SpeculativeMethod):
+    name = "ngram"
+
+    def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
+                 prompt_lookup_max: int = 5, verify: str = "confidence", threshold: float = 0.5,
+                 step_costs: dict | None = None, fallback: str = "none", **options: object) -> None:
+        if options:
+            raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(sorted(options))}")
+        lo, hi = prompt_lookup_min, prompt_lookup_max
+        if not isinstance(lo, int) or isinstance(lo, bool) or lo < 1:
+            raise ValueError(f"prompt_lookup_min={lo!r}: must be an integer >= 1")
+        if not isinstance(hi, int) or isinstance(hi, bool) or hi < lo:
+            raise ValueError(f"prompt_lookup_max={hi!r}: must be an integer >= prompt_lookup_min ({lo})")
+        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool):
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer")
+        policy = make_policy(verify, threshold, step_costs,
+                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+        super().__init__(ctx, num_speculative_tokens, fallback, policy)
+        self.lookup_min, self.lookup_max = lo, hi
+        self.max_step_tokens = 1 + self.num_speculative_tokens
+        self.table = AcceptanceTable(self.num_speculative_tokens)
+        self._misses = 0              # consecutive lookups of a batch that found nothing
+
+    # --- drafting --------------------------------------------------------------------------
+    def propose(self, anchors: list[Anchor]) -> list[Proposal]:
+        self.policy.begin_drafting()
+        props = []
+        for a in anchors:
+            tokens = a.seq.token_ids + a.new_token_ids
+            idx = self._index(a.seq)
+            drafts, n = self.lookup(idx, tokens, self.num_speculative_tokens)
+            idx.match_len = n
+            conf = self.table.row(n, len(drafts)) if drafts else None
+            props.append(Proposal(a.pos, drafts, None, conf))
+        states = [self.state(a.seq) for a in anchors]
+        lengths = self.policy.num_to_verify([st.verify for st in states], [p.confidence for p in props],
+                                            [len(p.token_ids) for p in props])
+        for p, k in zip(props, lengths):
+            p.num_verify = k
+        self.policy.end_drafting(len(anchors))
+        self._misses = 0 if any(p.token_ids for p in props) else self._misses + 1
+        return props
+
+    def _proposals(self, anchors: list[Anchor], batch: int) -> list[Proposal]:
+        """A lookup costs nothing next to a step: every request looks up at every step, and the
+        verify policy decides per step, on the matches' own confidences, how many drafts of each
+        to verify (none where verifying would not pay)."""
+        props = self.propose(anchors)
+        self.policy.drafted_anyway(any(p.token_ids and p.num_verify != 0 for p in props))
+        self.policy.next_step()
+        return props
+
+    def lookup(self, idx: NgramIndex, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Index the n-grams ending before the last token, then look the last n tokens up
+        (longest n first): up to k tokens that followed their latest earlier occurrence, and n."""
+        last = len(tokens) - 1
+        for end in range(max(idx.indexed, 0), last):
+            for n in range(self.lookup_min, self.lookup_max + 1):
+                if end - n + 1 < 0:
+                    break
+                idx.last_end[tuple(tokens[end - n + 1:end + 1])] = end
+        idx.indexed = max(idx.indexed, last)
+        for n in range(min(self.lookup_max, last), self.lookup_min - 1, -1):
+            end = idx.last_end.get(tuple(tokens[last - n + 1:last + 1]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k], n
+        return [], 0
+
+    def _index(self, seq: Sequence) -> NgramIndex:
+        st = self.state(seq)
+        if not isinstance(st.context, NgramIndex):
+            st.context = NgramIndex()
+        return st.context
+
+    # --- what verification showed ----------------------------------------------------------
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        st = self.state(seq)
+        if isinstance(st.context, NgramIndex) and st.context.match_len:
+            self.table.observe(st.context.match_len, num_drafted, num_accepted)
+        super()._record(seq, num_drafted, num_accepted)
+
+    def loop_steps(self, batch: Batch) -> int:
+        """Steps with no drafts run in the C++ decode loop (greedy rows, as the other methods'):
+        one at a time while lookups find matches, so the next match is drafted at once; after
+        a run of misses (text that does not repeat its input), a few more per call."""
+        n = super().loop_steps(batch)
+        if n > 0:
+            return n
+        if not all(s.seq.params.greedy and not s.seq.params.needs_penalties for s in batch.seqs):
+            return 0
+        return 1 if self._misses < 8 else min(4, 1 + self._misses // 8)

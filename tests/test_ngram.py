@@ -1,0 +1,114 @@
+"""`ngram`: prompt-lookup speculation. Oracles: a brute-force search for the lookup, the target
+decoding alone (`ar`) for greedy output, and the target's own distribution (its logits) for
+sampled output."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.methods.ngram import NgramIndex, NgramMethod
+
+ENGINE = dict(max_batch_size=8, num_threads=1)
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+# Repetitive prompts: the tiny random model's text repeats itself, and these repeat their words.
+PROMPTS = ["the cat and the dog and the cat and the dog and the", "a b c d a b c d a b c", "The cat liked to",
+           "One day the cat met a big dog. One day the cat met", "春回大地春回大地春回"]
+
+
+def brute_lookup(tokens: list[int], lo: int, hi: int, k: int) -> tuple[list[int], int]:
+    """The longest n in [lo, hi] whose last n tokens occur earlier; the latest such place."""
+    last = len(tokens) - 1
+    for n in range(min(hi, last), lo - 1, -1):
+        suffix = tokens[last - n + 1:]
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + k], n
+    return [], 0
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 5), (3, 3)])
+def test_the_incremental_index_finds_what_a_brute_force_search_finds(lo, hi):
+    rng = random.Random(lo * 10 + hi)
+    method = NgramMethod.__new__(NgramMethod)
+    method.lookup_min, method.lookup_max = lo, hi
+    for _ in range(20):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        idx = NgramIndex()
+        for _ in range(25):            # the sequence grows by a few tokens between lookups
+            assert method.lookup(idx, tokens, 4) == brute_lookup(tokens, lo, hi, 4), tokens
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(llama_dir) -> list[list[int]]:
+    return [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("options", [dict(verify="fixed"), dict(), dict(num_speculative_tokens=8, prompt_lookup_min=1)],
+                         ids=["fixed", "confidence", "gamma8-min1"])
+def test_greedy_ngram_equals_ar(llama_dir, ar_greedy, options):
+    llm = LLM(str(llama_dir), method="ngram", **options, **ENGINE)
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == ar_greedy
+    stats = llm.engine.method.stats()
+    assert stats["num_accepted_tokens"] > 0 and stats["num_verify_steps"] > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    if options.get("verify") == "fixed":
+        assert stats["num_drafted_tokens"] > stats["num_accepted_tokens"]       # some rejected, rolled back
+    again = llm.generate(PROMPTS[::-1], GREEDY)             # the same engine, another order
+    assert [o.token_ids for o in again] == ar_greedy[::-1]
+
+
+def test_bad_options_are_clear_errors(llama_dir):
+    for options, message in ((dict(prompt_lookup_min=0), "prompt_lookup_min"),
+                             (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_max"),
+                             (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+                             (dict(lookahead=3), "unknown option")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(llama_dir), method="ngram", **options, **ENGINE)
+
+
+def chi_square_bound(dof: int, z: float = 3.09) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_sampled_ngram_keeps_the_targets_distribution():
+    """Drafting starts after the first token. On the built-in `stories` model (trained: it
+    follows the text it is given) a prompt that repeats itself gets the second token drafted,
+    and the drafts are accepted or rejected by the lossless rule. Over many seeds the pairs
+    (first, second token) must follow the target's own probabilities at temperature 0.8,
+    p(t1) p(t2 | t1) from its logits, by a chi-square test."""
+    temp, n = 0.8, 800
+    llm = LLM("stories", method="ngram", verify="fixed", num_speculative_tokens=3, prompt_lookup_min=1, **ENGINE)
+    prompt = "Tom had a big red ball. He liked to play. Tom had a big red ball. He"
+    ids = llm.engine.tokenizer.encode(prompt)
+
+    def probs(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return (llm.engine.model.forward_dense(torch.tensor([tokens]))[0, -1].double() / temp).softmax(-1)
+
+    params = [SamplingParams(max_tokens=3, temperature=temp, seed=s, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([ids] * n, params)
+    stats = llm.engine.method.stats()
+    assert stats["num_drafted_tokens"] >= n / 5 and 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]
+    first = probs(ids)
+    pairs = torch.tensor([o.token_ids[:2] for o in outs])
+    common = (first * n >= 40).nonzero().flatten()
+    obs, exp = [], []
+    for t1 in common.tolist():         # the first tokens drawn often: each one's second tokens
+        second = probs(ids + [t1]) * first[t1] * n
+        got = torch.bincount(pairs[pairs[:, 0] == t1, 1], minlength=second.numel()).double()
+        big = second >= 5
+        obs += got[big].tolist() + [float(got[~big].sum())]
+        exp += second[big].tolist() + [float(second[~big].sum())]
+    obs.append(float((~torch.isin(pairs[:, 0], common)).sum()))
+    exp.append(float(n - sum(exp)))
+    obs_t, exp_t = torch.tensor(obs), torch.tensor(exp).clamp(min=1e-9)
+    stat = float(((obs_t - exp_t) ** 2 / exp_t).sum())
+    assert len(obs) >= 4
+    assert stat < chi_square_bound(len(obs) - 1), (stat, obs, exp)
