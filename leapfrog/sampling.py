@@ -49,6 +49,47 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
+    """apply_penalties for the rows of one request's verify step, in place: row j is the
+    distribution after drafts[:j], so it is penalized as if those drafts had been committed
+    (what `ar` would have seen there). Row 0 gets exactly apply_penalties' values."""
+    p = seq.params
+    rows, vocab = logits.shape
+    dev = logits.device
+    drafts = [t for t in drafts[:rows - 1]]
+    # added[j, t]: how many times token t is among drafts[:j]
+    added = torch.zeros(rows, vocab, dtype=logits.dtype, device=dev)
+    for j, t in enumerate(drafts):
+        if 0 <= t < vocab:
+            added[j + 1:, t] += 1
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=dev)
+        seen[ids[ids < vocab]] = True
+        mask = seen.unsqueeze(0) | (added > 0)
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(mask, penalized, logits))
+    if p.presence_penalty or p.frequency_penalty:
+        counts = added
+        if seq.num_output_tokens:
+            out = torch.tensor(seq.output_ids, device=dev, dtype=torch.long)
+            counts = counts + torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=dev, dtype=torch.long)
+        logits.index_add_(1, ids, torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
+                          .expand(rows, -1).contiguous())
+    ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+    for j in range(rows):
+        if seq.num_output_tokens + j < p.min_tokens and ban:
+            logits[j, ban] = float("-inf")
+        if p.logits_processors:
+            history = seq.output_ids + drafts[:j]
+            for process in p.logits_processors:
+                logits[j].copy_(process(history, logits[j]))
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
     """logits [N, V] already divided by temperature; per-row top_k (0 = off), top_p, min_p."""
@@ -81,10 +122,14 @@ class Sampler:
         g.manual_seed(seed if seed < 1 << 64 else seed % (1 << 64))   # a request's seed + choice index
         return g
 
-    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | None = None) -> torch.Tensor:
         """Target distribution per row after penalties, temperature and filters (sampled rows;
-        greedy rows become one-hot). Speculative verification compares against this."""
-        logits = apply_penalties(logits.clone(), seqs)
+        greedy rows become one-hot). Speculative verification compares against this; `drafts`:
+        the rows are one request's verify step, row j after drafts[:j] (penalize_drafted_rows)."""
+        if drafts is not None and seqs and seqs[0].params.needs_penalties:
+            logits = penalize_drafted_rows(logits.clone(), seqs[0], drafts)
+        else:
+            logits = apply_penalties(logits.clone(), seqs)
         # greedy rows (temperature under GREEDY_BELOW_TEMPERATURE) become one-hot below; dividing
         # them by a tiny temperature would only overflow
         temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs],

@@ -112,3 +112,41 @@ def test_sampled_ngram_keeps_the_targets_distribution():
     stat = float(((obs_t - exp_t) ** 2 / exp_t).sum())
     assert len(obs) >= 4
     assert stat < chi_square_bound(len(obs) - 1), (stat, obs, exp)
+
+
+def _no_repeat_bigrams(history: list[int], row: torch.Tensor) -> torch.Tensor:
+    """A logits processor that bans repeating the last token (reads the history it is given)."""
+    if history:
+        row = row.clone()
+        row[history[-1]] = float("-inf")
+    return row
+
+
+CONTROLS = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5),
+            dict(logit_bias={5: 4.0, 7: -100.0}), dict(min_tokens=20), dict(logits_processors=[_no_repeat_bigrams]),
+            dict(repetition_penalty=1.1, temperature=0.7, seed=3)]
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", dict(verify="fixed", prompt_lookup_min=1)), ("draft", dict(num_speculative_tokens=4))],
+                         ids=["ngram", "draft-self"])
+@pytest.mark.parametrize("control", CONTROLS, ids=["repetition", "presence-frequency", "logit_bias", "min_tokens",
+                                                   "processor", "sampled-repetition"])
+def test_sampling_controls_keep_drafting_and_ars_output(llama_dir, method, extra, control):
+    """Penalties, logit_bias, min_tokens and logits processors apply at every verified row as
+    if the drafts before it were committed: greedy output is `ar`'s token for token, drafts are
+    still verified (and some accepted)."""
+    if method == "draft":
+        extra = dict(extra, draft_model=str(llama_dir))        # the target drafts for itself
+    params = SamplingParams(max_tokens=32, ignore_eos=True, **{"temperature": 0, **control})
+    want = [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(PROMPTS, params)]
+    llm = LLM(str(llama_dir), method=method, **extra, **ENGINE)
+    got = llm.generate(PROMPTS, params)
+    stats = llm.engine.method.stats()
+    assert stats["num_verify_steps"] > 0
+    if method == "draft" and params.greedy and ("min_tokens" in control or "repetition_penalty" in control):
+        assert stats["num_accepted_tokens"] > 0       # (a bias of +4 on a nearly flat model, or a
+                                                      # penalty on every copy, rejects the rest)
+    if params.greedy:
+        assert [o.token_ids for o in got] == want
+    else:
+        assert all(len(o.token_ids) == 32 for o in got)

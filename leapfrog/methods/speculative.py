@@ -26,7 +26,7 @@ import torch
 
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
 from leapfrog.methods.verify import FixedPolicy, VerifyPolicy, VerifyRecord
-from leapfrog.sampling import Sampler, token_logprobs
+from leapfrog.sampling import Sampler, penalize_drafted_rows, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -190,8 +190,8 @@ class SpeculativeMethod(Method):
     def num_extra_tokens(self, seq: Sequence) -> int:
         st: SpecState | None = seq.method_state
         prop = st.proposal if st is not None else None
-        if prop is None or prop.anchor_pos != len(seq.token_ids) - 1 or seq.params.needs_penalties:
-            return 0    # penalties depend on the drafts before each row: verify them one by one (ar)
+        if prop is None or prop.anchor_pos != len(seq.token_ids) - 1:
+            return 0
         k = len(prop.token_ids) if prop.num_verify is None else prop.num_verify
         remaining = seq.params.max_tokens - seq.num_output_tokens - 1   # the bonus is always free
         room = self.max_positions - len(seq.token_ids)                  # last query position < max
@@ -326,7 +326,11 @@ class SpeculativeMethod(Method):
             if seq.params.greedy and not seq.params.needs_penalties:
                 result[i] = greedy_accept(argmax[offsets[i]:offsets[i + 1]], drafts)
                 continue
-            p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0])
+            if seq.params.greedy:        # row j penalized after drafts[:j], as ar would have seen it
+                penalized = penalize_drafted_rows(rows[i].clone(), seq, drafts)
+                result[i] = greedy_accept(penalized.argmax(-1).tolist(), drafts)
+                continue
+            p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0], drafts)
             st: SpecState | None = seq.method_state
             prop = st.proposal if st is not None else None   # gone if aborted mid-step
             q = prop.probs if s.num_extra and prop is not None else None
