@@ -412,13 +412,16 @@ class LLMEngine:
         m = seq.metrics
         n = seq.num_output_tokens
         end = m.finished_time or time.perf_counter()
+        drafts = self.method.draft_counts(seq)
+        drafted, accepted, off = drafts if drafts is not None else (None, None, None)
         return RequestMetrics(
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=n, num_forwards=m.num_forwards,
             tokens_per_forward=n / m.num_forwards if m.num_forwards else 0.0,
             acceptance_length=self.method.acceptance_length(seq),
             time_to_first_token=(m.first_token_time - m.arrival_time) if m.first_token_time else None,
             total_time=end - m.arrival_time, num_cached_prompt_tokens=m.num_cached_prompt_tokens,
-            num_preemptions=m.num_preemptions)
+            num_preemptions=m.num_preemptions, num_drafted_tokens=drafted, num_accepted_tokens=accepted,
+            drafting_off=off)
 
 
 # --- prompt logprobs (SamplingParams.prompt_logprobs) ----------------------------------------

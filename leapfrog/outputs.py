@@ -11,6 +11,9 @@ class RequestMetrics:
     num_forwards: int = 0                   # main-model forward passes that produced output
     tokens_per_forward: float = 0.0
     acceptance_length: float | None = None  # speculative methods: accepted + bonus per verify
+    num_drafted_tokens: int | None = None   # speculative methods: drafts verified for the request
+    num_accepted_tokens: int | None = None  # ... and accepted
+    drafting_off: str | None = None         # why it drafted nothing more: "request" or "fallback"
     time_to_first_token: float | None = None
     total_time: float | None = None
     num_cached_prompt_tokens: int = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_SPECULATIVE_TOKENS = 64              # drafts a request may ask to verify per step
 MAX_STOP_STRINGS = 64              # stop strings are searched in the text every step
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -58,13 +59,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # token id -> added to its logit before sampling, at every step (OpenAI's and vLLM's
-    # logit_bias); a request with it samples in Python and verifies no drafts, like penalties.
+    # logit_bias); a request with it samples in Python, like penalties (drafts verified row by row).
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Called in order on each step's logits row of this request, as processor(output_ids, row)
     # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
-    # A request with processors samples in Python (not in the decode loop) and verifies no
-    # drafts; block diffusion refuses them. Not part of any HTTP request.
+    # A request with processors samples in Python (not in the decode loop); verified drafts get
+    # them row by row; block diffusion refuses them. Not part of any HTTP request.
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+    # A speculative method verifies at most this many drafts a step for this request; 0 turns
+    # drafting off for it (None: the method's own num_speculative_tokens). HTTP: the request's
+    # `speculative` object, {"num_speculative_tokens": N}.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +91,9 @@ class SamplingParams:
                 bad(name, "must be a finite number")
         if self.max_tokens < 1 or self.max_tokens > MAX_TOKENS_LIMIT:
             bad("max_tokens", f"must be between 1 and {MAX_TOKENS_LIMIT}")
+        if self.num_speculative_tokens is not None and not (
+                _is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            bad("num_speculative_tokens", f"must be an integer between 0 (no drafting) and {MAX_SPECULATIVE_TOKENS}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         if self.temperature < 0:

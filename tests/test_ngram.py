@@ -150,3 +150,29 @@ def test_sampling_controls_keep_drafting_and_ars_output(llama_dir, method, extra
         assert [o.token_ids for o in got] == want
     else:
         assert all(len(o.token_ids) == 32 for o in got)
+
+
+def test_a_request_caps_or_turns_off_drafting_and_its_counts_come_back(llama_dir, ar_greedy):
+    llm = LLM(str(llama_dir), method="ngram", verify="fixed", num_speculative_tokens=6, prompt_lookup_min=1, **ENGINE)
+    off = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, num_speculative_tokens=0)
+    capped = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, num_speculative_tokens=1)
+    outs = llm.generate(PROMPTS + PROMPTS, [off] * len(PROMPTS) + [capped] * len(PROMPTS))
+    assert [o.token_ids for o in outs] == ar_greedy + ar_greedy
+    for o in outs[:len(PROMPTS)]:
+        m = o.metrics
+        assert (m.num_drafted_tokens, m.num_accepted_tokens, m.drafting_off) == (0, 0, "request")
+    capped_runs = [o.metrics for o in outs[len(PROMPTS):]]
+    assert sum(m.num_drafted_tokens for m in capped_runs) > 0
+    for m in capped_runs:
+        assert m.drafting_off is None and m.num_accepted_tokens <= m.num_drafted_tokens
+        verify_steps = round(m.num_accepted_tokens / (m.acceptance_length - 1)) if m.acceptance_length and \
+            m.acceptance_length > 1 else None
+        assert verify_steps is None or m.num_drafted_tokens <= verify_steps    # at most 1 draft a step
+    stats = llm.engine.method.stats()
+    assert stats["num_requests_drafting_off"] == len(PROMPTS)
+    assert stats["num_drafted_tokens"] == sum(m.num_drafted_tokens for m in capped_runs)
+    assert max(int(k.removeprefix("acceptance_rate_pos")) for k in stats if k.startswith("acceptance_rate_pos")) == 1
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+    plain = LLM(str(llama_dir), **ENGINE).generate(PROMPTS[:1], capped)[0]      # ar: no drafting to count
+    assert plain.metrics.num_drafted_tokens is None

@@ -142,6 +142,12 @@ class Method:
         """τ of a speculative method: tokens committed per verify step; None for the others."""
         return None
 
+    def draft_counts(self, seq: Sequence) -> tuple[int, int, str | None] | None:
+        """A speculative method's (drafts verified, drafts accepted, why drafting is off for the
+        request: "request" (it asked), "fallback" (acceptance collapsed) or None) for `seq`;
+        None for the others."""
+        return None
+
     def loop_steps(self, batch: Batch) -> int:
         """How many decode steps of this batch (one known token per sequence, nothing else) may
         run in the C++ decode loop before the method needs Python again; 0: none. The loop

@@ -66,6 +66,7 @@ class SpecState:
     verify: VerifyRecord = field(default_factory=VerifyRecord)   # what the verify policy learned of it
     num_verify_steps: int = 0
     num_emitted_tokens: int = 0                # accepted + bonus over all verify steps
+    num_drafted_tokens: int = 0                # drafts verified, over all verify steps
     drafting_off: bool = False                 # fallback: acceptance collapsed, decode as ar
 
     def release(self) -> None:
@@ -120,6 +121,7 @@ class SpecCounters:
     num_verify_steps: int = 0
     num_fallbacks: int = 0                                  # requests that stopped drafting
     num_skipped_drafts: int = 0                             # request-steps not drafted (not worth it under load)
+    num_requests_drafting_off: int = 0                      # finished requests that asked for no drafting
     drafted_at: list[int] = field(default_factory=list)    # per draft position (0-based)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -140,7 +142,8 @@ class SpecCounters:
                                  "num_accepted_tokens": self.num_accepted_tokens,
                                  "num_verify_steps": self.num_verify_steps,
                                  "num_fallbacks": self.num_fallbacks,
-                                 "num_skipped_drafts": self.num_skipped_drafts}
+                                 "num_skipped_drafts": self.num_skipped_drafts,
+                                 "num_requests_drafting_off": self.num_requests_drafting_off}
         if self.num_verify_steps:
             out["acceptance_length"] = 1 + self.num_accepted_tokens / self.num_verify_steps
         for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):
@@ -193,6 +196,9 @@ class SpeculativeMethod(Method):
         if prop is None or prop.anchor_pos != len(seq.token_ids) - 1:
             return 0
         k = len(prop.token_ids) if prop.num_verify is None else prop.num_verify
+        cap = seq.params.num_speculative_tokens
+        if cap is not None:
+            k = min(k, cap)
         remaining = seq.params.max_tokens - seq.num_output_tokens - 1   # the bonus is always free
         room = self.max_positions - len(seq.token_ids)                  # last query position < max
         return max(0, min(k, remaining, room))
@@ -277,14 +283,29 @@ class SpeculativeMethod(Method):
         stopped paying."""
         left = seq.params.max_tokens - seq.num_output_tokens - len(commit.token_ids)
         st: SpecState | None = seq.method_state
-        return left >= 2 and self.num_speculative_tokens > 0 and not (st and st.drafting_off)
+        return (left >= 2 and self.num_speculative_tokens > 0 and seq.params.num_speculative_tokens != 0
+                and not (st and st.drafting_off))
 
     def on_finished(self, seq: Sequence) -> None:
+        if seq.params.num_speculative_tokens == 0 and seq.finish_reason is not None:   # not a preemption
+            self.counters.num_requests_drafting_off += 1
         if seq.method_state is not None:
             seq.method_state.release()
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()
+
+    def draft_counts(self, seq: Sequence) -> tuple[int, int, str | None]:
+        st: SpecState | None = seq.method_state
+        if seq.params.num_speculative_tokens == 0:
+            why = "request"
+        elif st is not None and st.drafting_off:
+            why = "fallback"
+        else:
+            why = None
+        if st is None:
+            return 0, 0, why
+        return st.num_drafted_tokens, st.num_emitted_tokens - st.num_verify_steps, why
 
     def acceptance_length(self, seq: Sequence) -> float | None:
         """τ: tokens committed per verify step (accepted drafts + the bonus)."""
@@ -346,6 +367,7 @@ class SpeculativeMethod(Method):
             self.policy.observe(st.verify, st.proposal.confidence, num_drafted, num_accepted)
         st.num_verify_steps += 1
         st.num_emitted_tokens += num_accepted + 1
+        st.num_drafted_tokens += num_drafted
         if (self.fallback != "none" and st.num_verify_steps >= self.fallback_min_steps
                 and st.num_emitted_tokens < self.fallback_tau * st.num_verify_steps):
             st.drafting_off = True

@@ -754,11 +754,12 @@ def _context(out: Any, num_sent: int) -> list[int]:
     return out.prompt_token_ids + [e["token_id"] for e in out.logprobs[:num_sent]]
 
 
-def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int]) -> Callable[[], list[dict]]:
-    """The stream's last chunk when the client asked for usage (stream_options.include_usage)."""
+def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int], lasts: list) -> Callable[[], list[dict]]:
+    """The stream's last chunk when the client asked for usage (stream_options.include_usage);
+    `lasts`: each choice's latest output."""
     def tail() -> list[dict]:
         if req.stream_options and req.stream_options.include_usage:
-            return [{**head, "choices": [], "usage": usage(prep, sum(counts))}]
+            return [{**head, "choices": [], "usage": usage(prep, sum(counts), lasts)}]
         return []
     return tail
 
@@ -766,13 +767,14 @@ def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int]) -> Calla
 def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, tok: Any,
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
-    sent_lp, offsets, counts, started = [0] * n, [0] * n, [0] * n, [False] * n
+    sent_lp, offsets, counts, started, lasts = [0] * n, [0] * n, [0] * n, [False] * n, [None] * n
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     scoring = req.max_tokens == 0      # echo only: the one decoded token is left out
 
     def render(i: int, out: Any) -> dict | None:
         counts[i] = 0 if scoring else len(out.token_ids)
+        lasts[i] = out
         first = not started[i]
         # a choice's first chunk starts with the echoed prompt (and its logprobs)
         head_text, head_lp = echo_choice(out, req, prep, tok, i) if first else ("", None)
@@ -794,17 +796,18 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
                                                              tok, req.prompt_logprobs)
         return {**head, "choices": [choice]}
 
-    return stream_events(gen, render, usage_tail(req, head, prep, counts))
+    return stream_events(gen, render, usage_tail(req, head, prep, counts, lasts))
 
 
 def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
                  rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
-    sent_lp, counts, started = [0] * n, [0] * n, [False] * n
+    sent_lp, counts, started, lasts = [0] * n, [0] * n, [False] * n, [None] * n
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def render(i: int, out: Any) -> dict | None:
         counts[i] = len(out.token_ids)
+        lasts[i] = out
         lp = None
         if req.logprobs and out.logprobs:
             lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok, _context(out, sent_lp[i]))
@@ -821,7 +824,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         return {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                       "finish_reason": finish_reason(out)}]}
 
-    return stream_events(gen, render, usage_tail(req, head, prep, counts))
+    return stream_events(gen, render, usage_tail(req, head, prep, counts, lasts))
 
 
 # --- command line ----------------------------------------------------------------------------

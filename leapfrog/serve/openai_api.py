@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SEED_RANGE, SamplingParams, shorten
+from leapfrog.sampling_params import MAX_SPECULATIVE_TOKENS, SEED_RANGE, SamplingParams, shorten
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request, field_of)
 
@@ -94,6 +94,12 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
     if req.seed is not None:      # choice j of n draws with seed + j, wrapped into 64 bits
         seed = req.seed + seed_offset
         kw["seed"] = seed % (1 << 64) if req.seed <= SEED_RANGE[1] < seed else seed
+    if req.speculative is not None:
+        n = req.speculative.num_speculative_tokens
+        if not 0 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise bad_request(f"speculative.num_speculative_tokens={n}: must be between 0 (no drafting) and "
+                              f"{MAX_SPECULATIVE_TOKENS}", "speculative.num_speculative_tokens")
+        kw["num_speculative_tokens"] = n
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw["stop_token_ids"] = list(req.stop_token_ids or [])
     if any(not 0 <= t < limits.vocab_size for t in kw["stop_token_ids"]):
@@ -245,10 +251,24 @@ def finish_reason(out: RequestOutput) -> str | None:
     return FINISH_REASONS.get(out.finish_reason or "", "stop") if out.finished else None
 
 
-def usage(prep: Prepared, num_completion_tokens: int) -> dict:
+def usage(prep: Prepared, num_completion_tokens: int, outs: Any = ()) -> dict:
+    """OpenAI's usage; under a speculative method also the drafts verified for the request's
+    choices: OpenAI's `completion_tokens_details` (accepted / rejected prediction tokens, its
+    names for predicted outputs) and `speculative` (leapfrog's: the same counts, and why drafting
+    was off for a choice, if it was: "request" or "fallback")."""
     prompt = sum(len(p) for p in prep.prompts)
-    return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
-            "total_tokens": prompt + num_completion_tokens}
+    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
+                            "total_tokens": prompt + num_completion_tokens}
+    metrics = [o.metrics for o in outs if o is not None and o.metrics.num_drafted_tokens is not None]
+    if metrics:
+        drafted = sum(m.num_drafted_tokens for m in metrics)
+        accepted = sum(m.num_accepted_tokens for m in metrics)
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": drafted - accepted}
+        off = sorted({m.drafting_off for m in metrics if m.drafting_off})
+        body["speculative"] = {"num_drafted_tokens": drafted, "num_accepted_tokens": accepted,
+                               "drafting_off": off[0] if len(off) == 1 else (off or None)}
+    return body
 
 
 PIECE_CONTEXT = 4     # tokens decoded before a token to find the text it adds
@@ -367,7 +387,7 @@ def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, pre
         choices.append(choice)
     n_out = sum(len(o.token_ids) for o in final.values()) if req.max_tokens != 0 else 0
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prep, n_out)}
+            "choices": choices, "usage": usage(prep, n_out, final.values())}
 
 
 def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared, tok: Any,
@@ -380,7 +400,7 @@ def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared,
                         "logprobs": lp, "finish_reason": finish_reason(out)})
     n_out = sum(len(o.token_ids) for o in final.values())
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prep, n_out)}
+            "choices": choices, "usage": usage(prep, n_out, final.values())}
     if req.prompt_logprobs is not None:     # vLLM's: one list for the request (all choices share the prompt)
         body["prompt_logprobs"] = prompt_logprobs_body(final[0].prompt_logprobs or [], final[0].prompt_token_ids,
                                                        tok, req.prompt_logprobs)

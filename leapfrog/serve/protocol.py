@@ -61,6 +61,13 @@ class SamplingFields(_Strict):
     stream: bool = False
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None
+    speculative: SpeculativeOptions | None = None   # extension: per-request drafting cap or off
+
+
+class SpeculativeOptions(_Strict):
+    """A request's control of speculative decoding: verify at most this many drafts a step
+    (0: no drafting for this request). Ignored by methods that do not draft."""
+    num_speculative_tokens: int
 
 
 class StreamOptions(_Strict):
@@ -208,7 +215,8 @@ def _is_type_tag(part: str) -> bool:
     return "[" in part or part in _TYPE_TAGS or part.startswith("function-")
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPart", "StreamOptions"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPart", "StreamOptions",
+              "SpeculativeOptions"}
 
 
 def field_of(message: str) -> str | None:
