@@ -98,14 +98,15 @@ def iter_tensors(files: list[Path], config: dict | None = None, blocks: dict | N
                     raise CheckpointError(f"{f}: tensor {name} unreadable ({e})") from None
 
 
-def load_weights(model: nn.Module, files: list[Path], config: dict | None = None) -> None:
+def load_weights(model: nn.Module, files: list[Path], config: dict | None = None, quantized: bool = True) -> None:
     """Every tensor of the files into the model's parameters. A GGUF file's blocks of the types
-    the CPU kernels read quantized are also packed for them (layers/quant.py)."""
+    the CPU kernels read quantized are also packed for them (layers/quant.py), unless
+    `quantized` is False (training against the model: every weight stays a float tensor)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
     gguf = any(f.suffix == ".gguf" for f in files)
-    blocks: dict | None = {} if gguf and next(iter(params.values())).device.type == "cpu" else None
+    blocks: dict | None = {} if quantized and gguf and next(iter(params.values())).device.type == "cpu" else None
     for f, name, tensor in iter_tensors(files, config, blocks):
         if "rotary_emb" in name:
             continue
@@ -166,10 +167,11 @@ def check_complete(model: nn.Module, packed: dict, loaded: set[str], files: list
 
 
 def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, suppress: bool = True) -> nn.Module:
+               dtype: torch.dtype = torch.float32, suppress: bool = True, quantized: bool = True) -> nn.Module:
     """The folder's model, ready to decode. ``suppress=False`` keeps the raw distribution
     (no generation_config.json `suppress_tokens` ban), for scoring texts whose every token counts,
-    prompt markers included."""
+    prompt markers included. ``quantized=False``: a GGUF model's weights all dequantized
+    (load_weights), as training against it needs."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
@@ -185,7 +187,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to(dtype)
-    load_weights(model, weight_files(folder), cfg)
+    load_weights(model, weight_files(folder), cfg, quantized)
     model.coupled_anchor = coupled_anchor(folder)
     if suppress:
         ban_tokens(model, suppressed_tokens(folder, int(cfg.get("vocab_size") or 0)))

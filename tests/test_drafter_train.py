@@ -331,3 +331,17 @@ def test_drafter_flags_out_of_range_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         recipe_for(["dspark-markov-2l"] + flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_flags_for_a_drafter_of_an_instruction_model_reach_the_recipe():
+    from leapfrog.train.drafter import recipe_for
+    r, _ = recipe_for(["dspark-markov-2l", "--target", "smollm2", "--prompts", "chat", "--layers", "1",
+                       "--intermediate-size", "1024", "--regen-tokens", "200", "--ckpt-interval", "20",
+                       "--taps", "2,15,28"])
+    assert (r.prompts, r.num_layers, r.intermediate_size, r.regen_tokens, r.ckpt_interval, r.taps) == \
+        ("chat", 1, 1024, 200, 20, [2, 15, 28])
+    cfg = drafter_config(r, {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                             "num_hidden_layers": 30}, 16)
+    assert cfg["intermediate_size"] == 1024 and cfg["num_hidden_layers"] == 1 and cfg["mask_token_id"] == 16
+    with pytest.raises(ValueError, match="prompts"):
+        DrafterRecipe(prompts="poems")

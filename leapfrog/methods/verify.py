@@ -86,6 +86,13 @@ class VerifyPolicy:
         should_draft: whether the next step verifies drafts, so that its time is measured as a
         verify step or as a plain one."""
 
+    def beats_plain(self, records: list[VerifyRecord], confidences: list[list[float] | None],
+                    lengths: list[int | None], batch: int) -> bool:
+        """For such a drafter: whether verifying `lengths` drafts of these requests (in a next
+        step of `batch` requests) beats a plain step, which a batch without drafts takes in the
+        C++ decode loop."""
+        return True
+
     def observe_step(self, num_tokens: int, decode_only: bool = True) -> None:
         """A step of `num_tokens` query tokens finished its forward and verification;
         `decode_only`: every row was a request's next token and its drafts (no prompt chunk)."""
@@ -386,6 +393,21 @@ class ConfidencePolicy(VerifyPolicy):
 
     def drafted_anyway(self, verifies: bool) -> None:
         self._next_kind = "verify" if verifies else "plain"
+
+    def beats_plain(self, records: list[VerifyRecord], confidences: list[list[float] | None],
+                    lengths: list[int | None], batch: int) -> bool:
+        """Expected tokens per second of the step with these drafts verified (the survival rows
+        corrected as num_to_verify corrects them) against a plain step's, by min_gain."""
+        table = self.cost_model()
+        if not table.num_plain_samples:
+            return True                   # no plain step measured yet: nothing to set against
+        verified = [len(c or []) if n is None else n for n, c in zip(lengths, confidences)]
+        if not sum(verified):
+            return False
+        rows = [r.feedback.correct(survival(c or [])) for r, c in zip(records, confidences)]
+        gain = sum(sum(row[:n]) for row, n in zip(rows, verified))
+        with_drafts = (batch + gain) / (table.cost(batch + sum(verified)) + table.draft(len(records)))
+        return with_drafts > self.min_gain * batch / table.plain_cost(batch)
 
     def dormant(self, batch: int) -> bool:
         """The last decision, for this batch size, found that drafting could not pay even if

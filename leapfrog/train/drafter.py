@@ -280,7 +280,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
 
     torch.set_num_threads(r.threads)
     target_dir = resolve_model(r.target)
-    target = load_model(target_dir).requires_grad_(False)
+    target = load_model(target_dir, quantized=False).requires_grad_(False)
     tcfg = read_config(target_dir)
     mask_id = mask_token_id(target_dir)
     taps = saved_taps(r.init_from) if r.init_from else None
@@ -402,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
                       ("threads", int), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--taps", default=None, help="comma-separated target layer ids (default 0,2,4)")
+    p.add_argument("--prompts", choices=("stories", "chat"), default=None,
+                   help="training prompts: story openings (default) or chat requests answered through the "
+                        "target's chat template (an instruction model such as smollm2)")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers (default: the variant's)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="the drafter's MLP width (default: the target's): a smaller drafter to ship")
+    p.add_argument("--regen-tokens", type=int, default=None, help="tokens the target writes per training prompt")
+    p.add_argument("--ckpt-interval", type=int, default=None, help="steps between resumable states")
     p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None,
                    help="autocast precision of the training steps (bf16: bfloat16 products, float32 "
                         "master weights; pays on a CPU with AVX512-BF16 or AMX)")
@@ -426,9 +434,11 @@ def recipe_for(argv: list[str]) -> tuple[DrafterRecipe, argparse.Namespace]:
     opts = dict(VARIANTS[args.variant], name=args.variant, target=args.target)
     for key in ("data_dir", "steps", "seqs_per_step", "anchors", "lr", "num_draft", "markov_rank",
                 "num_regen", "eval_interval", "threads", "seed", "init_from", "heads_from", "block",
-                "dtype", "init_noise"):
+                "dtype", "init_noise", "prompts", "intermediate_size", "regen_tokens", "ckpt_interval"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
+    if args.layers is not None:
+        opts["num_layers"] = args.layers
     if args.out:
         opts["out_dir"] = args.out
     if args.run_dir:

@@ -29,6 +29,8 @@ def drafter_config(r: DrafterRecipe, target_cfg: dict, mask_id: int, temperature
             "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
             "bos_token_id", "eos_token_id")
     cfg = {k: target_cfg[k] for k in keep if k in target_cfg}
+    if r.intermediate_size:
+        cfg["intermediate_size"] = r.intermediate_size
     cfg.update(model_type="qwen3", head_dim=target_cfg.get("head_dim") or
                target_cfg["hidden_size"] // target_cfg["num_attention_heads"],
                num_hidden_layers=r.num_layers, num_target_layers=target_cfg["num_hidden_layers"],
@@ -72,10 +74,16 @@ def mask_token_id(target_dir: Path) -> int:
     from leapfrog.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(target_dir)
-    mid = tok.token_to_id("<mask>")
-    if mid is None:
-        raise ValueError(f"{target_dir}: the tokenizer has no <mask> token for the drafter blocks")
-    return mid
+    for name in MASK_TOKENS:
+        mid = tok.token_to_id(name)
+        if mid is not None:
+            return mid
+    raise ValueError(f"{target_dir}: the tokenizer has none of {', '.join(MASK_TOKENS)} for the drafter blocks")
+
+
+# The drafter's block mask: the target's own <mask>, else a special token chat text never holds
+# (SmolLM2's vocabulary has no <mask>; its <empty_output> marks empty notebook outputs).
+MASK_TOKENS = ("<mask>", "<|mask|>", "<empty_output>")
 
 
 def export(r: DrafterRecipe, drafter: nn.Module, tcfg: dict, mask_id: int, history: dict, summary: dict) -> Path:

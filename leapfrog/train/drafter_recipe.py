@@ -37,6 +37,9 @@ class DrafterRecipe:
     dtype: str = "fp32"                   # training steps' autocast: fp32 | bf16 (float32 master weights;
                                           # validation, offline τ and calibration stay float32)
     data_dir: str | None = None
+    intermediate_size: int | None = None  # the drafter's MLP width (None: the target's)
+    prompts: str = "stories"              # stories: story openings continued | chat: chat requests
+                                          # answered through the target's chat template (data/chat_prompts.py)
     init_from: str | None = None          # a drafter folder of this shape to continue from
     heads_from: str | None = None         # a DSpark drafter whose Markov and confidence heads start this
                                           # one, the rest from init_from (e.g. a DFlash drafter)
@@ -51,6 +54,8 @@ class DrafterRecipe:
             raise ValueError(f"kind={self.kind!r}: expected dflash or dspark")
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(TRAIN_DTYPES)}")
+        if self.prompts not in ("stories", "chat"):
+            raise ValueError(f"prompts={self.prompts!r}: expected stories or chat")
         if self.block not in ("anchor", "masks"):
             raise ValueError(f"block={self.block!r}: expected anchor or masks")
         for name in ("num_layers", "markov_rank", "num_draft", "seqs_per_step", "anchors",
