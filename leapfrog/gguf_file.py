@@ -89,11 +89,14 @@ def _require(reader: Any, path: Path, key: str) -> Any:
 
 
 # --- the folder --------------------------------------------------------------------------------
-def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dict | None = None) -> Path:
-    """The model folder for a GGUF file (made once per file version, under `cache`)."""
+def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dict | None = None,
+                     drafters: dict[str, str] | None = None) -> Path:
+    """The model folder for a GGUF file (made once per file version, under `cache`); `drafters`
+    (method -> drafter folder) are named in its leapfrog.json."""
     path = Path(path).resolve()
     st = path.stat()
-    key = f"{FORMAT}:{path}:{st.st_size}:{st.st_mtime_ns}:{json.dumps(extra_generation, sort_keys=True)}"
+    key = (f"{FORMAT}:{path}:{st.st_size}:{st.st_mtime_ns}:{json.dumps(extra_generation, sort_keys=True)}"
+           + (f":{json.dumps(drafters, sort_keys=True)}" if drafters else ""))
     out = cache / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / SOURCE_FILE).is_file():
         return out
@@ -113,8 +116,13 @@ def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dic
                                                      "eos_token_id": eos, **(extra_generation or {})})
         from gguf import GGMLQuantizationType
         kinds = {GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
+        meta: dict = {}
         if kinds & set(KERNEL_TYPES):
-            _write_json(tmp / "leapfrog.json", {"engine_options": {"matmul_precision": "int8"}})
+            meta["engine_options"] = {"matmul_precision": "int8"}
+        if drafters:
+            meta["drafters"] = dict(drafters)
+        if meta:
+            _write_json(tmp / "leapfrog.json", meta)
         _write_json(tmp / SOURCE_FILE, {"path": str(path), "size": st.st_size})
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

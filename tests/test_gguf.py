@@ -341,3 +341,17 @@ def test_a_model_loaded_for_training_keeps_every_weight_as_floats(tmp_path):
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         torch.testing.assert_close(plain.forward_dense(ids), quant.forward_dense(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_packaged_models_shipped_drafters_are_named_in_its_folder(tmp_path):
+    import json
+
+    from leapfrog.gguf_file import materialize_gguf
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", T.Q8_0, seed=2)
+    plain = materialize_gguf(path, tmp_path / "cache")
+    named = materialize_gguf(path, tmp_path / "cache", None, {"dspark": str(tmp_path / "dspark")})
+    assert plain != named
+    assert "drafters" not in json.loads((plain / "leapfrog.json").read_text())
+    meta = json.loads((named / "leapfrog.json").read_text())
+    assert meta["drafters"] == {"dspark": str(tmp_path / "dspark")} and meta["engine_options"]["matmul_precision"] == "int8"
