@@ -373,19 +373,24 @@ class LlamaForCausalLM(nn.Module):
         or a cache is replaced or modified in place, as the fused layers' weight lists are."""
         if tp.world_size() > 1:          # the loop runs every layer of a whole model in one call
             return None
+        # Asked at every step: the cached loop is checked first, against the attention modules
+        # listed once (reaching submodules through nn.Module attributes costs more than a step's
+        # Python otherwise).
+        attn = self.__dict__.get("_attn_modules")
+        if attn is None:
+            attn = self.__dict__["_attn_modules"] = [layer.self_attn.attn for layer in self.model.layers]
+        key = (block_size, skinny_rows_max(), *(id(t) for x in attn for t in (x.k_cache, x.v_cache)))
+        cached = self.__dict__.get("_decode_loop")
+        if cached is not None and cached[0] == key and [p._version for p in cached[3]] == cached[4] and all(
+                d[name] is p for (d, name), p in zip(cached[2], cached[3])):
+            return cached[1]
         layers = self.model.layers
-        attn = [layer.self_attn.attn for layer in layers]
         embed = self.model.embed_tokens.weight
         if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu"
                 or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):
             return None
-        key = (block_size, skinny_rows_max(), *(id(t) for x in attn for t in (x.k_cache, x.v_cache)))
-        cached = self.__dict__.get("_decode_loop")
-        if cached is not None and cached[0] == key and all(
-                mod._parameters[name] is p and p._version == v for mod, name, p, v in cached[2]):
-            return cached[1]
         weights = [layer._fused_weights() for layer in layers]
         lm_w, lm_panels = kernel_weight(self.lm_head), kernel_panels(self.lm_head)
         proj = {w[i].dtype for w in weights for i in (1, 5, 8, 10)}
@@ -405,9 +410,11 @@ class LlamaForCausalLM(nn.Module):
         embed_panels = embedding_panels(self.model.embed_tokens)
         if embed_panels is not None:
             loop.set_embed_panels(embed_panels)
-        watch = [(mod, name, p, p._version) for mod in self.modules()
+        watch = [(mod._parameters, name, p) for mod in self.modules()
                  for name, p in mod._parameters.items() if p is not None]
-        self.__dict__["_decode_loop"] = (key, loop, watch)
+        params = [p for _, _, p in watch]
+        self.__dict__["_decode_loop"] = (key, loop, [(d, name) for d, name, _ in watch], params,
+                                         [p._version for p in params])
         return loop
 
     @torch.inference_mode()
