@@ -20,6 +20,14 @@ from test_parity import record_logits  # noqa: E402
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2       # rows of 256: the K-quants' block
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "o n", "c e"]
+@pytest.fixture(autouse=True)
+def _tiny_files_cache_apart(tmp_path_factory, monkeypatch, request):
+    """Folders made from the tests' tiny GGUF files go to this session's temporary directory,
+    not the user's cache (each run writes new files); SmolLM2's keeps the user's cache."""
+    if "smollm2" not in request.node.name:
+        monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path_factory.getbasetemp() / "leapfrog-cache"))
+
+
 PROMPTS = ["Once upon a time there", "the cat sat on the mat, then", "He said: \"hello there\""]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
