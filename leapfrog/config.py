@@ -128,7 +128,6 @@ PACKAGED_DRAFTERS = {
 
 def packaged_drafters(name: str) -> dict[str, str]:
     """The shipped drafters of packaged model `name` that are present: method -> folder."""
-    from leapfrog.data.corpus import REPO_ROOT
     found = {m: REPO_ROOT / rel for m, rel in PACKAGED_DRAFTERS.get(name, {}).items()}
     return {m: str(f) for m, f in found.items() if (f / "config.json").is_file()}
 

@@ -313,9 +313,8 @@ def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
     from leapfrog.layers import linear
     assert len(quant) == 4 * LAYERS + 1 and "lm_head" in quant        # the tied head reads the embedding's
     # the embedding is looked up in the head's panels: no float32 table is kept
-    from leapfrog.layers.quant import embedding_panels
     emb = model.model.embed_tokens
-    assert emb.weight.stride(0) == 0 and embedding_panels(emb) is linear.kernel_panels(model.lm_head)
+    assert emb.weight.stride(0) == 0 and linear.embedding_panels(emb) is linear.kernel_panels(model.lm_head)
     import gguf
     table = gguf.GGUFReader(str(path)).get_tensor(0)
     assert table.name == "token_embd.weight"

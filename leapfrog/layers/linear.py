@@ -207,3 +207,15 @@ class PackedLinear(nn.Linear):
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([size for _, size in self.offsets.values()], dim=-1))
+
+
+def embedding_panels(emb: nn.Module) -> torch.Tensor | None:
+    """The quantized panels `emb`'s rows are read from (layers/quant.py's attach_embedding_panels),
+    or None when it keeps its float table."""
+    own = emb.__dict__.get("_own_panels")
+    if own is not None:
+        return own
+    head = emb.__dict__.get("_tied_head")
+    if head is None:
+        return None
+    return kernel_panels(head)

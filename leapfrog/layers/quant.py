@@ -8,7 +8,7 @@ float32 weight is dropped for a placeholder of its shape (the LM head keeps it: 
 embedding). The panels take the place of the float panels of compact_cpu_weights, so the layer
 path, the fused layers and the decode loop all use them. A token embedding in such blocks is
 read from panels too (the tied LM head's, else its own): a lookup dequantizes its rows
-(embedding_panels), and its float32 table gives way to a placeholder as well.
+(layers/linear.py embedding_panels), and its float32 table gives way to a placeholder as well.
 
 Every block type is held as w = d * q + m, q unsigned: Q4_0 (d (q - 8)), Q4_1, Q5_0 and Q5_1
 (5-bit values held in bytes), Q8_0 (its signed q shifted by 128). d and m stay float16.
@@ -168,16 +168,3 @@ def attach_embedding_panels(model: nn.Module, blocks: dict[str, tuple[str, np.nd
     emb.__dict__["_own_panels"] = own
     emb.__dict__["_tied_head"] = head if own is None else None      # not a submodule of the embedding
     return True
-
-
-def embedding_panels(emb: nn.Module) -> torch.Tensor | None:
-    """The quantized panels `emb`'s rows are read from (attach_embedding_panels), or None when it
-    keeps its float table."""
-    own = emb.__dict__.get("_own_panels")
-    if own is not None:
-        return own
-    head = emb.__dict__.get("_tied_head")
-    if head is None:
-        return None
-    from leapfrog.layers.linear import kernel_panels
-    return kernel_panels(head)

@@ -16,11 +16,11 @@ from torch import nn
 from leapfrog.layers import parallel as tp
 from leapfrog.layers.attention import Attention, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
-from leapfrog.layers.linear import (Linear, PackedLinear, kernel_bias, kernel_panels, kernel_weight,
+from leapfrog.layers.linear import (Linear, PackedLinear, embedding_panels, kernel_bias, kernel_panels,
+                                    kernel_weight,
                                     skinny_rows_max)
 from leapfrog.layers.moe import SparseMoE, is_moe_layer, moe_spec
 from leapfrog.layers.norm import RMSNorm
-from leapfrog.layers.quant import embedding_panels
 from leapfrog.layers.rotary import RotaryEmbedding, coupled_positions
 from leapfrog.models import mask_stream
 
