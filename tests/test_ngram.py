@@ -55,10 +55,11 @@ def test_greedy_ngram_equals_ar(llama_dir, ar_greedy, options):
     out = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in out] == ar_greedy
     stats = llm.engine.method.stats()
-    assert stats["num_accepted_tokens"] > 0 and stats["num_verify_steps"] > 0
     assert llm.engine.block_manager.num_used_blocks == 0
     if options.get("verify") == "fixed":
-        assert stats["num_drafted_tokens"] > stats["num_accepted_tokens"]       # some rejected, rolled back
+        # some drafts accepted, some rejected and rolled back (confidence scheduling may find that
+        # verifying never beats a plain step on a model this small, and verify nothing)
+        assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]
     again = llm.generate(PROMPTS[::-1], GREEDY)             # the same engine, another order
     assert [o.token_ids for o in again] == ar_greedy[::-1]
 
