@@ -89,7 +89,7 @@ class NgramMethod(SpeculativeMethod):
         self.lookup_min, self.lookup_max = lo, hi
         self.max_step_tokens = 1 + self.num_speculative_tokens
         self.table = AcceptanceTable(self.num_speculative_tokens)
-        self._misses = 0              # consecutive lookups of a batch that found nothing
+        self._misses = 0              # consecutive steps of a batch that verify no drafts
 
     # --- drafting --------------------------------------------------------------------------
     def propose(self, anchors: list[Anchor]) -> list[Proposal]:
@@ -108,7 +108,6 @@ class NgramMethod(SpeculativeMethod):
         for p, k in zip(props, lengths):
             p.num_verify = k
         self.policy.end_drafting(len(anchors))
-        self._misses = 0 if any(p.token_ids for p in props) else self._misses + 1
         return props
 
     def _proposals(self, anchors: list[Anchor], batch: int) -> list[Proposal]:
@@ -123,7 +122,9 @@ class NgramMethod(SpeculativeMethod):
             for _, p in matched:          # this step goes to the decode loop instead
                 p.num_verify = 0
             self.counters.num_skipped_drafts += len(matched)
-        self.policy.drafted_anyway(any(p.token_ids and p.num_verify != 0 for p in props))
+        verifies = any(p.token_ids and p.num_verify != 0 for p in props)
+        self._misses = 0 if verifies else self._misses + 1
+        self.policy.drafted_anyway(verifies)
         self.policy.next_step()
         return props
 
@@ -158,11 +159,12 @@ class NgramMethod(SpeculativeMethod):
 
     def loop_steps(self, batch: Batch) -> int:
         """Steps with no drafts run in the C++ decode loop (greedy rows, as the other methods'):
-        one at a time while lookups find matches, so the next match is drafted at once; after
-        a run of misses (text that does not repeat its input), a few more per call."""
+        one at a time while drafts get verified, so the next match is drafted at once; after a
+        run of steps verifying nothing (text that does not repeat its input, or drafts that do
+        not pay at this load), more per call, up to `ar`'s, whose calls cost less a step."""
         n = super().loop_steps(batch)
         if n > 0:
             return n
         if not all(s.seq.params.greedy and not s.seq.params.needs_penalties for s in batch.seqs):
             return 0
-        return 1 if self._misses < 8 else min(4, 1 + self._misses // 8)
+        return 1 if self._misses < 4 else min(16, self._misses // 2)
