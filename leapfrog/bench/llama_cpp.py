@@ -63,3 +63,61 @@ def llama_bench(exe: str, gguf: Path, new_tokens: int, threads: int, repetitions
     row = json.loads(out)[0]
     return {"decode_tokens_per_s": float(row["avg_ts"]), "stddev_tokens_per_s": float(row.get("stddev_ts", 0.0)),
             "command": " ".join(cmd), "env_dropped": dropped}
+
+
+def llama_server_decode(exe: str, gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+                        spec_args: list[str] | None = None, timeout: float = 120.0) -> dict:
+    """llama-server (in a clean environment, on a free port, `spec_args` such as `--spec-type
+    ngram-simple` for its own speculative decoding) decoding `prompts` (token ids) one at a time,
+    greedy, up to `new_tokens` each: output tokens over the wall-clock of the requests (prompt
+    included, as leapfrog's rows), its own decode-only rate, and its drafts' counts."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env, dropped = peer_env()
+    cmd = [exe, "-m", str(gguf), "-t", str(threads), "-np", "1", "-c", "8192", "--port", str(port),
+           "--host", "127.0.0.1", *(spec_args or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    base = f"http://127.0.0.1:{port}"
+
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}") from None
+                time.sleep(0.5)
+        body = {"n_predict": new_tokens, "temperature": 0.0, "cache_prompt": False}
+        post({**body, "prompt": prompts[0], "n_predict": 8})               # warm-up
+        tokens = wall = decode_ms = drafted = accepted = 0.0
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = post({**body, "prompt": p})
+            wall += time.perf_counter() - t0
+            t = out.get("timings", {})
+            tokens += t.get("predicted_n", 0)
+            decode_ms += t.get("predicted_ms", 0.0)
+            drafted += t.get("draft_n", 0)
+            accepted += t.get("draft_n_accepted", 0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"tokens_per_s": tokens / wall, "decode_tokens_per_s": tokens / (decode_ms / 1e3) if decode_ms else None,
+            "output_tokens": tokens, "draft_n": drafted, "draft_n_accepted": accepted,
+            "command": " ".join(cmd), "env_dropped": dropped}

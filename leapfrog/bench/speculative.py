@@ -297,6 +297,10 @@ def run(args: argparse.Namespace) -> dict:
                     r["vs_llama_cpp"] = r["tokens_per_s"] / peer["tokens_per_s"]
         peer["speedup"] = peer["tokens_per_s"] / latency[0]["tokens_per_s"]
         latency.append(peer)
+    if args.llama_server_spec is not None:
+        latency += llama_server_rows(model_dir, args, {name: prompts[name][:args.num_prompts] for name in sets},
+                                     {r["prompts"]: r["tokens_per_s"] for r in latency if r.get("kind") == "ar"
+                                      and r["method"] == "ar"})
     drafter = args.throughput_drafter or _best_dspark(latency)
     first = prompts[sets[0]]
     throughput = run_throughput(model_dir, first, args.new_tokens, args.concurrency, drafter, args.repeats,
@@ -326,6 +330,38 @@ def llama_cpp_row(model_dir: Path, args: argparse.Namespace) -> dict | None:
             "identical_to_ar": "—", "command": r["command"], "env_dropped": r["env_dropped"]}
 
 
+def llama_server_rows(model_dir: Path, args: argparse.Namespace, prompts: dict[str, list[list[int]]],
+                      ar_rates: dict[str, float]) -> list[dict]:
+    """llama.cpp's own speculative decoding: llama-server (the model's own GGUF file, or its
+    converter's f16 GGUF) without and with `--spec-type <args.llama_server_spec>`, on each prompt
+    set one request at a time, greedy; tok/s over the requests' wall-clock as leapfrog's rows.
+    Empty without a llama.cpp build."""
+    from leapfrog.bench import llama_cpp
+    from leapfrog.gguf_file import source_of
+    exe = llama_cpp.find_binary("llama-server", args.llama_cpp_dir)
+    source = source_of(model_dir)
+    gguf = source if source is not None else (
+        llama_cpp.make_gguf(model_dir, args.llama_cpp_dir, Path(args.out), "f16") if exe else None)
+    if exe is None or gguf is None:
+        return []
+    spec = args.llama_server_spec.split()
+    rows = []
+    for name, ps in prompts.items():
+        base = None
+        for label, extra in (("llama-server, ar", []), (f"llama-server, {' '.join(spec)}", ["--spec-type", *spec])):
+            log(f"llama.cpp: {label} on {len(ps)} {name} prompts")
+            r = llama_cpp.llama_server_decode(exe, gguf, ps, args.new_tokens, args.threads, extra)
+            base = base or r["tokens_per_s"]
+            rows.append({"method": label, "kind": "llama.cpp", "prompts": name, "tokens_per_s": r["tokens_per_s"],
+                         "speedup": r["tokens_per_s"] / ar_rates[name] if ar_rates.get(name) else None,
+                         "vs_own_ar": r["tokens_per_s"] / base, "tau": None,
+                         "tokens_per_forward": 1.0, "identical_to_ar": "—",
+                         "acceptance": r["draft_n_accepted"] / r["draft_n"] if r["draft_n"] else None,
+                         "decode_tokens_per_s": r["decode_tokens_per_s"], "command": r["command"],
+                         "env_dropped": r["env_dropped"]})
+    return rows
+
+
 def _best_dspark(rows: list[dict]) -> str | None:
     cands = [r for r in rows if r["kind"] == "dspark"]
     if not cands:
@@ -346,8 +382,8 @@ def markdown(result: dict) -> str:
         if "verify" in r["method"] or "scheduled" in r["method"]:
             gamma = f"≤{gamma}, {r['mean_verified']:.1f} verified" if r.get("mean_verified") else gamma
         lines.append((f"| {r.get('prompts') or '—'} " if sets else "") + f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
-                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {tau} | {r['tokens_per_forward']:.2f} | "
-                     f"{r['identical_to_ar']} |" + (f" {r['vs_llama_cpp']:.2f}x |" if peer else ""))
+                     f"{r['tokens_per_s']:.0f} | {_x(r.get('speedup'))} | {tau} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['identical_to_ar']} |" + (f" {_x(r.get('vs_llama_cpp'))} |" if peer else ""))
     lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
               "|---|---|---|---|---|---|"]
     for r in result["throughput"]:
@@ -355,6 +391,10 @@ def markdown(result: dict) -> str:
         share = f"{r['drafted_share']:.0%}" if r.get("drafted_share") is not None else "—"
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_ar']:.2f}x | {tau} | {share} |")
     return "\n".join(lines)
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -366,7 +406,7 @@ def plot(result: dict, path: Path) -> None:
     lat = result["latency"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.32 * len(lat)), width_ratios=[3, 2])
     ys = range(len(lat))
-    a1.barh(ys, [r["speedup"] for r in lat], color=["tab:gray" if r["method"] == "ar" else "tab:blue" for r in lat])
+    a1.barh(ys, [r.get("speedup") or 0.0 for r in lat], color=["tab:gray" if r["method"] == "ar" else "tab:blue" for r in lat])
     sets = len({r.get("prompts") for r in lat if r.get("prompts")}) > 1
     a1.set_yticks(list(ys), [f"{r['prompts']}: {r['method']}" if sets and r.get("prompts") else r["method"]
                              for r in lat], fontsize=8)
@@ -374,9 +414,9 @@ def plot(result: dict, path: Path) -> None:
     a1.axvline(1.0, color="gray", lw=0.8)
     a1.set_xlabel("wall-clock speed-up over ar, one request")
     for i, r in enumerate(lat):
-        note = f" {r['speedup']:.2f}x" + (f", τ {r['tau']:.2f}" if r.get("tau") else "")
-        a1.text(r["speedup"], i, note, va="center", fontsize=7)
-    a1.set_xlim(0, 1.3 * max(r["speedup"] for r in lat))
+        note = f" {_x(r.get('speedup'))}" + (f", τ {r['tau']:.2f}" if r.get("tau") else "")
+        a1.text(r.get("speedup") or 0.0, i, note, va="center", fontsize=7)
+    a1.set_xlim(0, 1.3 * max(r.get("speedup") or 0.0 for r in lat))
     for label in dict.fromkeys(r["method"] for r in result["throughput"]):
         rows = [r for r in result["throughput"] if r["method"] == label]
         a2.plot([r["concurrency"] for r in rows], [r["vs_ar"] for r in rows], "o-", label=label)
@@ -407,6 +447,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--throughput-drafter", default=None,
                    help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")
     g.add_argument("--ngram", action="store_true", help="add `ngram` (prompt lookup) rows")
+    g.add_argument("--llama-server-spec", default=None, metavar="TYPE [FLAGS]",
+                   help="with a llama.cpp build: llama-server rows without and with its own speculative "
+                        "decoding, e.g. \"ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 5\"")
     g.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, default=None,
                    help="prompt sets, each with its own batch-1 table (default: stories); the first one "
                    "also feeds the concurrency rows. grounded / open: chat prompts for an instruction model")
