@@ -124,7 +124,7 @@ def _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 16), (6, 2, 12), (2, 1, 8)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 16), (6, 2, 12), (2, 1, 8), (9, 3, 64), (8, 2, 64)])
 def test_paged_decode_attention_equals_gathered_softmax(dtype, heads, kv_heads, dim):
     """Scattered blocks, contexts from 1 slot to several blocks (and not multiples of the SIMD
     width), large logits (the vectorised exp), every cache dtype the engine offers."""

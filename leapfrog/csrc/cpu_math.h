@@ -367,15 +367,23 @@ static inline __m256 hsum8x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 
 // softmax, and the weighted sum of values, each head's in the same order whichever thread runs
 // it and however many rows the step has. D is a multiple of 8. qb / ob: the row's [H, D] query
 // and output; scores: room for group * n floats; acc: group * D.
-static constexpr int64_t kPrefetchSlots = 4;
+static constexpr int64_t kPrefetchSlots = 16;
 
 template <typename kv_t>
 struct KVRows {
   const kv_t* base;
   const int64_t* table;
   int64_t block_size, KVH, D, g;
+  int shift = -1;            // log2(block_size) when it is a power of two: no division per key
+  KVRows(const kv_t* base_, const int64_t* table_, int64_t block_size_, int64_t KVH_, int64_t D_, int64_t g_)
+      : base(base_), table(table_), block_size(block_size_), KVH(KVH_), D(D_), g(g_) {
+    if (block_size > 0 && (block_size & (block_size - 1)) == 0)
+      while ((int64_t{1} << (shift + 1)) <= block_size) ++shift;
+  }
   const kv_t* operator()(int64_t p) const {
-    return base + ((table[p / block_size] * block_size + p % block_size) * KVH + g) * D;
+    const int64_t slot = shift >= 0 ? table[p >> shift] * block_size + (p & (block_size - 1))
+                                     : table[p / block_size] * block_size + p % block_size;
+    return base + (slot * KVH + g) * D;
   }
   void prefetch(int64_t p, int64_t n) const {
     if (p >= n) return;
@@ -425,13 +433,13 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
                          int64_t n, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
                          int64_t group, float scale, float* ob, float* scores, float* acc) {
   const int64_t nd = D / 8, h0 = g * group;
-  const KVRows<kv_t> krows{k, table, block_size, KVH, D, g}, vrows{v, table, block_size, KVH, D, g};
+  const KVRows<kv_t> krows(k, table, block_size, KVH, D, g), vrows(v, table, block_size, KVH, D, g);
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t p0 = 0;
   for (; p0 + 8 <= n; p0 += 8) {
     const kv_t* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = krows(p0 + i);
-    for (int i = 0; i < 8; ++i) krows.prefetch(p0 + 8 + i, n);
+    for (int i = 0; i < 8; ++i) krows.prefetch(p0 + kPrefetchSlots + i, n);
     for (int64_t j = 0; j < group; ++j) {
       const float* qv = qb + (h0 + j) * D;
       __m256 a[8];
@@ -476,6 +484,10 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
   }
   if (nd == 8 && group == 1) weighted_values<1, 8>(vrows, scores, n, acc);
   else if (nd == 8 && group == 2) weighted_values<2, 8>(vrows, scores, n, acc);
+#if defined(LEAPFROG_AVX512)      // 24 or 32 accumulators: the 32 vector registers of AVX-512
+  else if (nd == 8 && group == 3) weighted_values<3, 8>(vrows, scores, n, acc);
+  else if (nd == 8 && group == 4) weighted_values<4, 8>(vrows, scores, n, acc);
+#endif
   else if (nd == 16 && group == 1) weighted_values<1, 16>(vrows, scores, n, acc);
   else if (nd == 4 && group <= 4) {
     if (group == 1) weighted_values<1, 4>(vrows, scores, n, acc);
