@@ -189,12 +189,7 @@ class DraftModelMethod(SpeculativeMethod):
             out[i].token_ids = d
             out[i].confidence = self.calibration(probs[i]) if self.policy.needs_confidence else None
             self.entries[anchors[i].seq.seq_id].probs = probs[i]
-        lengths = self.policy.num_to_verify([self.state(a.seq).verify for a in anchors],
-                                            [p.confidence for p in out], [len(p.token_ids) for p in out])
-        for p, n in zip(out, lengths):
-            p.num_verify = n
-        self.policy.end_drafting(sum(len(p.token_ids) for p in out))
-        return out
+        return self._verify_lengths(anchors, out, sum(len(p.token_ids) for p in out))
 
     def _catch_up(self, live: list[tuple[int, DraftEntry, list[int]]]) -> None:
         """Feed the draft model, before the drafting clock starts, the text it missed while the

@@ -171,12 +171,7 @@ class DFlashMethod(SpeculativeMethod):
                                             conf_head, self._chooser(seqs, temps))
         props = [self._proposal(a, tokens[i], logits[i], temps[i], conf[i] if conf is not None else None)
                  for i, a in enumerate(anchors)]
-        lengths = self.policy.num_to_verify([st.verify for st in states], [p.confidence for p in props],
-                                            [len(p.token_ids) for p in props])
-        for p, n in zip(props, lengths):
-            p.num_verify = n
-        self.policy.end_drafting(len(anchors))
-        return props
+        return self._verify_lengths(anchors, props, len(anchors))
 
     def _draft_temperature(self, seq: Sequence) -> float:
         """0 means argmax drafts (q one-hot); argmax proposals keep pure-parallel blocks

@@ -102,13 +102,7 @@ class NgramMethod(SpeculativeMethod):
             idx.match_len = n
             conf = self.table.row(n, len(drafts)) if drafts else None
             props.append(Proposal(a.pos, drafts, None, conf))
-        states = [self.state(a.seq) for a in anchors]
-        lengths = self.policy.num_to_verify([st.verify for st in states], [p.confidence for p in props],
-                                            [len(p.token_ids) for p in props])
-        for p, k in zip(props, lengths):
-            p.num_verify = k
-        self.policy.end_drafting(len(anchors))
-        return props
+        return self._verify_lengths(anchors, props, len(anchors))
 
     def _proposals(self, anchors: list[Anchor], batch: int) -> list[Proposal]:
         """A lookup costs nothing next to a step: every request looks up at every step, and the

@@ -273,6 +273,17 @@ class SpeculativeMethod(Method):
         self.policy.next_step()
         return props
 
+    def _verify_lengths(self, anchors: list[Anchor], props: list[Proposal], drafting_cost: int) -> list[Proposal]:
+        """The verify policy's choice of how many of each proposal's drafts to verify (its
+        num_verify), then the end of drafting, whose cost grew with `drafting_cost` (requests, or
+        drafted tokens for a drafter that costs per token)."""
+        lengths = self.policy.num_to_verify([self.state(a.seq).verify for a in anchors],
+                                            [p.confidence for p in props], [len(p.token_ids) for p in props])
+        for p, n in zip(props, lengths):
+            p.num_verify = n
+        self.policy.end_drafting(drafting_cost)
+        return props
+
     def _context_reaches(self, seq: Sequence, anchor_pos: int) -> bool:
         """Whether the drafter's context of `seq` holds every position before `anchor_pos`
         (a drafter without context: always)."""
