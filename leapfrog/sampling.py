@@ -21,42 +21,23 @@ _U64 = 1 << 64
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
     penalties (OpenAI) over the output only, as vLLM does; then logit_bias; before `min_tokens` output tokens,
-    the end-of-text and stop token ids are banned (vLLM's min_tokens). Diffusion steps score
-    several positions with one request's rows: the ban then holds for the whole step."""
+    the end-of-text and stop token ids are banned (vLLM's min_tokens); then the logits processors.
+    In place, row i for seqs[i]. Diffusion steps score several positions with one request's rows:
+    the ban then holds for the whole step."""
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if not p.needs_penalties:
-            continue
-        row = logits[i]
-        vocab = row.shape[0]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
-            seen = seen[seen < vocab]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            out = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
-            counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=row.device, dtype=torch.long)
-            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype))
-        if seq.num_output_tokens < p.min_tokens:
-            ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-            row[ban] = float("-inf")
-        for process in p.logits_processors:
-            row.copy_(process(seq.output_ids, row))
+        if seq.params.needs_penalties:
+            penalize_drafted_rows(logits[i:i + 1], seq, [])
     return logits
 
 
 def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
-    """apply_penalties for the rows of one request's verify step, in place: row j is the
-    distribution after drafts[:j], so it is penalized as if those drafts had been committed
-    (what `ar` would have seen there). Row 0 gets exactly apply_penalties' values."""
+    """The penalties of apply_penalties for the rows of one request's verify step, in place: row
+    j is the distribution after drafts[:j], so it is penalized as if those drafts had been
+    committed (what `ar` would have seen there)."""
     p = seq.params
     rows, vocab = logits.shape
     dev = logits.device
-    drafts = [t for t in drafts[:rows - 1]]
+    drafts = list(drafts[:rows - 1])
     # added[j, t]: how many times token t is among drafts[:j]
     added = torch.zeros(rows, vocab, dtype=logits.dtype, device=dev)
     for j, t in enumerate(drafts):

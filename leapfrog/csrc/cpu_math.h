@@ -906,6 +906,22 @@ static inline void q_block_scales(const uint8_t* blk, __m512& d, __m512& m) {
 }
 #endif
 
+// Asks the memory for every cache line of the block kQPrefetchBlocks ahead of blk (BB bytes a block).
+static inline void q_prefetch_block(const uint8_t* blk, int64_t BB) {
+  for (int64_t line = 0; line < BB; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
+}
+
+#if defined(LEAPFROG_AVX2) && defined(__F16C__)
+// A quantized panel block's scales d and offsets m as two 8-lane halves (columns 0-7, 8-15).
+static inline void q_block_scales8(const uint8_t* blk, __m256& d0, __m256& d1, __m256& m0, __m256& m1) {
+  d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+  m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+}
+#endif
+
 // The block sums of x: xs[r * NB + b] = x[r][32 b] + ... + x[r][32 b + 31], left to right.
 static inline void q_block_sums(const float* x, int64_t ldx, int64_t M, int64_t NB, float* xs) {
   for (int64_t r = 0; r < M; ++r)
@@ -930,8 +946,7 @@ static inline void q_panel_tile(const float* x, int64_t ldx, const float* xs, in
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    for (int64_t line = 0; line < BB; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
+    q_prefetch_block(blk, BB);
     __m512 d, m;
     q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
@@ -961,10 +976,8 @@ static inline void q_panel_tile(const float* x, int64_t ldx, const float* xs, in
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+    __m256 d0, d1, m0, m1;
+    q_block_scales8(blk, d0, d1, m0, m1);
     const uint8_t* q = blk + 64;
     __m256 s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
@@ -1130,8 +1143,7 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    for (int64_t line = 0; line < BB; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
+    q_prefetch_block(blk, BB);
     __m512 d, m;
     q_block_scales(blk, d, m);
     const uint8_t* q = blk + 64;
@@ -1176,12 +1188,9 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
-    for (int64_t line = 0; line < BB; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kQPrefetchBlocks * BB + line), _MM_HINT_T0);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+    q_prefetch_block(blk, BB);
+    __m256 d0, d1, m0, m1;
+    q_block_scales8(blk, d0, d1, m0, m1);
     const uint8_t* q = blk + 64;
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
