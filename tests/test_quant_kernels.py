@@ -104,6 +104,39 @@ def test_int8_products_hold_at_the_extremes():
         torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)
 
 
+def cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_amx_is_used_only_where_the_cpu_has_it():
+    assert not mod.amx_available() or {"amx_tile", "amx_int8"} <= cpu_flags()
+
+
+@pytest.mark.skipif(mod is None or not mod.amx_available(),
+                    reason="needs AMX-INT8 with the tile state granted by the OS (arch_prctl)")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("rows", [4, 8, 16, 17, 40])
+def test_amx_tiles_give_the_vnni_tiles_bits(kind, rows):
+    """Products of 4 rows or more run on AMX tiles where the OS grants them: the same bits as the
+    VNNI tile, for 4- and 8-bit panels, an odd number of blocks and more rows than a tile holds."""
+    from leapfrog.layers.quant import int8_layout
+    n, k = 40, 96
+    raw, w = blocks(kind, n, k, seed=rows)
+    panels = int8_layout(quant_panels([(kind, raw)]))
+    x = torch.randn(rows, k)
+    try:
+        amx = mod.panel_linear(x, panels, torch.empty(0), n)
+        mod.set_amx_products(False)
+        vnni = mod.panel_linear(x, panels, torch.empty(0), n)
+    finally:
+        mod.set_amx_products(True)
+    assert torch.equal(amx, vnni)
+    assert (amx - x @ w.T).abs().max() <= 0.02 * (x @ w.T).abs().max()
+
+
 def test_the_avx2_build_passes_these_tests_too():
     """On a CPU with AVX-512 the kernels' AVX2 paths (those of an AVX2-only machine, int8 products
     included) are built apart (LEAPFROG_CPU_ISA=avx2) and run through this file's tests."""
@@ -114,7 +147,7 @@ def test_the_avx2_build_passes_these_tests_too():
         pytest.skip("this CPU's own build is the AVX2 one: the tests above ran it")
     env = {**os.environ, "LEAPFROG_CPU_ISA": "avx2"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", __file__,
-                          "-k", "not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
+                          "-k", "not avx2_build and not amx_tiles"], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.lower(), run.stdout[-1000:]
 

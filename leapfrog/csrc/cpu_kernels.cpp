@@ -758,7 +758,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w [N, K] -> column panels [ceil(N/16), K, 16] (bf16: [ceil(N/16), ceil(K/2), 32] bfloat16)",
         py::arg("w"), py::arg("bf16") = false, nogil);
   m.def("int8_dot_available", &int8_products_available,
-        "whether int8 panel products run on AVX512-VNNI on this CPU (else a slow scalar loop)");
+        "whether int8 panel products run on AVX512-VNNI or AVX2 on this CPU (else a slow scalar loop)");
+  m.def("amx_available", []() {
+#if defined(LEAPFROG_AMX)
+    return amx_available();
+#else
+    return false;
+#endif
+  }, "whether int8 products of several rows run on AMX tiles here (AMX-INT8, tile state granted by the OS)");
+  m.def("set_amx_products", [](bool on) {
+#if defined(LEAPFROG_AMX)
+    amx_products_on().store(on);
+#else
+    (void)on;
+#endif
+  }, "use the AMX tiles where available (True, the default) or the VNNI tile (False)");
   m.def("panel_rows_gather", &panel_rows_gather, "rows of a weight held in quantized panels, dequantized (CPU)");
   m.def("panel_linear", &panel_linear, "x @ w.T from packed panels, medium row counts (CPU, float32)", nogil);
   register_decode_loop(m);

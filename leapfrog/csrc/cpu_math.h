@@ -12,12 +12,18 @@
 
 #include <torch/extension.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LEAPFROG_AVX2 1
@@ -1248,6 +1254,147 @@ static inline bool int8_products_available() {
 #endif
 }
 
+#if defined(LEAPFROG_VNNI) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && __GNUC__ >= 11
+#define LEAPFROG_AMX 1
+// AMX (Intel Sapphire Rapids and later), chosen at run time. TDPBSUD multiplies a tile of signed
+// activation bytes [rows][32 k] by a tile of unsigned weight bytes [8 groups of 4 k][16 columns x
+// 4 k] (the int8 panel layout, 4-bit values widened to bytes) into int32 [rows][16 columns]: a
+// block of a panel for up to 16 rows in one instruction, where the VNNI tile issues 8 vpdpbusd a
+// row. The integer sums are exact and the float steps after them are the VNNI tile's, in the
+// same order, so both give the same bits. Linux hands a process the tile state only when asked
+// (arch_prctl(ARCH_REQ_XCOMP_PERM)); refused or absent, the VNNI tile runs.
+static constexpr int64_t kAmxRows = 16;
+// Below this many rows the VNNI tile runs: one row reads the weights at memory speed either way.
+static constexpr int64_t kAmxMinRows = 4;
+
+static bool amx_granted() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0));
+  if (a < 7) return false;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;             // AMX-TILE, AMX-INT8
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+  if (!((c >> 27) & 1)) return false;                                   // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;                    // XTILECFG, XTILEDATA
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+}
+
+// Whether the CPU has AMX-INT8 and the OS granted its tile state (asked once per process;
+// LEAPFROG_AMX=0 never asks).
+static inline bool amx_available() {
+  static const bool granted = [] {
+    const char* env = std::getenv("LEAPFROG_AMX");
+    return !(env && env[0] == '0') && amx_granted();
+  }();
+  return granted;
+}
+
+// Whether products of kAmxMinRows rows or more use the AMX tile (tests turn it off to compare).
+inline std::atomic<bool>& amx_products_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2 hold one block's sums, activations and weights, 3-5 the next block's, R rows each.
+__attribute__((target("amx-tile,amx-int8")))
+static inline void amx_configure(int64_t R) {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 6; t += 3) {
+    cfg.rows[t] = static_cast<uint8_t>(R);
+    cfg.colsb[t] = kPanel * 4;
+    cfg.rows[t + 1] = static_cast<uint8_t>(R);
+    cfg.colsb[t + 1] = kQBlock;
+    cfg.rows[t + 2] = kQBlock / 4;
+    cfg.colsb[t + 2] = kPanel * 4;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// A block's weight bytes in the tile's layout: 8-bit panels already are; 4-bit ones widen run i
+// (64 bytes) into groups 2i (low nibbles) and 2i + 1 (high nibbles).
+template <int BITS>
+static inline const uint8_t* amx_weights(const uint8_t* q, uint8_t* buf) {
+  if (BITS == 8) return q;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(q + i * 64);
+    _mm512_store_si512(buf + 2 * i * 64, _mm512_and_si512(v, low));
+    _mm512_store_si512(buf + (2 * i + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+  return buf;
+}
+
+template <int BITS>
+__attribute__((target("amx-tile,amx-int8")))
+static void q_panel_rows_amx(const QRows& xq, int64_t m0, int64_t M, int64_t K, const uint8_t* panels,
+                             int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
+  const int64_t NB = K / kQBlock;
+  alignas(64) uint8_t wbuf[2][8 * 64];
+  alignas(64) int32_t sums[2][kAmxRows * kPanel];
+  alignas(64) float out[kAmxRows * kPanel];
+  __m512 acc[kAmxRows];
+  int64_t configured = 0;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pw = panels + p * NB * BB;
+    for (int64_t r0 = m0; r0 < m0 + M; r0 += kAmxRows) {
+      const int64_t R = std::min<int64_t>(kAmxRows, m0 + M - r0);
+      if (R != configured) {
+        amx_configure(R);
+        configured = R;
+      }
+      for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      const int8_t* xr = xq.q.data() + r0 * K;
+      for (int64_t b = 0; b < NB; b += 2) {
+        const bool two = b + 1 < NB;
+        const uint8_t* blk0 = pw + b * BB;
+        q_prefetch_block(blk0, BB);
+        _tile_zero(0);
+        _tile_loadd(1, xr + b * kQBlock, K);
+        _tile_loadd(2, amx_weights<BITS>(blk0 + 64, wbuf[0]), 64);
+        if (two) {
+          const uint8_t* blk1 = blk0 + BB;
+          q_prefetch_block(blk1, BB);
+          _tile_zero(3);
+          _tile_loadd(4, xr + (b + 1) * kQBlock, K);
+          _tile_loadd(5, amx_weights<BITS>(blk1 + 64, wbuf[1]), 64);
+        }
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, sums[0], kPanel * 4);
+        if (two) {
+          _tile_dpbsud(3, 4, 5);
+          _tile_stored(3, sums[1], kPanel * 4);
+        }
+        for (int64_t j = 0; j < (two ? 2 : 1); ++j) {
+          __m512 d, m;
+          q_block_scales(blk0 + j * BB, d, m);
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t i = (r0 + r) * NB + b + j;
+            const float a = xq.a[i];
+            const __m512i s = _mm512_load_si512(sums[j] + r * kPanel);
+            acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a * static_cast<float>(xq.sum[i])), acc[r]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) _mm512_store_ps(out + r * kPanel, acc[r]);
+      panel_store(out, R, bias, y + (r0 - m0) * ldy, ldy, N, p);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // q_panel_rows for int8 panels (see above); without AVX512-VNNI or AVX2, the same integer
 // products one at a time (the same bits, slowly: the engine does not choose int8 there).
 // Rows m0 .. m0 + M - 1 of x, quantized in xq (q8_rows over all rows, once per product).
@@ -1256,6 +1403,10 @@ static inline void q_panel_rows_int8_bits(const QRows& xq, int64_t m0, int64_t M
                                           int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy, int64_t N) {
   constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
   const int64_t NB = K / kQBlock;
+#if defined(LEAPFROG_AMX)
+  if (M >= kAmxMinRows && amx_available() && amx_products_on().load(std::memory_order_relaxed))
+    return q_panel_rows_amx<BITS>(xq, m0, M, K, panels, p0, p1, bias, y, ldy, N);
+#endif
   alignas(64) float out[kQTileRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* pw = panels + p * NB * BB;
