@@ -36,7 +36,7 @@ class EngineConfig:
     # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's
     # num_scheduler_steps. 1 still runs single steps in the loop.
     num_scheduler_steps: int = 16
-    # The prefix cache's second tier (kv_tiers.py): evicted cached KV blocks kept in host memory,
+    # The prefix cache's second tier (engine/kv_tiers.py): evicted cached KV blocks kept in host memory,
     # up to this many bytes (0: off), each for at most kv_spill_ttl seconds.
     kv_spill_bytes: int = 0
     kv_spill_ttl: float = 600.0
@@ -44,7 +44,7 @@ class EngineConfig:
     # block kept kv_remote_ttl seconds. None: off.
     kv_remote_url: str | None = None
     kv_remote_ttl: float = 3600.0
-    # Ranks the model is split over (layers/parallel.py, distributed.py): heads, MLP columns and
+    # Ranks the model is split over (layers/parallel.py, engine/distributed.py): heads, MLP columns and
     # vocabulary rows each, one all-reduce per attention and per MLP.
     tensor_parallel_size: int = 1
     # Pipeline stages the decoder layers are cut into (contiguous ranges, each stage with the KV

@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         params = sampling_from_args(args, defaults)
     except ValueError as e:
         p.error(str(e))
-    from leapfrog.engine import LLMEngine
+    from leapfrog.engine.llm_engine import LLMEngine
     try:
         kwargs = engine_kwargs(args)       # reads the model folder's leapfrog.json (default method)
-        from leapfrog.distributed import num_ranks, start
+        from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(kwargs) > 1:
             engine = start(args.model, kwargs)
         else:

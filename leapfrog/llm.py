@@ -6,19 +6,19 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from leapfrog.engine import LLMEngine
+from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
 
 class LLM:
     """`tensor_parallel_size=N` splits each layer over N ranks, `pipeline_parallel_size=M` cuts
-    the layers into M stages (distributed.py): N x M - 1 follower processes started here, or
+    the layers into M stages (engine/distributed.py): N x M - 1 follower processes started here, or
     torchrun's processes, of which rank 0 returns from this call."""
 
     def __init__(self, model: str = "stories", method: str = "ar", draft_model: str | None = None,
                  **engine_options: object) -> None:
-        from leapfrog.distributed import num_ranks, start
+        from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(engine_options) > 1:
             self.engine = start(model, dict(method=method, draft_model=draft_model, **engine_options))
         else:

@@ -51,11 +51,11 @@ class Sequence:
     method_state: Any = None       # the decoding method's record of this sequence (its own type)
     logprobs: list[dict] = field(default_factory=list)
     # params.prompt_logprobs: one entry per prompt token (None for the first), filled as its
-    # prefill chunks run (engine.py)
+    # prefill chunks run (engine/llm_engine.py)
     prompt_logprobs: list[dict | None] | None = None
     eos_token_ids: tuple[int, ...] = ()     # the engine's end tokens (min_tokens bans them)
     # The CPU sampler's counter-based generator: key (the seed, or one drawn from the engine's
-    # seed) and the number of draws so far (sampling.py).
+    # seed) and the number of draws so far (sample/sampler.py).
     sample_key: int | None = None
     num_draws: int = 0
     # A model with coupled positions: the index of the first anchor token (-1: none; None: not

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leapfrog import LLM, SamplingParams, multistep
+from leapfrog import LLM, SamplingParams
+from leapfrog.engine import decode_loop
 from leapfrog.layers import linear as lin_mod
 from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.layers.linear import Linear
@@ -93,11 +94,11 @@ def test_the_engine_option_is_checked():
 
 
 def _run(llm: LLM, loop: bool, monkeypatch, prompts=PROMPTS, params=GREEDY) -> list:
-    monkeypatch.setattr(multistep, "ENABLED", loop)
+    monkeypatch.setattr(decode_loop, "ENABLED", loop)
     try:
         return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     finally:
-        monkeypatch.setattr(multistep, "ENABLED", True)
+        monkeypatch.setattr(decode_loop, "ENABLED", True)
 
 
 def test_layer_path_and_decode_loop_agree_in_bfloat16(llama_dir, monkeypatch):
@@ -113,7 +114,7 @@ def test_layer_path_and_decode_loop_agree_in_bfloat16(llama_dir, monkeypatch):
     # without logprobs the loop runs several steps per call
     tokens = _run(multi_llm, True, monkeypatch)
     assert [t[:12] for t, _ in tokens] == [t for t, _ in layer]
-    assert multi_llm.engine.multistep.num_loop_steps > multi_llm.engine.multistep.num_calls > 0
+    assert multi_llm.engine.decode_loop.num_loop_steps > multi_llm.engine.decode_loop.num_calls > 0
     alone = [_run(multi_llm, True, monkeypatch, prompts=[p], params=params)[0] for p in PROMPTS]
     assert alone == multi
     f32 = _run(LLM(str(llama_dir)), True, monkeypatch, params=params)
@@ -164,7 +165,7 @@ def test_without_avx512_bf16_the_engine_falls_back_to_float32(llama_dir, monkeyp
     import logging
 
     monkeypatch.setattr(lin_mod, "bf16_products_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="leapfrog.engine"):
+    with caplog.at_level(logging.WARNING, logger="leapfrog.engine.llm_engine"):
         llm = LLM(str(llama_dir), matmul_precision="bfloat16")
     assert llm.engine.config.matmul_precision == "float32"
     assert "AVX512-BF16" in caplog.text

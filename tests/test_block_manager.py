@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from leapfrog.block_manager import BlockManager, chain_hash
+from leapfrog.engine.block_manager import BlockManager, chain_hash
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.sequence import Sequence
 

@@ -86,7 +86,7 @@ def test_the_decode_loop_gives_the_layer_paths_tokens(llama_dir, tmp_path, monke
     """The C++ decode loop (several steps per call) takes each row's anchor: one in the prompt,
     one produced inside the loop, and one never produced. Oracle: the layer-by-layer path and
     transformers at the coupled positions."""
-    from leapfrog import multistep
+    from leapfrog.engine import decode_loop
     from leapfrog.layers.cpu_kernels import cpu_kernels
     from leapfrog.tokenizer import Tokenizer
     if cpu_kernels() is None:
@@ -106,8 +106,8 @@ def test_the_decode_loop_gives_the_layer_paths_tokens(llama_dir, tmp_path, monke
     prompt_ids[1] = prompt_ids[1][:1] + [anchor] + prompt_ids[1][1:]      # an anchor in the prompt
     loop_llm = LLM(str(folder), num_scheduler_steps=5)
     loop_out = [o.token_ids for o in loop_llm.generate(prompt_ids, params)]
-    assert loop_llm.engine.multistep.num_loop_steps > 0
-    monkeypatch.setattr(multistep, "ENABLED", False)
+    assert loop_llm.engine.decode_loop.num_loop_steps > 0
+    monkeypatch.setattr(decode_loop, "ENABLED", False)
     layer_out = [o.token_ids for o in LLM(str(folder)).generate(prompt_ids, params)]
     assert loop_out == layer_out
     assert loop_out[0][:4] == plain[:4] and loop_out[0] != plain

@@ -1,4 +1,4 @@
-"""The C++ decode loop (leapfrog/multistep.py, csrc/decode_loop.cpp) against one step at a time.
+"""The C++ decode loop (leapfrog/engine/decode_loop.py, csrc/decode_loop.cpp) against one step at a time.
 
 Oracle: the layer-by-layer path (the loop switched off), itself checked against torch in
 test_cpu_kernels.py and test_parity.py. Several steps per call, one step per call and the
@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leapfrog import LLM, SamplingParams, multistep
-from leapfrog.engine import LLMEngine
+from leapfrog import LLM, SamplingParams
+from leapfrog.engine import decode_loop
+from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.layers.cpu_kernels import cpu_kernels
-from leapfrog.sampling import Sampler, filter_logits
+from leapfrog.sample.sampler import Sampler, filter_logits
 from leapfrog.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler: the loop is optional")
@@ -24,9 +25,9 @@ PROMPTS = ["Once upon a time", "The cat liked to play in the sun. One day", "春
 
 
 def outputs(llm: LLM, prompts, params, loop: bool, monkeypatch) -> list[tuple]:
-    monkeypatch.setattr(multistep, "ENABLED", loop)
+    monkeypatch.setattr(decode_loop, "ENABLED", loop)
     outs = llm.generate(prompts, params)
-    monkeypatch.setattr(multistep, "ENABLED", True)
+    monkeypatch.setattr(decode_loop, "ENABLED", True)
     return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
 
 
@@ -62,7 +63,7 @@ def test_loop_equals_one_step_for_greedy_and_seeded_batches(family_dirs, family,
     finally:
         torch.set_num_threads(before)
     assert layer == one == multi
-    assert engine.multistep.num_loop_steps > engine.multistep.num_calls > 0     # several steps per call ran
+    assert engine.decode_loop.num_loop_steps > engine.decode_loop.num_calls > 0     # several steps per call ran
 
 
 def test_loop_on_the_float16_builtin_model(monkeypatch):
@@ -71,7 +72,7 @@ def test_loop_on_the_float16_builtin_model(monkeypatch):
               SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)]
     layer, one, multi, engine = three_ways("stories", PROMPTS[:2], params, monkeypatch)
     assert layer == one == multi
-    assert engine.multistep.num_loop_steps >= 30
+    assert engine.decode_loop.num_loop_steps >= 30
 
 
 def test_stop_strings_end_where_single_steps_end(llama_dir, monkeypatch):
@@ -94,7 +95,7 @@ def test_penalties_and_logprobs_rows_take_the_logits_back(llama_dir, monkeypatch
               SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, frequency_penalty=0.5)]
     layer, one, multi, engine = three_ways(llama_dir, PROMPTS[:3], params, monkeypatch)
     assert layer == one == multi
-    assert engine.multistep.num_calls > 0
+    assert engine.decode_loop.num_calls > 0
 
 
 def test_big_batches_use_the_panels_in_the_loop(llama_dir, monkeypatch):
@@ -105,7 +106,7 @@ def test_big_batches_use_the_panels_in_the_loop(llama_dir, monkeypatch):
               for i in range(len(prompts))]
     layer, one, multi, engine = three_ways(llama_dir, prompts, params, monkeypatch, max_num_batched_tokens=4096)
     assert layer == one == multi
-    assert engine.multistep.num_loop_steps > engine.multistep.num_calls
+    assert engine.decode_loop.num_loop_steps > engine.decode_loop.num_calls
 
 
 def drain(engine: LLMEngine, abort_after: int | None = None) -> dict[str, list[int]]:
@@ -123,7 +124,7 @@ def test_aborts_and_preemption_keep_the_other_outputs(llama_dir, monkeypatch):
     params = SamplingParams(max_tokens=30, temperature=0.9, seed=8, ignore_eos=True)
     results = []
     for enabled, steps in ((False, 1), (True, 4)):
-        monkeypatch.setattr(multistep, "ENABLED", enabled)
+        monkeypatch.setattr(decode_loop, "ENABLED", enabled)
         engine = LLMEngine(str(llama_dir), block_size=4, kv_cache_tokens=64, enable_prefix_caching=False,
                            num_scheduler_steps=steps)
         for rid, prompt in zip("abcd", PROMPTS):
@@ -143,9 +144,9 @@ def test_waiting_requests_are_admitted_at_the_next_step(llama_dir):
     engine.add_request("Once upon", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), request_id="a")
     engine.add_request("The cat", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), request_id="b")
     engine.step()                                          # a's prefill and first token
-    before = engine.multistep.num_loop_steps
+    before = engine.decode_loop.num_loop_steps
     engine.step()
-    assert engine.multistep.num_loop_steps == before + 1   # b waits: one step
+    assert engine.decode_loop.num_loop_steps == before + 1   # b waits: one step
     drain(engine)
 
 
@@ -223,7 +224,7 @@ def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(l
     drafter = write_drafter(llama_dir.parent / "loop-dspark", llama_dir, "dspark", num_layers=2, block_size=4)
     runs = []
     for enabled in (False, True):
-        monkeypatch.setattr(multistep, "ENABLED", enabled)
+        monkeypatch.setattr(decode_loop, "ENABLED", enabled)
         llm = LLM(str(llama_dir), method="dspark", draft_model=str(drafter), num_scheduler_steps=16)
         method = llm.engine.method
         method.policy = EverySixth()
@@ -237,7 +238,7 @@ def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(l
         method.propose = propose
         outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
         runs.append(([o.token_ids for o in outs], [o.metrics.num_forwards for o in outs], seen,
-                     method.stats()["num_drafted_tokens"], llm.engine.multistep))
+                     method.stats()["num_drafted_tokens"], llm.engine.decode_loop))
     (tok_a, fwd_a, seen_a, drafted_a, _), (tok_b, fwd_b, seen_b, drafted_b, ms) = runs
     assert tok_a == tok_b and fwd_a == fwd_b and drafted_a == drafted_b > 0
     assert ms.num_loop_steps > ms.num_calls > 0          # the skipped steps ran in the loop

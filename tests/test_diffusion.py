@@ -22,7 +22,7 @@ from conftest import build_model
 from leapfrog import LLM, SamplingParams
 from leapfrog.loader import load_model
 from leapfrog.models.diffusion_families import diffusion_spec
-from leapfrog.sampling import Sampler
+from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.engine import LLMEngine
+from leapfrog.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The cat liked to play in the sun. One day",
@@ -160,7 +160,7 @@ def test_a_method_needs_only_prepare_and_commit(llama_dir, llm, monkeypatch):
     """The engine, scheduler and runner ask a method only for what methods/base.Method
     declares, each member with a default: a subclass that implements prepare() and commit()
     alone decodes (here it delegates to ar's, so the output is ar's)."""
-    import leapfrog.engine
+    import leapfrog.engine.llm_engine
     from leapfrog.methods.autoregressive import AutoregressiveMethod
     from leapfrog.methods.base import Method
 
@@ -174,7 +174,7 @@ def test_a_method_needs_only_prepare_and_commit(llama_dir, llm, monkeypatch):
         def commit(self, batch, out):
             return self.inner.commit(batch, out)
 
-    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: Minimal)
+    monkeypatch.setattr(leapfrog.engine.llm_engine, "method_class", lambda name: Minimal)
     minimal = LLM(str(llama_dir), method="minimal", block_size=4)
     outs = minimal.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]

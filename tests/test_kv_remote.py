@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.kv_tiers import RedisKVTier, pack_block, unpack_tokens
+from leapfrog.engine.kv_tiers import RedisKVTier, pack_block, unpack_tokens
 from test_server_common import free_port, wait_ready
 
 redis = pytest.importorskip("redis")
@@ -94,7 +94,7 @@ def test_redis_down_costs_only_the_hits(llama_dir, redis_server, caplog):
     plain = _engine(llama_dir).generate([LONG], GREEDY)[0].token_ids
     llm = _engine(llama_dir, kv_remote_url=redis_server.url)
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="leapfrog.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="leapfrog.engine.kv_tiers"):
         for _ in range(3):
             t0 = time.perf_counter()
             assert llm.generate([LONG], GREEDY)[0].token_ids == plain

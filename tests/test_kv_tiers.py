@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.kv_tiers import HostKVTier
+from leapfrog.engine.kv_tiers import HostKVTier
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 LONG = [1] + list(range(20, 60))                 # 41 tokens: ten full blocks of 4

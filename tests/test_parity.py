@@ -43,15 +43,15 @@ def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
 def test_logits_match_at_prefill_and_every_decode_step(family_dirs, family, path, monkeypatch):
     """Every decode step's logits, from the layer-by-layer path or from the C++ decode loop
     (asked for logprobs, it hands each step's logits back to the method)."""
-    from leapfrog import multistep
-    monkeypatch.setattr(multistep, "ENABLED", path == "loop")
+    from leapfrog.engine import decode_loop
+    monkeypatch.setattr(decode_loop, "ENABLED", path == "loop")
     folder = family_dirs[family]
     llm = LLM(str(folder), block_size=4)
     seen = record_logits(llm)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0 if path == "loop" else None)
     outs = llm.generate(PROMPTS[:4], params)
     if path == "loop":
-        assert llm.engine.multistep.num_calls > 0
+        assert llm.engine.decode_loop.num_calls > 0
     ref = hf_model(folder)
     for out in outs:
         full = torch.tensor([out.prompt_token_ids + out.token_ids])

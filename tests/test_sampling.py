@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from leapfrog.sampling import Sampler, apply_penalties, filter_logits, token_logprobs
+from leapfrog.sample.sampler import Sampler, apply_penalties, filter_logits, token_logprobs
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.sequence import Sequence
 

@@ -12,10 +12,10 @@ from typing import Callable
 
 import pytest
 
-from leapfrog.block_manager import BlockManager
+from leapfrog.engine.block_manager import BlockManager
 from leapfrog.methods.base import Batch, Commit, Method
 from leapfrog.sampling_params import SamplingParams
-from leapfrog.scheduler import Scheduler, SchedulerConfig
+from leapfrog.engine.scheduler import Scheduler, SchedulerConfig
 from leapfrog.sequence import Sequence, SequenceStatus
 
 BS = 4

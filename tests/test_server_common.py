@@ -113,7 +113,7 @@ def pace_engine(monkeypatch, seconds: float = 0.005) -> None:
     """Slow every engine step down (tests whose subject is a request still running when
     something happens; on its own the tiny test model decodes 240 tokens in a few ms). A step
     of a lone request decodes up to num_scheduler_steps (16) tokens on a CPU."""
-    from leapfrog.engine import LLMEngine
+    from leapfrog.engine.llm_engine import LLMEngine
     real_step = LLMEngine.step
     monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(seconds) or real_step(self))
 

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.loader import CheckpointError, load_drafter
-from leapfrog.methods.speculative import Proposal, SpeculativeMethod, greedy_accept, verify_drafts
+from leapfrog.methods.speculative import Proposal, SpeculativeMethod
+from leapfrog.sample.rejection import greedy_accept, verify_drafts
 from leapfrog.methods.verify import ConfidencePolicy, VerifyRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -265,8 +266,8 @@ class OracleMethod(SpeculativeMethod):
 
 
 def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, monkeypatch):
-    import leapfrog.engine
-    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: OracleMethod)
+    import leapfrog.engine.llm_engine
+    monkeypatch.setattr(leapfrog.engine.llm_engine, "method_class", lambda name: OracleMethod)
     llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=4, **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY)
     assert_greedy_match(llm.engine.model, outs, ar_greedy)
@@ -577,7 +578,7 @@ def test_drafting_after_a_dormant_spell_waits_for_a_current_context(llama_dir, d
         # right after a dormant call of the decode loop, before the next decision: from now on
         # drafting pays, and that decision re-plans
         skipped_in_loop(steps, batch)
-        if policy.dormant(1) and engine.multistep.num_loop_steps >= 16:
+        if policy.dormant(1) and engine.decode_loop.num_loop_steps >= 16:
             m = policy.measured
             m.table = type(m.table)([1, 64], [0.01, 0.0100001])
             m.seen, m.plain = {}, {1: (1.0, 99)}
@@ -587,7 +588,7 @@ def test_drafting_after_a_dormant_spell_waits_for_a_current_context(llama_dir, d
     while engine.has_unfinished():
         out += [o for o in engine.step() if o.finished]
     assert out[0].token_ids == want
-    assert engine.multistep.num_loop_steps >= 16        # dormant steps ran in the decode loop
+    assert engine.decode_loop.num_loop_steps >= 16        # dormant steps ran in the decode loop
     assert seen and all(seen)
     assert method.stats()["num_verify_steps"] > 2                 # it drafted again after waking
 
@@ -811,8 +812,8 @@ def test_a_model_folder_with_a_drafter_defaults_to_its_method(llama_dir, drafter
 def test_sampled_drafts_from_the_target_itself_are_all_accepted(llama_dir, monkeypatch):
     """q == p: min(1, p/q) = 1, so every draft survives; checks that q is paired with the right
     draft and target rows in the engine (the rule itself is tested above)."""
-    import leapfrog.engine
-    monkeypatch.setattr(leapfrog.engine, "method_class", lambda name: OracleMethod)
+    import leapfrog.engine.llm_engine
+    monkeypatch.setattr(leapfrog.engine.llm_engine, "method_class", lambda name: OracleMethod)
     llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=3, **ENGINE)
     params = SamplingParams(max_tokens=13, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)

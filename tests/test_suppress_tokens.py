@@ -34,8 +34,8 @@ def hf_greedy(folder, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("path", ["layers", "loop"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])           # untied and tied LM heads
 def test_greedy_skips_suppressed_tokens_like_transformers(family_dirs, family, path, tmp_path, monkeypatch):
-    from leapfrog import multistep
-    monkeypatch.setattr(multistep, "ENABLED", path == "loop")
+    from leapfrog.engine import decode_loop
+    monkeypatch.setattr(decode_loop, "ENABLED", path == "loop")
     plain = LLM(str(family_dirs[family]))
     free = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
                                                                        ignore_eos=True))]
@@ -43,7 +43,7 @@ def test_greedy_skips_suppressed_tokens_like_transformers(family_dirs, family, p
     folder = with_suppressed(family_dirs[family], tmp_path / family, banned)
     llm = LLM(folder)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert (llm.engine.multistep.num_calls > 0) == (path == "loop")
+    assert (llm.engine.decode_loop.num_calls > 0) == (path == "loop")
     for prompt, out, before in zip(PROMPTS, outs, free):
         assert not set(out.token_ids) & set(banned)
         assert out.token_ids != before

@@ -250,7 +250,7 @@ def test_generate_command_over_pipeline_stages(llama_dir):
 
 def test_micro_batches_split_the_batch_by_query_tokens():
     from leapfrog.methods.base import Batch
-    from leapfrog.runner import micro_batches
+    from leapfrog.engine.runner import micro_batches
 
     class S:
         def __init__(self, n):
@@ -266,7 +266,7 @@ def test_micro_batches_split_the_batch_by_query_tokens():
 def test_what_is_not_split_yet_is_refused_by_name(llama_dir):
     with pytest.raises(ValueError, match="support the ar, dflash, dspark, diffusion method"):
         LLM(str(llama_dir), method="couplet-magic", tensor_parallel_size=2)
-    from leapfrog.engine import LLMEngine
+    from leapfrog.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="start the ranks"):
         LLMEngine(str(llama_dir), tensor_parallel_size=2)       # not through LLM: no group to join
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -274,7 +274,7 @@ def test_what_is_not_split_yet_is_refused_by_name(llama_dir):
 
 
 def test_a_dead_follower_stops_the_engine_with_an_error(llama_dir):
-    from leapfrog.distributed import RankDied
+    from leapfrog.engine.distributed import RankDied
     llm = LLM(str(llama_dir), tensor_parallel_size=2)
     try:
         assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from leapfrog.sampling import apply_penalties
+from leapfrog.sample.sampler import apply_penalties
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.sequence import Sequence
 from test_server_common import ServerThread, assert_error, still_works

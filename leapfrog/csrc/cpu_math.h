@@ -1496,7 +1496,7 @@ static inline void q_panel_row(const uint8_t* panels, int64_t bytes_per_block, b
 // ---------------------------------------------------------------------------------------------
 // Sampling one token from a row of logits (CPU): greedy (argmax, lowest index among ties, NaN
 // wins as in torch.argmax), or temperature with top-k, top-p and min-p (applied in that order,
-// with the semantics of leapfrog/sampling.py's filter_logits), drawn by inverting the CDF at one
+// with the semantics of leapfrog/sample/sampler.py's filter_logits), drawn by inverting the CDF at one
 // uniform number. The uniform comes from a counter-based generator, SplitMix64 of (key,
 // counter): a request's key is its seed (or one drawn from the engine's seed) and the counter
 // is its number of draws so far, so a request's draws depend on nothing else in the batch and

@@ -3,7 +3,7 @@
 // A decode step of a small model on a CPU costs a few hundred microseconds of arithmetic, and
 // running it from Python (one call per layer, the sampler, the scheduler's bookkeeping) costs
 // about as much again. While no request needs Python between tokens (no stop string to match
-// mid-step is a reason to return, see leapfrog/multistep.py), this loop runs up to `steps`
+// mid-step is a reason to return, see leapfrog/engine/decode_loop.py), this loop runs up to `steps`
 // whole steps: embedding, every layer, the final norm, the LM head, sampling, and each row's
 // stop checks, inside one OpenMP parallel region whose threads meet at barriers between
 // dependent phases instead of being woken for every product (the multi-step scheduling of

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
-from leapfrog.sampling import Sampler
+from leapfrog.sample.sampler import Sampler
 
 if TYPE_CHECKING:
     from leapfrog.methods.base import MethodContext

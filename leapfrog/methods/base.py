@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from leapfrog.sampling import Sampler
+from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 from leapfrog.tokenizer import Tokenizer
 
@@ -107,7 +107,7 @@ class Method:
     max_step_tokens: int = 1               # query tokens one decode step feeds per sequence
     eos_token_ids: tuple[int, ...] = ()    # end-of-text ids the engine stops on besides the tokenizer's
     # Whether its decode steps (one known token per sequence, no extra slots, one token sampled
-    # from the last row) always may run in the C++ decode loop (multistep.py): `ar`.
+    # from the last row) always may run in the C++ decode loop (engine/decode_loop.py): `ar`.
     decode_loop: bool = False
     # Whether requests with SamplingParams.logits_processors may use it (each row's processors
     # see the tokens before that row; a diffusion canvas has no such order).

@@ -301,7 +301,7 @@ def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
     ids = torch.zeros(b, dtype=torch.long, device=device)
     loop = model.decode_loop(block) if b == 1 and hasattr(model, "decode_loop") else None
     if loop is not None:
-        # A plain decode step of one request runs in the C++ decode loop (multistep.py): price
+        # A plain decode step of one request runs in the C++ decode loop (engine/decode_loop.py): price
         # it as that, greedy, on the scratch caches.
         one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         none = torch.full((1, 1), -1, dtype=torch.long)

@@ -60,9 +60,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
-from leapfrog.methods.speculative import greedy_accept, verify_drafts
+from leapfrog.sample.rejection import greedy_accept, verify_drafts
 from leapfrog.models.diffusion_families import diffusion_spec
-from leapfrog.sampling import Sampler, apply_penalties, token_logprobs
+from leapfrog.sample.sampler import Sampler, apply_penalties, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:

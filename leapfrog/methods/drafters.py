@@ -20,7 +20,8 @@ from leapfrog.layers.parallel import whole
 from leapfrog.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
-from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, draw_token
+from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
+from leapfrog.sample.rejection import draw_token
 from leapfrog.methods.verify import make_policy
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
 from leapfrog.models.dflash_heads import sample_block

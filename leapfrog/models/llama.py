@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
 _EMPTY = torch.empty(0)
 # LEAPFROG_FUSED_LAYERS=0 keeps the layer-by-layer path (comparisons, debugging).
 _FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
-# LEAPFROG_DECODE_LOOP=0 also keeps forwards of query rows layer by layer (see multistep.py).
+# LEAPFROG_DECODE_LOOP=0 also keeps forwards of query rows layer by layer (see engine/decode_loop.py).
 _FORWARD_LOOP = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
 
 

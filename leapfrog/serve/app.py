@@ -245,10 +245,10 @@ class ServerState:
 
 def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
     def factory() -> Any:
-        from leapfrog.distributed import num_ranks, start
+        from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(cfg.engine) > 1:       # this process drives; the follower ranks are started here
             return start(str(cfg.model), cfg.engine_kwargs())
-        from leapfrog.engine import LLMEngine
+        from leapfrog.engine.llm_engine import LLMEngine
         return LLMEngine(cfg.model, **cfg.engine_kwargs())
     return factory
 
@@ -879,7 +879,7 @@ def torchrun_role(cfg: ServerConfig) -> int | None:
     any other rank, the exit code after following rank 0's engine until it stops. Errors: a
     group of another size than tensor_parallel_size x pipeline_parallel_size, several models."""
     import os
-    from leapfrog.distributed import num_ranks
+    from leapfrog.engine.distributed import num_ranks
     from leapfrog.layers.parallel import launched_by_torchrun
     if not launched_by_torchrun():
         return None

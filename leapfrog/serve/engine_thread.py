@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from leapfrog.engine import release_freed_heap
+from leapfrog.engine.llm_engine import release_freed_heap
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.serve.line import DrainRate
@@ -132,7 +132,7 @@ class AsyncEngine:
         self.restarts += 1
         self.metrics.add("engine_restarts", 1)
         why = self.crash
-        from leapfrog.distributed import RankDied
+        from leapfrog.engine.distributed import RankDied
         from leapfrog.layers.parallel import launched_by_torchrun
         if isinstance(why, RankDied) and launched_by_torchrun():
             # torchrun's ranks cannot be started again from here: exit, so that torchrun (with

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
-    from leapfrog.kv_tiers import HostKVTier, RedisKVTier
+    from leapfrog.engine.kv_tiers import HostKVTier, RedisKVTier
 
 
 @dataclass(slots=True)

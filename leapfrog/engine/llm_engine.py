@@ -7,51 +7,30 @@ import itertools
 import json
 import logging
 import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from numbers import Integral
 
 import torch
 
-from leapfrog.block_manager import BlockManager
-from leapfrog.kv_tiers import HostKVTier, RedisKVTier
+from leapfrog.engine.block_manager import BlockManager
+from leapfrog.engine.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext, StepOutput
-from leapfrog.multistep import MultiStep
-from leapfrog.outputs import RequestMetrics, RequestOutput
-from leapfrog.runner import ModelRunner
-from leapfrog.sampling import Sampler
+from leapfrog.engine.decode_loop import MultiStep
+from leapfrog.engine.output_processor import EngineStats, OutputProcessor
+from leapfrog.outputs import RequestOutput
+from leapfrog.engine.runner import ModelRunner
+from leapfrog.sample.sampler import Sampler
 from leapfrog.sampling_params import SamplingParams
-from leapfrog.scheduler import Scheduler, SchedulerConfig
+from leapfrog.engine.scheduler import Scheduler, SchedulerConfig
 from leapfrog.sequence import Sequence
-from leapfrog.tokenizer import IncrementalDetokenizer, Tokenizer
+from leapfrog.tokenizer import Tokenizer
 
-log = logging.getLogger("leapfrog.engine")
-
-
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    stream: bool = True                 # emit text deltas every step (else decode once at the end)
-    text: str = ""
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    counted_tokens: int = 0             # output tokens already added to the engine's stats
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    num_finished: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
+log = logging.getLogger("leapfrog.engine.llm_engine")
 
 
 def release_freed_heap() -> None:
@@ -141,10 +120,11 @@ class LLMEngine:
         # A method may know end-of-text ids the tokenizer files do not name (a model family's EOS).
         eos = list(dict.fromkeys(self.tokenizer.eos_token_ids + list(self.method.eos_token_ids)))
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.method, eos)
-        self.multistep = MultiStep(self.runner, self.block_manager, self.sampler, self.method,
+        self.decode_loop = MultiStep(self.runner, self.block_manager, self.sampler, self.method,
                                    self.config.num_scheduler_steps, self.max_model_len)
-        self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.method, self.stats)
+        self.requests = self.output_processor.requests
         self._ids = itertools.count()
 
     def _paged_runner(self, model: torch.nn.Module, num_blocks: int, block_size: int
@@ -233,8 +213,7 @@ class LLMEngine:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(ids)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = _Request(seq, text, detok, stream or bool(params.stop))
+        self.output_processor.add(seq, text, stream)
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(ids)
         return request_id
@@ -279,15 +258,7 @@ class LLMEngine:
         elsewhere = [s for s in self.scheduler.finished_outside_step
                      if s.request_id in self.requests and s not in changed]
         self.scheduler.finished_outside_step.clear()
-        outs = []
-        for seq in changed + elsewhere:
-            req = self.requests[seq.request_id]
-            if req.stream or seq.is_finished:
-                outs.append(self._output_or_error(seq))
-            else:   # offline request: nothing to report until it finishes
-                self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
-                req.counted_tokens = seq.num_output_tokens
-        return outs
+        return self.output_processor.process(changed + elsewhere)
 
     def _run_batch(self, batch: Batch) -> list[Sequence]:
         """One forward over `batch`, committed. If preparing, running or committing raises, the
@@ -296,9 +267,9 @@ class LLMEngine:
         Nothing was applied when it raised (KV slots past num_computed are rewritten next time),
         so a retried half starts from the same state."""
         try:
-            plan = self.multistep.plan(batch, len(self.scheduler.waiting))
+            plan = self.decode_loop.plan(batch, len(self.scheduler.waiting))
             if plan is not None:
-                commits = self.multistep.run(batch, plan)
+                commits = self.decode_loop.run(batch, plan)
             else:
                 self.method.prepare(batch)
                 prompt_rows = mark_prompt_logit_rows(batch)
@@ -318,110 +289,6 @@ class LLMEngine:
             self.scheduler.finish(seq, f"error:{type(exc).__name__}: {exc}")
             return []
         return self.scheduler.apply(batch, commits)
-
-    def _output_or_error(self, seq: Sequence) -> RequestOutput:
-        """_output, or for a request whose detokenizing or stop-string check raised, an
-        error output for that request alone."""
-        try:
-            return self._output(seq)
-        except Exception as exc:
-            log.exception("request %s failed while emitting its output", seq.request_id)
-            self.scheduler.finish(seq, "error")
-            seq.finish_reason = f"error:{type(exc).__name__}: {exc}"   # also when it had finished
-            req = self.requests.pop(seq.request_id, None)
-            if req is not None:
-                self.stats.num_finished += 1
-            return RequestOutput(seq.request_id, req.prompt if req else None,
-                                 seq.token_ids[:seq.num_prompt_tokens], "", list(seq.output_ids), True,
-                                 seq.finish_reason, self._metrics(seq), "", [], None)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        req = self.requests[seq.request_id]
-        new_tokens = seq.output_ids[req.sent_tokens:]
-        if req.stream and seq.params.stop and len(new_tokens) > 1:
-            new_tokens = self._add_until_stop(req, new_tokens)
-        elif req.stream:
-            req.text += req.detok.add(new_tokens)
-        elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
-            req.text = req.detok.add_all(seq.output_ids)
-        self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
-        req.counted_tokens = seq.num_output_tokens
-        self._check_stop_strings(req)
-        if seq.is_finished:
-            if seq.finish_reason == "length":
-                req.text += req.detok.flush()
-            self._check_stop_strings(req)
-            self._finish_request(req)
-        # Hold back a possible beginning of a stop string until it is decided.
-        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
-        visible = len(req.text) - hold
-        delta = req.text[req.sent_chars:visible] if visible > req.sent_chars else ""
-        req.sent_chars = max(req.sent_chars, visible)
-        out = RequestOutput(seq.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens],
-                            req.text[:visible] if not seq.is_finished else req.text,
-                            list(seq.output_ids), seq.is_finished, seq.finish_reason,
-                            self._metrics(seq), delta, new_tokens,
-                            list(seq.logprobs) if seq.params.logprobs is not None else None,
-                            list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
-        req.sent_tokens = seq.num_output_tokens
-        return out
-
-    def _add_until_stop(self, req: _Request, new_tokens: list[int]) -> list[int]:
-        """Several new tokens of a request with stop strings (the decode loop's steps, accepted
-        drafts): detokenized and matched one at a time, as single steps would have been; the
-        tokens after the one that completes a stop string are dropped, and the request ends
-        there with "stop". Returns the tokens kept."""
-        seq = req.seq
-        for i, token in enumerate(new_tokens):
-            req.text += req.detok.add([token])
-            if self._check_stop_strings(req):
-                keep = req.sent_tokens + i + 1
-                if i + 1 < len(new_tokens):
-                    del seq.token_ids[seq.num_prompt_tokens + keep:]
-                    del seq.logprobs[keep:]
-                    seq.finish_reason = "stop"
-                    if self.method.decode_loop:     # the loop's overrun: one forward a dropped token
-                        seq.metrics.num_forwards -= len(new_tokens) - i - 1
-                return new_tokens[:i + 1]
-        return new_tokens
-
-    def _check_stop_strings(self, req: _Request) -> bool:
-        """Cut the text at the first stop string and finish the request; True on a hit."""
-        seq = req.seq
-        if not seq.params.stop:
-            return False
-        window = max(len(s) for s in seq.params.stop) + 32
-        start = max(0, req.sent_chars - window)
-        hits = [(req.text.find(s, start), s) for s in seq.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        req.text = req.text[:i + len(s)] if seq.params.include_stop_str_in_output else req.text[:i]
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "stop")
-        return True
-
-    def _finish_request(self, req: _Request) -> None:
-        self.requests.pop(req.seq.request_id, None)
-        self.stats.num_finished += 1
-        reason = req.seq.finish_reason or "unknown"
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-
-    def _metrics(self, seq: Sequence) -> RequestMetrics:
-        m = seq.metrics
-        n = seq.num_output_tokens
-        end = m.finished_time or time.perf_counter()
-        drafts = self.method.draft_counts(seq)
-        drafted, accepted, off = drafts if drafts is not None else (None, None, None)
-        return RequestMetrics(
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=n, num_forwards=m.num_forwards,
-            tokens_per_forward=n / m.num_forwards if m.num_forwards else 0.0,
-            acceptance_length=self.method.acceptance_length(seq),
-            time_to_first_token=(m.first_token_time - m.arrival_time) if m.first_token_time else None,
-            total_time=end - m.arrival_time, num_cached_prompt_tokens=m.num_cached_prompt_tokens,
-            num_preemptions=m.num_preemptions, num_drafted_tokens=drafted, num_accepted_tokens=accepted,
-            drafting_off=off)
 
 
 # --- prompt logprobs (SamplingParams.prompt_logprobs) ----------------------------------------

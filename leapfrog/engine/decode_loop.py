@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from leapfrog.block_manager import BlockManager
+from leapfrog.engine.block_manager import BlockManager
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
-from leapfrog.runner import ModelRunner, rotary_anchor
-from leapfrog.sampling import Sampler
+from leapfrog.engine.runner import ModelRunner, rotary_anchor
+from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from leapfrog.layers import parallel as tp
 
-log = logging.getLogger("leapfrog.distributed")
+log = logging.getLogger("leapfrog.engine.distributed")
 
 # Methods that run over several ranks. Their schedule depends only on the engine's calls; what
 # is decided from measured time (confidence-scheduled verification) reads rank 0's clock.
@@ -58,7 +58,7 @@ def _follower_main(rank: int, size: int, init_method: str, model: str, kwargs: d
     import torch
     torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
     tp.init(rank, size, init_method, pipeline_size=sizes(kwargs)[1])
-    from leapfrog.engine import LLMEngine
+    from leapfrog.engine.llm_engine import LLMEngine
     engine = LLMEngine(model, **kwargs)
     follow(engine)
     tp.shutdown()
@@ -155,7 +155,7 @@ def start(model: str, kwargs: dict) -> Any:
     """The engine for `tensor_parallel_size` x `pipeline_parallel_size` ranks: followers spawned
     here (or, under torchrun, this process's rank); on rank 0 a TensorParallelEngine, on a
     follower rank never returns."""
-    from leapfrog.engine import LLMEngine
+    from leapfrog.engine.llm_engine import LLMEngine
     check_method(str(kwargs.get("method", "ar")))
     t, pipeline = sizes(kwargs)
     size = t * pipeline

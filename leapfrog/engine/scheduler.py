@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from leapfrog.block_manager import BlockManager
+from leapfrog.engine.block_manager import BlockManager
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq
 from leapfrog.sequence import Sequence, SequenceStatus
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-log = logging.getLogger("leapfrog.kv_tiers")
+log = logging.getLogger("leapfrog.engine.kv_tiers")
 
 Caches = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
 
