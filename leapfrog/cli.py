@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("leapfrog.serve.app", "start the HTTP server (default: built-in model, port 8080)"),
+    "serve": ("leapfrog.serve.main", "start the HTTP server (default: built-in model, port 8080)"),
     "generate": ("leapfrog.generate", "generate text from a prompt, streaming to stdout"),
     "bench": ("leapfrog.bench.cli", "benchmark leapfrog against peers and decoding methods"),
     "train": ("leapfrog.train.cli", "train a built-in model or drafter from a recipe"),

@@ -190,7 +190,8 @@ def test_a_streamed_couplet_reports_its_place_in_line_then_the_couplet(server, f
 
 def test_the_couplet_rate_is_timed_before_ready(server):
     """Warm-up writes a full house of couplets at once, so the first crowd already has an estimate."""
-    line = server.state.couplet_server("couplets").couplet_line
+    from leapfrog.serve.couplet import couplet_server, desk
+    line = desk(couplet_server(server.state, "couplets")).line
     assert line.drain.prior is not None and line.drain.prior > 0
 
 

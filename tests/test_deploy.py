@@ -77,7 +77,7 @@ def test_multinode_replica_launches_what_the_server_accepts():
     tensor_parallel_size x pipeline_parallel_size processes (what `leapfrog serve` checks under
     torchrun), flags `leapfrog serve` knows, the rendezvous on pod 0 through the headless Service."""
     import shlex
-    from leapfrog.serve.app import build_parser
+    from leapfrog.serve.main import build_parser
     sts = one("multinode/statefulset.yaml", "StatefulSet")
     cmd = shlex.split(sts["spec"]["template"]["spec"]["containers"][0]["args"][0].replace('"${HOSTNAME##*-}"', "0"))
     assert cmd[:2] == ["exec", "torchrun"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from leapfrog.serve.app import DrainingServer, create_app
+from leapfrog.serve.main import DrainingServer, create_app
 from leapfrog.serve.config import build_config
 from leapfrog.serve.connections import http_protocol
 
@@ -137,7 +137,8 @@ def couplet_places_taken(server, rate: float = 1.0):
     """Every place of the couplet line taken by holders the test releases (tickets joined on the
     server's loop), the line's drain rate set to `rate` couplets a second; all put back after."""
     from leapfrog.serve.line import DrainRate
-    line = server.state.couplet_server("couplets").couplet_line
+    from leapfrog.serve.couplet import couplet_server, desk
+    line = desk(couplet_server(server.state, "couplets")).line
     saved = line.drain, line.max_wait_s
     line.drain = DrainRate(prior=rate)
     holders = [on_loop(server, line.join) for _ in range(line.places)]

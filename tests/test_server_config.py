@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from leapfrog.serve.app import build_parser, main
+from leapfrog.serve.main import build_parser, main
 from leapfrog.serve.config import ConfigError, build_config, flags_from_args
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

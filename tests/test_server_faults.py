@@ -165,7 +165,9 @@ def test_couplet_client_hung_up_frees_everything(monkeypatch):
             with pytest.raises(httpx.ReadTimeout):
                 post(s, "/couplet", {"keywords": "马年 吉祥", "num_candidates": 16}, timeout=timeout)
             assert s.wait_idle(10) == 0
-        assert s.state.primary.couplet_line.in_use == 0 and s.state.primary.couplet_line.num_waiting == 0
+        from leapfrog.serve.couplet import desk
+        line = desk(s.state.primary).line
+        assert line.in_use == 0 and line.num_waiting == 0
         assert post(s, "/couplet", {"keywords": "春"}).status_code == 200
     finally:
         s.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from leapfrog.serve.app import startup_warnings
+from leapfrog.serve.main import startup_warnings
 from leapfrog.serve.config import build_config
 from test_server_common import ServerThread
 

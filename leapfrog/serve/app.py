@@ -1,34 +1,29 @@
-"""`leapfrog serve`: the HTTP server (FastAPI + uvicorn).
-
-The engine runs in one background thread (engine_thread.AsyncEngine); handlers validate,
-queue, and stream. Endpoints: POST /generate, /v1/completions, /v1/chat/completions;
-GET /v1/models, /health, /healthz, /ready, /metrics. Configuration: config.py.
+"""The HTTP core of `leapfrog serve` (FastAPI): every served model's engine thread
+(engine_thread.AsyncEngine), the gate each request passes (auth, rate limit, queue), and the
+endpoints POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
+/v1/models, /health, /healthz, /ready, /metrics. Guest apps add their own routes through
+`create_app(..., guests)` (serve/main.py installs the couplet terminal); the core imports none.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import json
 import logging
-import sys
-import threading
 import time
-from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
-from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
-from leapfrog.serve.connections import http_protocol
+from leapfrog.serve.config import ServerConfig
 from leapfrog.serve.engine_thread import AsyncEngine, EngineError, Generation, RequestTimeout
-from leapfrog.serve.line import LineFull, WaitingLine, retry_after_s
+from leapfrog.serve.line import retry_after_s
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
                                    render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
@@ -36,9 +31,8 @@ from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprob
                                     encode_prompt, finish_reason, join_logprobs, new_id, now, prepare_chat,
                                     prepare_completion, prompt_logprobs_body, sampling_params, sse,
                                     tokenize_body, usage)
-from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, APIError, ChatRequest, CompletionRequest,
-                                    CoupletRequest, DetokenizeRequest, FaultRequest, GenerateRequest,
-                                    TokenizeRequest, bad_request, parse_body)
+from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, FaultRequest,
+                                    GenerateRequest, TokenizeRequest, bad_request, parse_body)
 
 log = logging.getLogger("leapfrog.serve.app")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
@@ -67,13 +61,12 @@ class ModelServer:
         self.metrics = ServerMetrics(cfg.model_id)
         timeout = cfg.request_timeout or None
         places = int(cfg.engine.get("max_batch_size", 64))
-        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout, self._prepare_couplets,
+        self.engine = AsyncEngine(factory, self.metrics, cfg.warmup_requests, timeout, self._after_warmup,
                                   places)
         self.capacity = places + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
-        self._writer: Any = None            # the couplet writer, made on first use
-        # couplets written at once; the others wait in line while their wait fits the bound
-        self.couplet_line = WaitingLine(cfg.max_couplets_in_flight, cfg.max_couplet_wait_s)
+        self.guests: dict[str, Any] = {}    # what each guest app keeps for this model, by guest
+        self.warmup_hooks: list[Callable[[], None]] = []   # the guests' preparations before /ready
 
     def limits(self) -> Limits:
         info = self.engine.info
@@ -115,41 +108,10 @@ class ModelServer:
         raise APIError(429, f"server is busy: {why}; retry in {retry} s", "rate_limit_error", None, "queue_full",
                        {"Retry-After": str(retry)})
 
-    def couplet_candidates(self) -> int:
-        """Candidates per couplet when the request names none: the running batch shared among
-        the couplets being written (8 each for up to 8 couplets at the default 64, then 4, then
-        2), so that the candidates in flight fit one batch and none waits in the queue: a couplet
-        stays on time under load, a little less polished."""
-        return self.couplet_candidates_at(self.couplet_line.in_use)
-
-    def couplet_candidates_at(self, num_couplets: int) -> int:
-        share = self.engine.places // max(1, num_couplets)
-        return 8 if share >= 8 else 4 if share >= 4 else 2
-
-    def _prepare_couplets(self) -> None:
-        """Before /ready (in the engine thread, after its warm-up): build the couplet writer,
-        load the tone dictionary, and write a full house of couplets at once, which times the
-        rate the couplet line starts from (until couplets served under load measure it)."""
-        if self.cfg.warmup_requests and self.couplet_writer() is not None:
-            from leapfrog.couplet import rules
-            from leapfrog.couplet.writer import couplets_per_second
-            rules.tones("春回大地")
-            line = self.couplet_line
-            line.drain.prior = couplets_per_second(self.engine.engine, self.couplet_writer(), line.places,
-                                                   self.couplet_candidates_at(line.places))
-            log.info("%s: %.1f couplets a second with all %d couplet places taken (warm-up)", self.model_id,
-                     line.drain.prior, line.places)
-
-    def couplet_writer(self) -> Any:
-        """The couplet writer over this model's tokenizer, or None when the model cannot write
-        couplets (its vocabulary is not one token per Chinese character)."""
-        if self._writer is None:
-            from leapfrog.couplet.writer import CoupletWriter
-            try:
-                self._writer = CoupletWriter(self.engine.tokenizer)
-            except ValueError:
-                self._writer = False
-        return self._writer or None
+    def _after_warmup(self) -> None:
+        """In the engine thread after its warm-up, before /ready: the guests' preparations."""
+        for hook in self.warmup_hooks:
+            hook()
 
 
 class ServerState:
@@ -159,7 +121,7 @@ class ServerState:
 
     def __init__(self, cfg: ServerConfig, factory: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
-        servers = [ModelServer(view, factory if i == 0 and factory is not None else _engine_factory(view))
+        servers = [ModelServer(view, factory if i == 0 and factory is not None else model_engine_factory(view))
                    for i, view in enumerate(cfg.views())]
         self.servers = servers
         self.primary = servers[0]
@@ -172,6 +134,11 @@ class ServerState:
         self.started = time.time()
         self.draining = False
         self.responses = HTTPResponses()
+        # What guest apps (serve/couplet.py) add: fields of /v1/models' cards, other forms of
+        # POST /generate (a body with this field, not null, goes to the handler), OpenAPI entries.
+        self.model_card_fields: list[Callable[[ModelServer], dict]] = []
+        self.generate_variants: dict[str, Callable[..., Awaitable[Any]]] = {}
+        self.schema_extensions: list[server_schema.Extension] = []
 
     @property
     def engine(self) -> AsyncEngine:
@@ -194,23 +161,6 @@ class ServerState:
                            "invalid_request_error", "model", "model_not_found")
         server.check_ready()
         return server
-
-    def couplet_server(self, name: str | None) -> ModelServer:
-        """The server that writes couplets: the one named, else the first that can."""
-        if name is not None:
-            server = self.route(name)
-            if server.couplet_writer() is None:
-                raise bad_request(f"the model {name!r} cannot write couplets (it needs one token per Chinese "
-                                  "character, as the built-in `couplets` model has)", "model", "not_a_couplet_model")
-            return server
-        for server in self.servers:
-            if server.engine.ready.is_set() and server.couplet_writer() is not None:
-                return server
-        if not all(m.engine.ready.is_set() for m in self.servers):
-            raise APIError(503, "the models are still loading", "server_error", None, "not_ready", {"Retry-After": "5"})
-        raise APIError(404, "no served model writes couplets: serve the built-in `couplets` model "
-                       "(leapfrog serve --model stories --model couplets)", "invalid_request_error", "model",
-                       "model_not_found")
 
     # --- the gate every generation request passes ------------------------------------------
     def authenticate(self, request: Request) -> str | None:
@@ -243,7 +193,7 @@ class ServerState:
                            {"Retry-After": retry_after_header(wait)})
 
 
-def _engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
+def model_engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
     def factory() -> Any:
         from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(cfg.engine) > 1:       # this process drives; the follower ranks are started here
@@ -402,8 +352,10 @@ async def stream_events(gen: Generation, render: Callable[[int, Any], dict | Non
 
 
 # --- app -------------------------------------------------------------------------------------
-def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
-    """The app; `engine_factory` (tests) replaces the first served model's engine."""
+def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None,
+               guests: Sequence[Callable[[FastAPI, ServerState], None]] = ()) -> FastAPI:
+    """The HTTP core, then each guest's `install(app, state)`; `engine_factory` (tests) replaces
+    the first served model's engine. `leapfrog serve` (serve/main.py) installs the couplet terminal."""
     state = ServerState(cfg, engine_factory)
 
     @contextlib.asynccontextmanager
@@ -449,10 +401,11 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     _add_probe_routes(app, state)
     _add_generate_route(app, state)
     _add_openai_routes(app, state)
-    _add_couplet_routes(app, state)
     if cfg.fault_injection:
         _add_fault_route(app, state)
-    server_schema.install(app, state.auth.enabled, cfg.max_n)
+    server_schema.install(app, state.auth.enabled, cfg.max_n, state.schema_extensions)
+    for install in guests:
+        install(app, state)
     return app
 
 
@@ -502,7 +455,7 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         state.authenticate(request)
         cards = [{"id": m.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
                   "max_model_len": m.engine.info.max_model_len, "method": m.engine.info.method,
-                  "couplets": m.engine.ready.is_set() and m.couplet_writer() is not None}
+                  **{k: v for fields in state.model_card_fields for k, v in fields(m).items()}}
                  for m in state.servers]
         return JSONResponse({"object": "list", "data": cards})
 
@@ -514,20 +467,10 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         state.admit(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
+        variant, raw = _generate_variant(state, raw)
+        if variant is not None:
+            return await variant[0](state, request, variant[1], arrival)
         req = await off_loop_if_big(len(raw), parse_body, raw, GenerateRequest)
-        if req.keywords is not None:            # the couplet guide's contract
-            if req.prompt is not None:
-                raise bad_request("give either prompt or keywords, not both", "keywords")
-            unused = [f for f in sorted(req.model_fields_set - COUPLET_FIELDS)
-                      if getattr(req, f) != GenerateRequest.model_fields[f].default]
-            if unused:      # silently ignoring e.g. a temperature would mislead
-                raise bad_request(f"{unused[0]} does not apply to a couplet (keywords); it takes keywords, seed "
-                                  "and model (POST /couplet has the couplet's own options)", unused[0], "unsupported")
-            creq = CoupletRequest(keywords=req.keywords, seed=req.seed, model=req.model)
-            server, keywords, ticket = _enter_couplet_line(state, creq)
-            couplet = await _write_couplet(server, request, ticket, creq, keywords, arrival)
-            return {"couplet": f"上联：{couplet['upper']}\n下联：{couplet['lower']}\n横批：{couplet['horizontal']}",
-                    **couplet}
         if req.prompt is None:
             raise bad_request("missing required field 'prompt'", "prompt", "missing_field")
         server = state.route(req.model)
@@ -551,7 +494,24 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
                            "tokens_per_s": len(out.token_ids) / total if total > 0 else 0.0}}
 
 
-COUPLET_FIELDS = frozenset({"keywords", "seed", "model"})
+def _generate_variant(state: ServerState, raw: bytes) -> tuple[tuple[Callable, dict] | None, bytes]:
+    """A guest's form of /generate that this body takes (its field set, not null): (handler, the
+    parsed body), else None and the body (without the guests' fields where they are null)."""
+    fields = [f for f in state.generate_variants if f'"{f}"'.encode() in raw]
+    if not fields:
+        return None, raw
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, raw                  # parse_body gives the 400
+    if not isinstance(body, dict):
+        return None, raw
+    for f in fields:
+        if body.get(f) is not None:
+            return (state.generate_variants[f], body), raw
+    if any(f in body for f in fields):
+        return None, json.dumps({k: v for k, v in body.items() if k not in fields}).encode()
+    return None, raw
 
 
 def _add_fault_route(app: FastAPI, state: ServerState) -> None:
@@ -628,121 +588,6 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
         return await tokenizer_call(request, DetokenizeRequest, detokenize_body)
-
-
-COUPLET_PAGE = Path(__file__).parent / "static" / "couplet.html"
-
-
-def _add_couplet_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/couplet", response_class=HTMLResponse)
-    async def couplet_page() -> HTMLResponse:
-        """The couplet terminal (春联生成终端): a palace gate that opens on a fresh couplet."""
-        return HTMLResponse(COUPLET_PAGE.read_text(encoding="utf-8"),
-                            headers={"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
-                                     "script-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
-                                     "X-Content-Type-Options": "nosniff"})
-
-    @app.post("/couplet")
-    async def couplet(request: Request) -> Any:
-        """Keywords in; 上联, 下联 and 横批 out, with the rules that held and the time taken.
-        With `stream: true`, server-sent events: `queued` (place in line, expected wait) while
-        waiting, `writing`, then `couplet` (the same body) or `error`."""
-        arrival = time.perf_counter()
-        state.admit(request)
-        raw = await read_body(request, state.cfg.max_body_bytes)
-        req = parse_body(raw, CoupletRequest)
-        server, keywords, ticket = _enter_couplet_line(state, req)
-        if req.stream:
-            # the background task releases the ticket even if streaming never started
-            return StreamingResponse(_couplet_events(server, ticket, req, keywords, arrival),
-                                     media_type="text/event-stream", headers=SSE_HEADERS,
-                                     background=BackgroundTask(server.couplet_line.release, ticket))
-        return await _write_couplet(server, request, ticket, req, keywords, arrival)
-
-
-def _enter_couplet_line(state: ServerState, req: CoupletRequest) -> tuple[ModelServer, list[str], Any]:
-    """Checks the request, then joins the couplet line of the model that writes it: a place, a
-    place in line, or a 429 whose Retry-After is the wait the line would have meant."""
-    from leapfrog.couplet.rules import split_keywords
-    from leapfrog.sampling_params import SEED_RANGE
-    try:
-        keywords = split_keywords(req.keywords)
-    except ValueError as exc:
-        raise bad_request(str(exc), "keywords", "invalid_keywords") from None
-    if req.method not in COUPLET_METHODS:
-        raise bad_request(f"method={req.method!r}: expected one of {', '.join(COUPLET_METHODS)}", "method")
-    if req.num_candidates is not None and not 1 <= req.num_candidates <= MAX_CANDIDATES:
-        raise bad_request(f"num_candidates={req.num_candidates}: must be in [1, {MAX_CANDIDATES}]", "num_candidates")
-    if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:
-        raise bad_request(f"seed={req.seed}: must be in [0, 2^64 - 1]", "seed")
-    server = state.couplet_server(req.model)
-    try:
-        return server, keywords, server.couplet_line.join()
-    except LineFull as full:
-        server.metrics.reject("queue_full")
-        retry = retry_after_s(full.retry_s)
-        raise APIError(429, f"too many couplets are being written: {full.reason} (max_couplet_wait_s); retry in "
-                       f"{retry} s", "rate_limit_error", None, "queue_full", {"Retry-After": str(retry)}) from None
-
-
-async def _write_couplet(server: ModelServer, request: Request | None, ticket: Any, req: CoupletRequest,
-                         keywords: list[str], arrival: float) -> dict:
-    """Waits for the ticket's turn, then runs the couplet writer's rounds on the couplet model's
-    engine, next to everyone else's requests in its batches. A client that leaves while in
-    line leaves it at once. `request` None: the caller watches for that (a stream)."""
-    line = server.couplet_line
-    watch = ClientWatch(request) if request is not None else None
-    try:
-        if watch is None:
-            await line.wait_for_turn(ticket)
-        else:
-            try:
-                await watch.until_gone(line.wait_for_turn(ticket))
-            except APIError:
-                server.metrics.reject("left_line")
-                raise
-        waited = time.perf_counter() - arrival
-        writer = server.couplet_writer()
-        plan = writer.plan(keywords, req.seed, req.method == "constrained",
-                           req.num_candidates or server.couplet_candidates())
-        try:
-            jobs = next(plan)
-            while True:
-                prep = Prepared([j.prompt for j in jobs], [(j.prompt, j.params) for j in jobs])
-                final = await run_to_end(server.open(prep, 0, arrival, False, bounded=False), None, watch)
-                jobs = plan.send([final[i] for i in range(len(jobs))])
-        except StopIteration as done:
-            result = done.value.as_dict()
-    finally:
-        line.release(ticket)
-        if watch is not None:
-            watch.close()
-    result["timing"] = {"seconds": time.perf_counter() - arrival, "waited_s": waited}
-    return {"model": server.model_id, **result}
-
-
-COUPLET_UPDATE_S = 1.0      # how often a streamed couplet's place in line is refreshed
-
-
-async def _couplet_events(server: ModelServer, ticket: Any, req: CoupletRequest, keywords: list[str],
-                          arrival: float) -> AsyncIterator[str]:
-    """The streamed couplet: its place in line when it changes (checked every second), then
-    the couplet. A client that goes away cancels this; the response's background task releases
-    the ticket in every case."""
-    try:
-        last = None
-        while not ticket.turn.done():
-            position = ticket.position
-            if position != last:
-                wait = ticket.expected_wait_s()
-                last = position
-                yield sse_event("queued", {"position": position,
-                                           "expected_wait_s": None if wait is None else round(wait, 1)})
-            await asyncio.wait({ticket.turn}, timeout=COUPLET_UPDATE_S)
-        yield sse_event("writing", {"waited_s": round(time.perf_counter() - arrival, 2)})
-        yield sse_event("couplet", await _write_couplet(server, None, ticket, req, keywords, arrival))
-    except (APIError, RequestTimeout, EngineError, ValueError) as exc:
-        yield sse_event("error", as_api_error(exc).body())
 
 
 def sse_event(name: str, data: dict) -> str:
@@ -828,114 +673,3 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
 
 
 # --- command line ----------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="leapfrog serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Precedence: flags > environment (LEAPFROG_<KEY>; also CACHE_SIZE, MAX_TOKENS, BATCH_SIZE, "
-               "TEMPERATURE) > --config file > defaults. See examples/*.yaml.")
-    add_arguments(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = build_config(flags_from_args(args))
-    except ConfigError as exc:
-        print(f"leapfrog serve: configuration error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level.upper() if cfg.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from leapfrog.config import resolve_model
-    try:
-        for view in cfg.views():      # fail before binding the port, not in the background
-            resolve_model(view.model)
-    except FileNotFoundError as exc:
-        print(f"leapfrog serve: {exc}", file=sys.stderr)
-        return 2
-    follower = torchrun_role(cfg)
-    if follower is not None:
-        return follower
-    app = create_app(cfg)
-    server = DrainingServer(uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
-        ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None,
-        http=http_protocol(cfg.header_timeout)))
-    state: ServerState = app.state.leapfrog
-    # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
-    # restart or report it, where a live process answering 503 forever would hide it.
-    for m in state.servers:
-        m.engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    log.info("serving %s on %s://%s:%d", ", ".join(m.model_id for m in state.servers),
-             "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
-    for line in startup_warnings(cfg, state.auth.enabled):
-        log.warning("%s", line)
-    server.run()
-    return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
-
-
-def torchrun_role(cfg: ServerConfig) -> int | None:
-    """Under torchrun (one replica over several nodes), None on rank 0, which serves HTTP; on
-    any other rank, the exit code after following rank 0's engine until it stops. Errors: a
-    group of another size than tensor_parallel_size x pipeline_parallel_size, several models."""
-    import os
-    from leapfrog.engine.distributed import num_ranks
-    from leapfrog.layers.parallel import launched_by_torchrun
-    if not launched_by_torchrun():
-        return None
-    world = int(os.environ["WORLD_SIZE"])
-    if num_ranks(cfg.engine) != world:
-        print(f"leapfrog serve: torchrun started {world} processes, but tensor_parallel_size x "
-              f"pipeline_parallel_size is {num_ranks(cfg.engine)}: set them so that they multiply to {world}",
-              file=sys.stderr)
-        return 2
-    if len(cfg.views()) > 1:
-        print("leapfrog serve: under torchrun the ranks run one model; name it with --model", file=sys.stderr)
-        return 2
-    if int(os.environ["RANK"]) == 0:
-        return None
-    try:
-        _engine_factory(cfg)()          # follows rank 0 inside this call, then exits
-    except SystemExit as done:
-        return int(done.code or 0)
-    return 0
-
-
-def startup_warnings(cfg: ServerConfig, auth_enabled: bool) -> list[str]:
-    """What an operator must hear about at start: an open server on a network address, fault
-    injection left on."""
-    import ipaddress
-    out = []
-    try:
-        loopback = ipaddress.ip_address(cfg.host).is_loopback
-    except ValueError:
-        loopback = cfg.host == "localhost"
-    if not loopback and not auth_enabled:
-        out.append(f"no API key is configured and the server listens on {cfg.host}, which is not a loopback "
-                   "address: anyone who can reach this port can generate. Set --api-key (or --api-key-file / "
-                   "--jwt-secret), or bind --host 127.0.0.1")
-    if cfg.fault_injection:
-        out.append("fault injection is on: POST /admin/fault crashes an engine on demand. Never in production")
-    return out
-
-
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT the server drains: readiness answers 503 at once (so a load balancer
-    stops sending) and new generations get 503, while the requests in flight finish, up to
-    shutdown_timeout; then uvicorn shuts down and the process exits 0. A second signal stops
-    at once."""
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        state: ServerState = self.config.app.state.leapfrog
-        if state.draining:          # second signal: stop now
-            self.should_exit = self.force_exit = True
-            return
-        state.draining = True
-        log.info("draining: %d requests in flight", sum(m.engine.num_in_flight for m in state.servers))
-        threading.Thread(target=self._exit_when_drained, args=(state,), daemon=True).start()
-
-    def _exit_when_drained(self, state: ServerState) -> None:
-        deadline = time.monotonic() + (state.cfg.shutdown_timeout or float("inf"))   # 0: no limit
-        while any(m.engine.num_in_flight > 0 for m in state.servers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.should_exit = True

@@ -26,8 +26,8 @@ from leapfrog.serve.app import (SSE_HEADERS, ClientWatch, ModelServer, ServerSta
 from leapfrog.serve.engine_thread import EngineError, RequestTimeout
 from leapfrog.serve.line import LineFull, WaitingLine, retry_after_s
 from leapfrog.serve.openai_api import Prepared
-from leapfrog.serve.protocol import APIError, _Strict, bad_request, parse_body
-from leapfrog.serve.schema import Extension, _obj, _BOOL, _INT, _NUM, _STR
+from leapfrog.serve.protocol import APIError, GenerateRequest, StrictModel, bad_request, parse_body
+from leapfrog.serve.schema import BOOL, INT, NUM, STR, Extension, obj
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ COUPLET_UPDATE_S = 1.0      # how often a streamed couplet's place in line is re
 GENERATE_FIELDS = frozenset({"keywords", "seed", "model"})   # what /generate's couplet form takes
 
 
-class CoupletRequest(_Strict):
+class CoupletRequest(StrictModel):
     """POST /couplet: a couplet (上联, 下联, 横批) for a few keywords."""
     keywords: str
     seed: int | None = None                # the same keywords and seed write the same couplet
@@ -155,21 +155,17 @@ async def _generate_couplet(state: ServerState, request: Request, body: dict, ar
     """POST /generate with keywords instead of a prompt (the couplet guide's contract): the
     couplet as its three lines of text, plus POST /couplet's fields. Only keywords, seed and
     model apply; any other field set to something but its default is a 400."""
-    from leapfrog.serve.protocol import GenerateRequest
-    if body.get("prompt") is not None:
-        raise bad_request("give either prompt or keywords, not both", "keywords")
-    keywords = body.get("keywords")
-    if keywords is not None and not isinstance(keywords, str):
+    keywords = body["keywords"]
+    if not isinstance(keywords, str):
         raise bad_request("keywords: must be a string", "keywords")
-    rest = {k: v for k, v in body.items() if k != "keywords"}
-    req = parse_body(json.dumps(rest).encode(), GenerateRequest)
+    req = parse_body(json.dumps({k: v for k, v in body.items() if k != "keywords"}).encode(), GenerateRequest)
+    if req.prompt is not None:
+        raise bad_request("give either prompt or keywords, not both", "keywords")
     unused = [f for f in sorted(req.model_fields_set - GENERATE_FIELDS)
               if getattr(req, f) != GenerateRequest.model_fields[f].default]
     if unused:      # silently ignoring e.g. a temperature would mislead
         raise bad_request(f"{unused[0]} does not apply to a couplet (keywords); it takes keywords, seed "
                           "and model (POST /couplet has the couplet's own options)", unused[0], "unsupported")
-    if keywords is None:
-        raise bad_request("missing required field 'prompt'", "prompt", "missing_field")
     creq = CoupletRequest(keywords=keywords, seed=req.seed, model=req.model)
     server, words, ticket = _enter_line(state, creq)
     couplet = await _write(server, request, ticket, creq, words, arrival)
@@ -260,8 +256,8 @@ def _refine(name: str, schema: dict) -> None:
     props = schema.get("properties", {})
     if name == "GenerateRequest":       # a prompt, or the couplet guide's keywords
         props["keywords"] = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Keywords"}
-        schema["anyOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}}
-                           for f in ("prompt", "keywords")]
+        schema["anyOf"] = [*schema.get("anyOf", []),
+                           {"required": ["keywords"], "properties": {"keywords": {"not": {"type": "null"}}}}]
     if "keywords" in props:
         # at least one Chinese character (a keyword holds nothing else; the rest is separators)
         for branch in props["keywords"].get("anyOf", [props["keywords"]]):
@@ -269,21 +265,25 @@ def _refine(name: str, schema: dict) -> None:
                 branch.update({"minLength": 1, "maxLength": rules.MAX_INPUT, "pattern": rules.cjk_class()})
     if name == "CoupletRequest":
         props["method"]["enum"] = list(COUPLET_METHODS)
-        props["seed"]["anyOf"][0].update({"minimum": 0, "maximum": SEED_RANGE[1]})
+        for field, bound in (("seed", {"minimum": 0, "maximum": SEED_RANGE[1]}),   # picks candidates' seeds
+                             ("num_candidates", {"minimum": 1, "maximum": MAX_CANDIDATES})):
+            for branch in props[field].get("anyOf", [props[field]]):
+                if branch.get("type") == "integer":
+                    branch.update(bound)
 
 
-_COUPLET = _obj({"model": _STR, "upper": _STR, "lower": _STR, "horizontal": _STR,
-                 "keywords": {"type": "array", "items": _STR},
-                 "rules": {"type": "object", "additionalProperties": _BOOL}, "all_rules_hold": _BOOL,
-                 "score": _NUM, "constrained": _BOOL, "num_candidates": _INT,
-                 "timing": _obj({"seconds": _NUM}, {"waited_s": _NUM})})
+_COUPLET = obj({"model": STR, "upper": STR, "lower": STR, "horizontal": STR,
+                 "keywords": {"type": "array", "items": STR},
+                 "rules": {"type": "object", "additionalProperties": BOOL}, "all_rules_hold": BOOL,
+                 "score": NUM, "constrained": BOOL, "num_candidates": INT,
+                 "timing": obj({"seconds": NUM}, {"waited_s": NUM})})
 SCHEMA = Extension(
     request_bodies={"/couplet": CoupletRequest},
     response_schemas={"CoupletResponse": _COUPLET,
                       "GenerateCoupletResponse": {**_COUPLET, "required": _COUPLET["required"] + ["couplet"],
-                                                  "properties": {**_COUPLET["properties"], "couplet": _STR}}},
+                                                  "properties": {**_COUPLET["properties"], "couplet": STR}}},
     response_bodies={"/couplet": ["CoupletResponse"], "/generate": ["GenerateCoupletResponse"]},
     html_pages={"/couplet": "the couplet page (HTML)"},
-    model_card={"couplets": _BOOL},
+    model_card={"couplets": BOOL},
     refine=_refine,
 )

@@ -34,12 +34,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # NaN and infinity are not numbers a request can mean (Python's json accepts `NaN`)
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by /generate, /v1/completions and /v1/chat/completions."""
     model: str | None = None
     max_tokens: int | None = None
@@ -64,17 +64,17 @@ class SamplingFields(_Strict):
     speculative: SpeculativeOptions | None = None   # extension: per-request drafting cap or off
 
 
-class SpeculativeOptions(_Strict):
+class SpeculativeOptions(StrictModel):
     """A request's control of speculative decoding: verify at most this many drafts a step
     (0: no drafting for this request). Ignored by methods that do not draft."""
     num_speculative_tokens: int
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's response_format: only plain text, the default, which some clients send
     explicitly; json_object and json_schema need guided decoding, which leapfrog does not have
     (a 400 naming the field, not a reply that ignores the schema)."""
@@ -82,27 +82,11 @@ class ResponseFormat(_Strict):
 
 
 class GenerateRequest(SamplingFields):
-    prompt: str | list[int] | None = None  # required unless `keywords` is given
+    prompt: str | list[int] | None = None  # required (a guest may accept another form: couplet.py)
     max_length: int | None = None          # alias of max_tokens: new tokens, not prompt + new
-    keywords: str | None = None            # the couplet guide's form: a couplet for these keywords
 
 
-COUPLET_METHODS = ("constrained", "free")
-MAX_CANDIDATES = 16
-
-
-class CoupletRequest(_Strict):
-    """POST /couplet: a couplet (上联, 下联, 横批) for a few keywords."""
-    keywords: str
-    seed: int | None = None                # the same keywords and seed write the same couplet
-    method: str = "constrained"            # "constrained" (rules enforced, candidates reranked) or "free"
-    num_candidates: int | None = None      # constrained: candidates written and reranked (None: 8, fewer
-                                           # while the engine is busy)
-    model: str | None = None               # default: the first served model that writes couplets
-    stream: bool = False                   # server-sent events: place in line, then the couplet
-
-
-class FaultRequest(_Strict):
+class FaultRequest(StrictModel):
     """POST /admin/fault (only with --fault-injection)."""
     fault: str
     model: str | None = None
@@ -120,7 +104,7 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
@@ -144,7 +128,7 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the model's template."""
     model: str | None = None
     prompt: str | None = None
@@ -153,7 +137,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True     # the messages form
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """POST /detokenize (vLLM's): token ids -> text."""
     model: str | None = None
     tokens: list[int]

@@ -2,14 +2,15 @@
 (request schemas from the pydantic models the server validates with, with the ranges
 SamplingParams and the server check), the response bodies, every error response in the OpenAI
 error shape, and the right content types (/metrics is Prometheus text, streams are server-sent
-events, /couplet's GET is the page).
+events, an HTML page is HTML). Guests of the server add their routes' entries (Extension).
 
 The request schemas over-approximate what is accepted: every body the schema rejects, the server
 rejects; a body the schema allows may still get a 400 for what only its content shows (a prompt
-longer than the context, keywords with no Chinese word)."""
+longer than the context)."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -17,13 +18,11 @@ from pydantic import BaseModel
 
 from leapfrog.sampling_params import (INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
                                       MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SEED_RANGE)
-from leapfrog.serve.protocol import (COUPLET_METHODS, MAX_CANDIDATES, ChatRequest, CompletionRequest,
-                                    CoupletRequest, DetokenizeRequest, FaultRequest, GenerateRequest,
-                                    TokenizeRequest)
+from leapfrog.serve.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, FaultRequest,
+                                    GenerateRequest, TokenizeRequest)
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
-    "/couplet": CoupletRequest,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
     "/admin/fault": FaultRequest,           # only with --fault-injection
@@ -63,7 +62,6 @@ BOUNDS: dict[str, dict] = {
     "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-    "num_candidates": {"minimum": 1, "maximum": MAX_CANDIDATES},
 }
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
@@ -75,62 +73,53 @@ def error_schema() -> dict:
     return {"type": "object", "required": ["error"], "properties": {"error": detail}}
 
 
-def _obj(required: dict, optional: dict | None = None) -> dict:
+def obj(required: dict, optional: dict | None = None) -> dict:
     return {"type": "object", "required": list(required), "properties": {**required, **(optional or {})}}
 
 
-_STR, _INT, _NUM, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 _NULLABLE_STR = {"type": ["string", "null"]}
-_USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
+_USAGE = obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 
 
 def response_schemas() -> dict[str, dict]:
     """The JSON bodies of the 200 answers, by component name."""
     ref = REF_TEMPLATE.format
-    couplet = _obj({"model": _STR, "upper": _STR, "lower": _STR, "horizontal": _STR,
-                    "keywords": {"type": "array", "items": _STR},
-                    "rules": {"type": "object", "additionalProperties": _BOOL}, "all_rules_hold": _BOOL,
-                    "score": _NUM, "constrained": _BOOL, "num_candidates": _INT,
-                    "timing": _obj({"seconds": _NUM}, {"waited_s": _NUM})})
     completion_logprobs = {"type": ["object", "null"], "required": ["tokens", "token_logprobs", "text_offset"]}
     prompt_logprobs = {"type": ["array", "null"], "items": {"type": ["object", "null"]}}
-    choice = _obj({"index": _INT, "text": _STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR},
+    choice = obj({"index": INT, "text": STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR},
                   {"prompt_logprobs": prompt_logprobs})
-    message = _obj({"role": {"const": "assistant"}, "content": _STR})
-    chat_choice = _obj({"index": _INT, "message": message, "logprobs": {"type": ["object", "null"]},
+    message = obj({"role": {"const": "assistant"}, "content": STR})
+    chat_choice = obj({"index": INT, "message": message, "logprobs": {"type": ["object", "null"]},
                         "finish_reason": _NULLABLE_STR})
-    head = {"id": _STR, "created": _INT, "model": _STR, "usage": {"$ref": ref(model="Usage")}}
+    head = {"id": STR, "created": INT, "model": STR, "usage": {"$ref": ref(model="Usage")}}
     return {
         "Usage": _USAGE,
-        "GenerateResponse": _obj({"text": _STR, "model": _STR, "num_tokens": _INT, "prompt_tokens": _INT,
-                                  "finish_reason": _NULLABLE_STR, "tokens_per_forward": _NUM,
-                                  "timing": _obj({"total_s": _NUM, "time_to_first_token_s": {"type": ["number", "null"]},
-                                                  "tokens_per_s": _NUM})}),
-        "CoupletResponse": couplet,
-        "GenerateCoupletResponse": {**couplet, "required": couplet["required"] + ["couplet"],
-                                    "properties": {**couplet["properties"], "couplet": _STR}},
-        "CompletionResponse": _obj({**head, "object": {"const": "text_completion"},
+        "GenerateResponse": obj({"text": STR, "model": STR, "num_tokens": INT, "prompt_tokens": INT,
+                                  "finish_reason": _NULLABLE_STR, "tokens_per_forward": NUM,
+                                  "timing": obj({"total_s": NUM, "time_to_first_token_s": {"type": ["number", "null"]},
+                                                  "tokens_per_s": NUM})}),
+        "CompletionResponse": obj({**head, "object": {"const": "text_completion"},
                                     "choices": {"type": "array", "items": choice}}),
-        "ChatCompletionResponse": _obj({**head, "object": {"const": "chat.completion"},
+        "ChatCompletionResponse": obj({**head, "object": {"const": "chat.completion"},
                                         "choices": {"type": "array", "items": chat_choice}}),
-        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
-            {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
-            {"max_model_len": _INT, "method": _STR, "couplets": _BOOL})}}),
-        "Status": _obj({"status": _STR}),
-        "TokenizeResponse": _obj({"count": _INT, "max_model_len": _INT,
-                                  "tokens": {"type": "array", "items": _INT}}),
-        "DetokenizeResponse": _obj({"prompt": _STR}),
+        "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": obj(
+            {"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR},
+            {"max_model_len": INT, "method": STR})}}),
+        "Status": obj({"status": STR}),
+        "TokenizeResponse": obj({"count": INT, "max_model_len": INT,
+                                  "tokens": {"type": "array", "items": INT}}),
+        "DetokenizeResponse": obj({"prompt": STR}),
     }
 
 
 # One server-sent event (OpenAPI 3.1: the event-stream schema describes each event): `data` is a
 # JSON chunk of the response's streaming shape, an error object, or the final [DONE].
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string"}, "event": _STR, "id": _STR, "retry": _INT}}
+    "data": {"type": "string"}, "event": STR, "id": STR, "retry": INT}}
 
 RESPONSE_BODIES = {     # path -> the 200 answer's JSON schema(s) (the stream's is text/event-stream)
-    "/generate": ["GenerateResponse", "GenerateCoupletResponse"],
-    "/couplet": ["CoupletResponse"],
+    "/generate": ["GenerateResponse"],
     "/v1/completions": ["CompletionResponse"],
     "/v1/chat/completions": ["ChatCompletionResponse"],
     "/v1/models": ["ModelList"],
@@ -153,8 +142,6 @@ def refine_request(name: str, schema: dict, max_n: int) -> None:
         bound = BOUNDS.get(field)
         if field == "n":
             bound = {"minimum": 1, "maximum": max_n}
-        elif field == "seed" and name == "CoupletRequest":     # a couplet's seed picks candidates' seeds
-            bound = {"minimum": 0, "maximum": SEED_RANGE[1]}
         elif field == "max_tokens" and name == "CompletionRequest":   # 0: with echo, score the prompt only
             bound = {**BOUNDS["max_tokens"], "minimum": 0}
         if bound:
@@ -181,17 +168,44 @@ def refine_request(name: str, schema: dict, max_n: int) -> None:
                                               "maximum": LOGIT_BIAS_RANGE}
     if "messages" in props:
         props["messages"]["minItems"] = 1
-    if "keywords" in props:
-        from leapfrog.couplet.rules import MAX_INPUT, cjk_class
-        # at least one Chinese character (a keyword holds nothing else; the rest is separators)
-        for branch in props["keywords"].get("anyOf", [props["keywords"]]):
-            if branch.get("type") == "string":
-                branch.update({"minLength": 1, "maxLength": MAX_INPUT, "pattern": cjk_class()})
-    if name == "CoupletRequest":
-        props["method"]["enum"] = list(COUPLET_METHODS)
-    if name == "GenerateRequest":       # a prompt, or the couplet guide's keywords
-        schema["anyOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}}
-                           for f in ("prompt", "keywords")]
+    if name == "GenerateRequest":       # a prompt (a guest may add other forms: Extension.refine)
+        schema["anyOf"] = [{"required": ["prompt"], "properties": {"prompt": {"not": {"type": "null"}}}}]
+
+
+@dataclass
+class Extension:
+    """What a guest of the server (an app installed on it, such as serve/couplet.py) adds to the
+    document: request bodies and 200 answers of its routes (by path; a path the core has gets
+    its answers added), response schemas by name, HTML pages (GET path -> description), optional
+    fields of /v1/models' cards, and a refinement of request schemas (name, schema) run after
+    the core's."""
+    request_bodies: dict[str, type[BaseModel]] = field(default_factory=dict)
+    response_schemas: dict[str, dict] = field(default_factory=dict)
+    response_bodies: dict[str, list[str]] = field(default_factory=dict)
+    html_pages: dict[str, str] = field(default_factory=dict)
+    model_card: dict[str, dict] = field(default_factory=dict)
+    refine: Callable[[str, dict], None] | None = None
+
+
+@dataclass
+class _Document:
+    """The core's tables with the extensions' entries merged in."""
+    request_bodies: dict[str, type[BaseModel]]
+    response_bodies: dict[str, list[str]]
+    html_pages: dict[str, str]
+    refines: list[Callable[[str, dict], None]]
+
+    @classmethod
+    def merge(cls, extensions: list[Extension]) -> "_Document":
+        doc = cls(dict(REQUEST_BODIES), {k: list(v) for k, v in RESPONSE_BODIES.items()}, {}, [])
+        for ext in extensions:
+            doc.request_bodies.update(ext.request_bodies)
+            for path, names in ext.response_bodies.items():
+                doc.response_bodies.setdefault(path, []).extend(names)
+            doc.html_pages.update(ext.html_pages)
+            if ext.refine is not None:
+                doc.refines.append(ext.refine)
+        return doc
 
 
 def _error_responses(codes: dict[str, str]) -> dict:
@@ -205,25 +219,33 @@ def _json_200(names: list[str]) -> dict:
     return {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
 
 
-def build_openapi(app: FastAPI, auth_enabled: bool, max_n: int = 16) -> dict:
+def build_openapi(app: FastAPI, auth_enabled: bool, max_n: int = 16, extensions: list[Extension] | None = None) -> dict:
+    extensions = extensions or []
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = error_schema()
     schemas.update(response_schemas())
+    for ext in extensions:
+        schemas.update(ext.response_schemas)
+        schemas["ModelList"]["properties"]["data"]["items"]["properties"].update(ext.model_card)
+    tables = _Document.merge(extensions)
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
-            _complete(path, method, op, schemas, auth_enabled, max_n)
+            _complete(path, method, op, schemas, auth_enabled, max_n, tables)
     return doc
 
 
-def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: bool, max_n: int) -> None:
+def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: bool, max_n: int,
+              tables: _Document) -> None:
     responses = op.setdefault("responses", {})
     responses.pop("422", None)            # FastAPI's validation shape is never used here
-    if method == "post" and path in REQUEST_BODIES:
-        model = REQUEST_BODIES[path]
+    if method == "post" and path in tables.request_bodies:
+        model = tables.request_bodies[path]
         schema = model.model_json_schema(ref_template=REF_TEMPLATE)
         schemas.update(schema.pop("$defs", {}))
         refine_request(model.__name__, schema, max_n)
+        for refine in tables.refines:
+            refine(model.__name__, schema)
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}
@@ -231,11 +253,11 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
             schema["properties"]["fault"]["enum"] = ["engine_crash"]
             responses.pop("200", None)
             responses["202"] = {"description": "the engine will die at its next turn and be rebuilt", "content": {
-                "application/json": {"schema": _obj({"fault": _STR, "model": _STR})}}}
+                "application/json": {"schema": obj({"fault": STR, "model": STR})}}}
             responses.update(_error_responses({c: GENERATION_ERRORS[c] for c in ("400", "401", "404", "413",
                                                                                     "415", "503")}))
             return
-        content = {"application/json": _json_200(RESPONSE_BODIES[path])}
+        content = {"application/json": _json_200(tables.response_bodies[path])}
         if "stream" in schema.get("properties", {}):
             content["text/event-stream"] = {"schema": SSE_EVENT}
         responses["200"] = {"description": "OK", "content": content}
@@ -247,10 +269,10 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
     elif path == "/metrics":
         responses["200"] = {"description": "Prometheus text exposition format",
                             "content": {"text/plain": {"schema": {"type": "string"}}}}
-    elif path == "/couplet" and method == "get":
-        responses["200"] = {"description": "the couplet page (HTML)", "content": {"text/html": {"schema": _STR}}}
-    elif path in RESPONSE_BODIES:
-        responses["200"] = {"description": "OK", "content": {"application/json": _json_200(RESPONSE_BODIES[path])}}
+    elif method == "get" and path in tables.html_pages:
+        responses["200"] = {"description": tables.html_pages[path], "content": {"text/html": {"schema": STR}}}
+    elif path in tables.response_bodies:
+        responses["200"] = {"description": "OK", "content": {"application/json": _json_200(tables.response_bodies[path])}}
         if path in ("/health", "/healthz", "/ready"):
             responses["503"] = {"description": "not healthy / not ready",
                                 "content": {"application/json": _json_200(["Status"])}}
@@ -260,12 +282,14 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
 
 
-def install(app: FastAPI, auth_enabled: bool, max_n: int = 16) -> None:
-    """Replace app.openapi with the completed document (built once, on first request)."""
+def install(app: FastAPI, auth_enabled: bool, max_n: int = 16, extensions: list[Extension] | None = None) -> None:
+    """Replace app.openapi with the completed document (built once, on first request, with the
+    extensions in the list by then: guests installed after this call are included)."""
     cache: dict[str, Any] = {}
+    extensions = extensions if extensions is not None else []
 
     def openapi() -> dict:
         if "doc" not in cache:
-            cache["doc"] = build_openapi(app, auth_enabled, max_n)
+            cache["doc"] = build_openapi(app, auth_enabled, max_n, extensions)
         return cache["doc"]
     app.openapi = openapi

@@ -1,0 +1,147 @@
+"""`leapfrog serve`: the HTTP server (FastAPI + uvicorn) as it runs, the HTTP core (app.py) with
+its guest, the couplet terminal (couplet.py).
+
+The engine runs in one background thread per served model (engine_thread.AsyncEngine); handlers
+validate, queue, and stream. Endpoints: POST /generate, /v1/completions, /v1/chat/completions,
+/tokenize, /detokenize; GET /v1/models, /health, /healthz, /ready, /metrics; the couplet page
+GET /couplet and POST /couplet. Configuration: config.py.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from leapfrog.serve import app as http_core
+from leapfrog.serve import couplet
+from leapfrog.serve.app import ServerState, model_engine_factory
+from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
+from leapfrog.serve.connections import http_protocol
+
+log = logging.getLogger(__name__)
+GUESTS = (couplet.install,)
+
+
+def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
+    """The served app: the HTTP core and its guests; `engine_factory` (tests) replaces the first
+    served model's engine."""
+    return http_core.create_app(cfg, engine_factory, GUESTS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="leapfrog serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Precedence: flags > environment (LEAPFROG_<KEY>; also CACHE_SIZE, MAX_TOKENS, BATCH_SIZE, "
+               "TEMPERATURE) > --config file > defaults. See examples/*.yaml.")
+    add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = build_config(flags_from_args(args))
+    except ConfigError as exc:
+        print(f"leapfrog serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper() if cfg.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from leapfrog.config import resolve_model
+    try:
+        for view in cfg.views():      # fail before binding the port, not in the background
+            resolve_model(view.model)
+    except FileNotFoundError as exc:
+        print(f"leapfrog serve: {exc}", file=sys.stderr)
+        return 2
+    follower = torchrun_role(cfg)
+    if follower is not None:
+        return follower
+    app = create_app(cfg)
+    server = DrainingServer(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
+        ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None,
+        http=http_protocol(cfg.header_timeout)))
+    state: ServerState = app.state.leapfrog
+    # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
+    # restart or report it, where a live process answering 503 forever would hide it.
+    for m in state.servers:
+        m.engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    log.info("serving %s on %s://%s:%d", ", ".join(m.model_id for m in state.servers),
+             "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port)
+    for line in startup_warnings(cfg, state.auth.enabled):
+        log.warning("%s", line)
+    server.run()
+    return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
+
+
+def torchrun_role(cfg: ServerConfig) -> int | None:
+    """Under torchrun (one replica over several nodes), None on rank 0, which serves HTTP; on
+    any other rank, the exit code after following rank 0's engine until it stops. Errors: a
+    group of another size than tensor_parallel_size x pipeline_parallel_size, several models."""
+    import os
+    from leapfrog.engine.distributed import num_ranks
+    from leapfrog.layers.parallel import launched_by_torchrun
+    if not launched_by_torchrun():
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if num_ranks(cfg.engine) != world:
+        print(f"leapfrog serve: torchrun started {world} processes, but tensor_parallel_size x "
+              f"pipeline_parallel_size is {num_ranks(cfg.engine)}: set them so that they multiply to {world}",
+              file=sys.stderr)
+        return 2
+    if len(cfg.views()) > 1:
+        print("leapfrog serve: under torchrun the ranks run one model; name it with --model", file=sys.stderr)
+        return 2
+    if int(os.environ["RANK"]) == 0:
+        return None
+    try:
+        model_engine_factory(cfg)()          # follows rank 0 inside this call, then exits
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+def startup_warnings(cfg: ServerConfig, auth_enabled: bool) -> list[str]:
+    """What an operator must hear about at start: an open server on a network address, fault
+    injection left on."""
+    import ipaddress
+    out = []
+    try:
+        loopback = ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:
+        loopback = cfg.host == "localhost"
+    if not loopback and not auth_enabled:
+        out.append(f"no API key is configured and the server listens on {cfg.host}, which is not a loopback "
+                   "address: anyone who can reach this port can generate. Set --api-key (or --api-key-file / "
+                   "--jwt-secret), or bind --host 127.0.0.1")
+    if cfg.fault_injection:
+        out.append("fault injection is on: POST /admin/fault crashes an engine on demand. Never in production")
+    return out
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT the server drains: readiness answers 503 at once (so a load balancer
+    stops sending) and new generations get 503, while the requests in flight finish, up to
+    shutdown_timeout; then uvicorn shuts down and the process exits 0. A second signal stops
+    at once."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        state: ServerState = self.config.app.state.leapfrog
+        if state.draining:          # second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        state.draining = True
+        log.info("draining: %d requests in flight", sum(m.engine.num_in_flight for m in state.servers))
+        threading.Thread(target=self._exit_when_drained, args=(state,), daemon=True).start()
+
+    def _exit_when_drained(self, state: ServerState) -> None:
+        deadline = time.monotonic() + (state.cfg.shutdown_timeout or float("inf"))   # 0: no limit
+        while any(m.engine.num_in_flight > 0 for m in state.servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
