@@ -88,12 +88,12 @@ $(DONE)/stories-large-delta: $(DONE)/stories
 # --derived: not the copy shipped before), then are distilled against stories-large itself and
 # shipped in its recipe folder (7 MB each).
 $(DONE)/large-drafter-%: $(DONE)/stories-large-delta $(DONE)/drafter-%
-	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large
-	$(PY) -m leapfrog.build --derived checkpoints/stories-large runs/stories-large-derived-$*
+	$(PY) -m leapfrog.checkpoint.build --write-sums checkpoints/stories-large
+	$(PY) -m leapfrog.checkpoint.build --derived checkpoints/stories-large runs/stories-large-derived-$*
 	$(LF) train drafter $* --target stories-large --steps 600 --num-regen 3200 --threads 2 --resume \
 		--init-from runs/stories-large-derived-$*/drafters/$*-narrow \
 		--out checkpoints/stories-large/drafters/$*-narrow --run-dir runs/drafter-stories-large-$*
-	$(PY) -m leapfrog.build --ship-drafter checkpoints/stories-large drafters/$*-narrow
+	$(PY) -m leapfrog.checkpoint.build --ship-drafter checkpoints/stories-large drafters/$*-narrow
 	@touch $@
 
 # The DSpark one sits on DFlash's block (anchor + 8 masks: its first draft comes from a mask's slot,
@@ -101,20 +101,20 @@ $(DONE)/large-drafter-%: $(DONE)/stories-large-delta $(DONE)/drafter-%
 # (docs/models.md, "DSpark on DFlash's block").
 $(DONE)/large-drafter-dspark-markov-2l: $(DONE)/stories-large-delta $(DONE)/drafter-dspark-markov-2l \
 		$(DONE)/drafter-dflash-2l
-	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large
-	$(PY) -m leapfrog.build --derived checkpoints/stories-large runs/stories-large-derived-dspark-markov-2l
+	$(PY) -m leapfrog.checkpoint.build --write-sums checkpoints/stories-large
+	$(PY) -m leapfrog.checkpoint.build --derived checkpoints/stories-large runs/stories-large-derived-dspark-markov-2l
 	$(LF) train drafter dspark-markov-2l --target stories-large --block masks --steps 600 \
 		--num-regen 1200 --seed 4321 --threads 2 --resume \
 		--init-from runs/stories-large-derived-dspark-markov-2l/drafters/dflash-2l-narrow \
 		--heads-from runs/stories-large-derived-dspark-markov-2l/drafters/dspark-markov-2l-narrow \
 		--out checkpoints/stories-large/drafters/dspark-markov-2l-narrow \
 		--run-dir runs/drafter-stories-large-dspark-markov-2l
-	$(PY) -m leapfrog.build --ship-drafter checkpoints/stories-large drafters/dspark-markov-2l-narrow
+	$(PY) -m leapfrog.checkpoint.build --ship-drafter checkpoints/stories-large drafters/dspark-markov-2l-narrow
 	@touch $@
 
 $(DONE)/stories-large: $(DONE)/large-drafter-dspark-markov-2l $(DONE)/large-drafter-dflash-2l \
 		$(DONE)/stories-diffusion-distill2
-	$(PY) -m leapfrog.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
+	$(PY) -m leapfrog.checkpoint.build --write-sums checkpoints/stories-large checkpoints/stories-large-diffusion
 	@touch $@
 
 $(DONE)/drafter-variants: $(DONE)/drafter-dspark-rnn-2l $(DONE)/drafter-dflash-5l

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.build import materialize
+from leapfrog.checkpoint.build import materialize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_DIRS = [Path(os.environ.get("LEAPFROG_CHECKPOINTS", REPO_ROOT / "checkpoints"))]
@@ -150,9 +150,9 @@ def packaged_gguf(name: str) -> tuple[Path, dict] | None:
 def resolve_model(model: str | os.PathLike) -> Path:
     """A checkpoint folder, a GGUF file, or the name of a built-in model (under checkpoints/, or
     packaged). A folder holding a build recipe (build.json) resolves to the model it builds, made
-    on first use (build.py); a GGUF file to a folder made from its metadata (gguf_file.py)."""
-    from leapfrog.build import cache_root
-    from leapfrog.gguf_file import is_gguf, materialize_gguf
+    on first use (checkpoint/build.py); a GGUF file to a folder made from its metadata (checkpoint/gguf.py)."""
+    from leapfrog.checkpoint.build import cache_root
+    from leapfrog.checkpoint.gguf import is_gguf, materialize_gguf
     path = Path(model)
     if path.is_dir():
         return materialize(path)

@@ -141,7 +141,7 @@ def test_a_model_folder_sets_its_matmul_precision(llama_dir, tmp_path):
     import json
     import shutil
 
-    from leapfrog.loader import CheckpointError
+    from leapfrog.models.loader import CheckpointError
     folder = tmp_path / "m"
     shutil.copytree(llama_dir, folder)
     (folder / "leapfrog.json").write_text(json.dumps({"engine_options": {"matmul_precision": "bfloat16"}}))

@@ -1,4 +1,4 @@
-"""Models built on first use from a recipe (leapfrog/build.py): function-preserving growth.
+"""Models built on first use from a recipe (leapfrog/checkpoint/build.py): function-preserving growth.
 
 Oracles: the base model itself. A model grown wider and deeper computes the base model's logits;
 a drafter grown with it proposes the base drafter's drafts, so speculative decoding on the grown
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.build import BuildError, grow_tensors, materialize, sha256
-from leapfrog.loader import load_model
+from leapfrog.checkpoint.build import BuildError, grow_tensors, materialize, sha256
+from leapfrog.models.loader import load_model
 
 IDS = torch.tensor([[1, 40, 33, 95, 120, 7, 8, 9, 300, 200, 17, 5, 6]])
 
@@ -166,8 +166,8 @@ def test_the_shipped_diffusion_recipe_builds_and_decodes_as_its_base(tmp_path, m
 
 def test_write_sums_after_the_base_changes(llama_dir, tmp_path, monkeypatch):
     """A retrained base makes the recipe's checksums stale (the build refuses); `python -m
-    leapfrog.build --write-sums` rewrites them from a fresh build, which then loads."""
-    from leapfrog.build import main as build_main
+    leapfrog.checkpoint.build --write-sums` rewrites them from a fresh build, which then loads."""
+    from leapfrog.checkpoint.build import main as build_main
     monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "ckpts"
     shutil.copytree(llama_dir, root / "base")
@@ -223,7 +223,7 @@ def test_a_narrow_drafter_distils_against_the_grown_target_and_ships_in_the_reci
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
     assert not torch.equal(before["fc.weight"], after["fc.weight"])
     # shipped in the recipe: the build copies it; dspark on the grown model is still lossless
-    from leapfrog.build import main as build_main
+    from leapfrog.checkpoint.build import main as build_main
     assert build_main(["--ship-drafter", str(recipe), "drafters/dspark"]) == 0
     assert json.loads((recipe / "build.json").read_text())["drafters"] == {
         "drafters/dspark": {"copy": "drafters/dspark", "from": "base/drafters/dspark", "narrow": True}}

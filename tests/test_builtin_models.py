@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from leapfrog.config import CHECKPOINT_DIRS
-from leapfrog.loader import load_model
+from leapfrog.models.loader import load_model
 from leapfrog.tokenizer import Tokenizer
 
 BUILTIN = [p for p in sorted(CHECKPOINT_DIRS[0].iterdir()) if (p / "config.json").is_file()] \

@@ -73,7 +73,7 @@ def test_the_scorer_forward_uses_the_declared_positions(llama_dir, tmp_path):
     coupled position ids."""
     from transformers import AutoModelForCausalLM
 
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     folder, tok, anchor = _coupled_copy(llama_dir, tmp_path)
     ids = torch.tensor([tok.encode("The cat, the dog and the bird, all ran home")])
     got = load_model(folder).forward_dense(ids)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import build_model
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import load_model
+from leapfrog.models.loader import load_model
 from leapfrog.models.diffusion_families import diffusion_spec
 from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence

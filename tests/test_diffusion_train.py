@@ -179,7 +179,7 @@ def test_exported_folder_carries_the_contract_and_loads_alike(toy_runs, monkeypa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from leapfrog import config
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     from leapfrog.train.export import verify_sha256sums
 
     _, (two, _), _ = toy_runs

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leapfrog.loader import load_model
+from leapfrog.models.loader import load_model
 from leapfrog.methods.drafters import load_drafter
 from leapfrog.models.dflash import DraftContext
 from leapfrog.train.drafter_objectives import (block_labels, dflash_loss, dspark_loss, forward_blocks,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import load_model, read_config
+from leapfrog.models.loader import load_model, read_config
 from leapfrog.methods.drafters import load_drafter
 from leapfrog.train.drafter import (Distiller, DrafterRecipe, calibrate, drafter_config, hf_state_dict,
                                     init_drafter, mask_token_id, train_drafter)
@@ -161,7 +161,7 @@ def test_init_from_continues_a_saved_drafter(llama_dir, tmp_path, one_thread):
 
 def test_init_noise_breaks_copies_and_zero_noise_keeps_the_start(llama_dir, tmp_path, one_thread):
     """DrafterRecipe.init_noise: the starting drafter's matrices move by about that share of their
-    own spread, so a unit's exact copies (a drafter grown wider, leapfrog.build) stop being
+    own spread, so a unit's exact copies (a drafter grown wider, leapfrog.checkpoint.build) stop being
     copies; the frozen tables stay as given; it needs init_from."""
     from leapfrog.train.drafter import break_symmetry
 

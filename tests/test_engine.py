@@ -146,7 +146,7 @@ def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
 def test_bf16_on_cpu_tracks_fp32(llama_dir):
     import torch
 
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     ids = torch.tensor([[1, 5, 9, 30, 31, 32, 33]])
     full = load_model(llama_dir).forward_dense(ids)
     half = load_model(llama_dir, dtype=torch.bfloat16).forward_dense(ids)

@@ -99,7 +99,7 @@ def test_normalised_coherence_and_the_human_continuation():
 
 
 def test_sequence_nll_matches_direct_computation(llama_dir):
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     model = load_model(llama_dir)
     seqs = [([1, 5, 9, 17, 33, 2], 1), ([1, 7, 3], 2), ([1, 40, 41, 42, 43, 44, 45, 2], 3)]
     total, count = sequence_nll(model, seqs, "cpu", batch_size=2)  # padded batches

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from leapfrog import LLM, SamplingParams  # noqa: E402
 from leapfrog.config import packaged_gguf  # noqa: E402
-from leapfrog.gguf_file import CheckpointError  # noqa: E402
+from leapfrog.checkpoint.gguf import CheckpointError  # noqa: E402
 from test_parity import record_logits  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2       # rows of 256: the K-quants' block
@@ -201,7 +201,7 @@ def test_files_that_cannot_load_are_named_with_their_problem(tmp_path):
 
 
 def test_an_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
-    from leapfrog import gguf_file
+    from leapfrog.checkpoint import gguf as gguf_file
     path = tmp_path / "q.gguf"
     write_gguf(path, "llama", T.Q4_1)
     monkeypatch.setattr(gguf_file, "TENSOR_TYPES", tuple(t for t in gguf_file.TENSOR_TYPES if t != "Q4_1"))
@@ -337,7 +337,7 @@ def test_a_model_loaded_for_training_keeps_every_weight_as_floats(tmp_path):
     embedding and back-propagates through the head), the same logits as the quantized load
     with float32 products."""
     from leapfrog.config import resolve_model
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     path = tmp_path / "q41.gguf"
     write_gguf(path, "llama", T.Q4_1, seed=5)
     folder = resolve_model(str(path))
@@ -353,7 +353,7 @@ def test_a_model_loaded_for_training_keeps_every_weight_as_floats(tmp_path):
 def test_a_packaged_models_shipped_drafters_are_named_in_its_folder(tmp_path):
     import json
 
-    from leapfrog.gguf_file import materialize_gguf
+    from leapfrog.checkpoint.gguf import materialize_gguf
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "llama", T.Q8_0, seed=2)
     plain = materialize_gguf(path, tmp_path / "cache")

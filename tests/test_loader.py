@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from leapfrog.loader import CheckpointError, load_model
+from leapfrog.models.loader import CheckpointError, load_model
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_sha256sums_manifest_is_enforced(ckpt):
 ])
 def test_leapfrog_json_of_the_wrong_shape_is_refused_naming_it(ckpt, meta, message):
     """These were ignored (a list of method options failed with an AttributeError)."""
-    from leapfrog.loader import model_meta
+    from leapfrog.models.loader import model_meta
     (ckpt / "leapfrog.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=f"leapfrog\\.json: {message}"):
         model_meta(ckpt)

@@ -18,7 +18,7 @@ from conftest import build_model
 from test_diffusion import ENGINE, GREEDY, MASK, PROMPTS, reference
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import CheckpointError, load_model
+from leapfrog.models.loader import CheckpointError, load_model
 from leapfrog.train import mask_stream
 from leapfrog.train.diffusion import DiffusionSpec, attention_mask, diffusion_loss, pack, SINGLE, MULTI
 

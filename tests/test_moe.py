@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from conftest import VOCAB, _common, write_tokenizer
 from leapfrog import LLM, SamplingParams
 from leapfrog.layers.moe import MoESpec, SparseMoE
-from leapfrog.loader import CheckpointError, load_model
+from leapfrog.models.loader import CheckpointError, load_model
 from leapfrog.models.info import param_report
 from test_parity import PROMPTS, hf_greedy, hf_model, record_logits
 

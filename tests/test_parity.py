@@ -7,7 +7,7 @@ import transformers
 
 from conftest import build_model
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import load_model
+from leapfrog.models.loader import load_model
 
 PROMPTS = [[1, 5, 9], [1] + list(range(20, 57)), [1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [1, 300],
            [1] + list(range(100, 119)), [1, 42, 43, 44, 45], [1] + list(range(200, 264)), [1, 3]]

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import CheckpointError, load_drafter
+from leapfrog.models.loader import CheckpointError, load_drafter
 from leapfrog.methods.speculative import Proposal, SpeculativeMethod
 from leapfrog.sample.rejection import greedy_accept, verify_drafts
 from leapfrog.methods.verify import ConfidencePolicy, VerifyRecord

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.loader import CheckpointError, load_model
+from leapfrog.models.loader import CheckpointError, load_model
 
 PROMPTS = [[1, 5, 9], [1] + list(range(20, 57)), [1, 7, 7, 7, 7, 7], [1, 300]]
 

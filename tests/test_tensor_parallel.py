@@ -26,7 +26,7 @@ def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor
                  stages: int = 1) -> None:
     torch.set_num_threads(1)
     tp.init(rank, size, f"tcp://127.0.0.1:{port}", pipeline_size=stages)
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     model = load_model(folder)
     local_params = sum(p.numel() for p in model.parameters())
     logits = model.forward_dense(ids)
@@ -38,7 +38,7 @@ def _rank_logits(rank: int, size: int, port: int, folder: str, ids: torch.Tensor
 def _split_logits(folder, tp_size: int, stages: int, tmp_path) -> tuple[torch.nn.Module, dict]:
     """The whole model, and rank 0's logits and parameter count over tp_size x stages ranks;
     the logits are checked against the whole model's (float32, 1e-5)."""
-    from leapfrog.loader import load_model
+    from leapfrog.models.loader import load_model
     ids = torch.tensor([PROMPTS[1]])
     whole = load_model(folder)
     want = whole.forward_dense(ids)

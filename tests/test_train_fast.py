@@ -227,7 +227,7 @@ def test_low_rank_run_ships_a_delta_that_the_recipe_builds(data_dir, tmp_path, m
 
     from transformers import LlamaForCausalLM
 
-    from leapfrog.build import materialize, sha256
+    from leapfrog.checkpoint.build import materialize, sha256
     from leapfrog.train import large
     monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path / "cache"))
     recipe = _grown_recipe(data_dir, tmp_path)

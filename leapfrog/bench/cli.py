@@ -37,7 +37,7 @@ from pathlib import Path
 from leapfrog.bench import couplets, diffusion, parallel, peers, perplexity, reliability, soak, speculative
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
-from leapfrog.loader import CheckpointError
+from leapfrog.models.loader import CheckpointError
 
 # Counts that must be at least 1 wherever a suite reads them (None: the suite's default).
 COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "num_prompts", "gamma", "num_blocks",

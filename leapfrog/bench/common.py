@@ -53,7 +53,7 @@ def matmul_precision(args, model_dir) -> str:
     import sys
 
     from leapfrog.layers import linear
-    from leapfrog.loader import model_engine_options
+    from leapfrog.models.loader import model_engine_options
     precision = getattr(args, "matmul_precision", None) or \
         model_engine_options(model_dir).get("matmul_precision", "float32")
     missing = linear.products_available(precision)

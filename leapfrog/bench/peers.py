@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from leapfrog.config import resolve_model
-from leapfrog.gguf_file import source_of
+from leapfrog.checkpoint.gguf import source_of
 
 
 from leapfrog.bench import llama_cpp

@@ -22,7 +22,7 @@ from pathlib import Path
 from leapfrog.bench import llama_cpp
 from leapfrog.bench.common import load_average, log, matmul_precision
 from leapfrog.config import resolve_model
-from leapfrog.gguf_file import source_of
+from leapfrog.checkpoint.gguf import source_of
 
 
 PREFILL_ROWS = 128

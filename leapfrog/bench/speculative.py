@@ -315,7 +315,7 @@ def llama_cpp_row(model_dir: Path, args: argparse.Namespace) -> dict | None:
     """llama.cpp's single-request decode of the model's float16 GGUF (best of 3 llama-bench
     repetitions), or None without a llama.cpp build or when its converter refuses the model."""
     from leapfrog.bench import llama_cpp
-    from leapfrog.gguf_file import source_of
+    from leapfrog.checkpoint.gguf import source_of
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
     source = source_of(model_dir)          # a GGUF model: llama.cpp decodes the very same file
     gguf = Path(args.gguf) if args.gguf else source if source is not None else (
@@ -337,7 +337,7 @@ def llama_server_rows(model_dir: Path, args: argparse.Namespace, prompts: dict[s
     set one request at a time, greedy; tok/s over the requests' wall-clock as leapfrog's rows.
     Empty without a llama.cpp build."""
     from leapfrog.bench import llama_cpp
-    from leapfrog.gguf_file import source_of
+    from leapfrog.checkpoint.gguf import source_of
     exe = llama_cpp.find_binary("llama-server", args.llama_cpp_dir)
     source = source_of(model_dir)
     gguf = source if source is not None else (

@@ -17,7 +17,7 @@ from leapfrog.engine.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
-from leapfrog.loader import load_model, model_engine_options, model_method_options, read_config
+from leapfrog.models.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.methods.base import Batch, Method, MethodContext, StepOutput
 from leapfrog.engine.decode_loop import MultiStep

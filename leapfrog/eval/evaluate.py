@@ -97,7 +97,7 @@ def load_scorer(name: str, device):
     import torch
 
     from leapfrog.config import resolve_model
-    from leapfrog.loader import load_model, read_config
+    from leapfrog.models.loader import load_model, read_config
     from leapfrog.tokenizer import Tokenizer
     folder = resolve_model(name)
     model = load_model(folder, device, torch.float32, suppress=False)   # scores the prompt's markers too

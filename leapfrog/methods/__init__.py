@@ -32,12 +32,12 @@ def default_method(model: str) -> str:
         folder = resolve_model(model)
     except FileNotFoundError:
         return "ar"
-    from leapfrog.loader import model_meta
+    from leapfrog.models.loader import model_meta
     method = model_meta(folder).get("default_method")
     if method in METHODS:
         return method
     if method is not None:
-        from leapfrog.loader import CheckpointError
+        from leapfrog.models.loader import CheckpointError
         raise CheckpointError(f"{Path(folder) / 'leapfrog.json'}: default_method {method!r} is not a method "
                               f"(available: {', '.join(sorted(METHODS))})")
     drafter = Path(folder) / "drafter" / "config.json"

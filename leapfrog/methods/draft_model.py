@@ -116,7 +116,7 @@ class DraftModelMethod(SpeculativeMethod):
         if int(draft_kv_tokens) < self.block_size:
             raise ValueError(f"method 'draft': draft_kv_tokens={draft_kv_tokens}: must be >= {self.block_size}")
         from leapfrog.config import resolve_model
-        from leapfrog.loader import load_model, named_drafter, read_config
+        from leapfrog.models.loader import load_model, named_drafter, read_config
         from leapfrog.tokenizer import Tokenizer
 
         # The model given, else the one the target folder's leapfrog.json names for `draft`.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from leapfrog.layers.parallel import whole
-from leapfrog.loader import find_drafter, load_drafter
+from leapfrog.models.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod

@@ -115,7 +115,7 @@ def _continue_from(drafter, folder: str, heads_from: str | None = None) -> None:
 
 def break_symmetry(drafter, scale: float, seed: int) -> None:
     """Add N(0, (scale * std)^2) noise to each trainable matrix, std its own. A drafter grown
-    wider by Net2Net copies (leapfrog.build) holds each unit `width` times; exact copies get
+    wider by Net2Net copies (leapfrog.checkpoint.build) holds each unit `width` times; exact copies get
     identical gradients, so without this the grown width never becomes capacity (Net2Net §3)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -276,7 +276,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     """Distil the drafter `r` describes, write its folder (drafter_export.export) and return the
     summary saved as its training.json."""
     from leapfrog.config import resolve_model
-    from leapfrog.loader import load_model, read_config
+    from leapfrog.models.loader import load_model, read_config
 
     torch.set_num_threads(r.threads)
     target_dir = resolve_model(r.target)
@@ -312,7 +312,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
         print(f"resumed {run / 'state.pt'} at step {step}", file=sys.stderr)
-    from leapfrog.build import weights_digest
+    from leapfrog.checkpoint.build import weights_digest
     from leapfrog.train.loop import same_parent
     same_parent(history, "target", weights_digest(target_dir), str(target_dir), run / "state.pt")
     n_params = sum(p.numel() for p in params)

@@ -40,7 +40,7 @@ def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_ev
 def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train, val) regenerated sequences, cached per target (its weights' digest: a retrained
     target regenerates) and size."""
-    from leapfrog.build import weights_digest
+    from leapfrog.checkpoint.build import weights_digest
     from leapfrog.data.corpus import fingerprint, heldout, train_items
     from leapfrog.data.stories import story_opening
 

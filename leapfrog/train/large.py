@@ -1,4 +1,4 @@
-"""A grown model (leapfrog.build) trained further as a low-rank delta, the form it ships in.
+"""A grown model (leapfrog.checkpoint.build) trained further as a low-rank delta, the form it ships in.
 
 The model of a recipe folder (``build.json``: a base grown wider and deeper) is rebuilt in memory
 from the base's weights, every weight frozen, and each listed projection gets a trainable
@@ -48,7 +48,7 @@ class LowRank(nn.Module):
 
 def base_folder(spec: LoraSpec) -> Path:
     """The model folder the recipe grows from."""
-    from leapfrog.build import BUILD_FILE
+    from leapfrog.checkpoint.build import BUILD_FILE
     folder = Path(spec.recipe)
     return folder.parent / json.loads((folder / BUILD_FILE).read_text())["base"]
 
@@ -58,7 +58,7 @@ def grown_model(spec: LoraSpec):
     from transformers import LlamaConfig, LlamaForCausalLM
     from safetensors.torch import load_file
 
-    from leapfrog.build import BUILD_FILE, BuildError, grow_tensors
+    from leapfrog.checkpoint.build import BUILD_FILE, BuildError, grow_tensors
 
     folder = Path(spec.recipe)
     recipe = json.loads((folder / BUILD_FILE).read_text())
@@ -125,7 +125,7 @@ def export_delta(model, cfg, history: dict, prep) -> dict:
     record the run (training.json, loss.png); returns the summary."""
     from safetensors.torch import save_file
 
-    from leapfrog.build import BUILD_FILE, write_sums
+    from leapfrog.checkpoint.build import BUILD_FILE, write_sums
     from leapfrog.train.export import plot_loss, summarize
 
     folder = Path(cfg.lora.recipe)

@@ -380,7 +380,7 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
     parent = _parent(cfg)
     if parent is not None:
-        from leapfrog.build import weights_digest
+        from leapfrog.checkpoint.build import weights_digest
         same_parent(history, "parent", weights_digest(parent), parent, run_dir / "state.pt")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))

@@ -30,7 +30,7 @@ REWRITTEN = ("README.md", "SHA256SUMS", "training.json")
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from leapfrog.loader import iter_tensors, weight_files
+    from leapfrog.models.loader import iter_tensors, weight_files
     return {name: t for _, name, t in iter_tensors(weight_files(folder))}
 
 
@@ -42,7 +42,7 @@ def mix(folders: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
         raise ValueError("give at least two folders and one weight per folder")
     if any(not math.isfinite(w) or w < 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
         raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
-    from leapfrog.loader import read_config
+    from leapfrog.models.loader import read_config
 
     base_cfg, base = read_config(folders[-1]), _weights(folders[-1])
     total = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in base.items()}

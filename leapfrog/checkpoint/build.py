@@ -279,11 +279,11 @@ def ship_drafter(recipe_dir: Path, dst: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m leapfrog.build``: refresh recipe folders' SHA256SUMS after what they grow from
+    """``python -m leapfrog.checkpoint.build``: refresh recipe folders' SHA256SUMS after what they grow from
     changed (--write-sums), ship a drafter trained for the built model (--ship-drafter), or print
     the built model's folder, building it if needed (--path)."""
     import argparse
-    p = argparse.ArgumentParser(prog="python -m leapfrog.build", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m leapfrog.checkpoint.build", description=main.__doc__)
     p.add_argument("--write-sums", nargs="+", default=[], metavar="FOLDER",
                    help="recipe folders (with build.json) whose SHA256SUMS to rewrite")
     p.add_argument("--ship-drafter", nargs=2, metavar=("FOLDER", "DRAFTER"),

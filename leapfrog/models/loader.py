@@ -17,8 +17,8 @@ from safetensors import safe_open
 from torch import nn
 
 from leapfrog.config import resolve_model
-from leapfrog.gguf_file import CheckpointError, source_of
-from leapfrog.gguf_file import read_tensors as read_gguf_tensors
+from leapfrog.checkpoint.gguf import CheckpointError, source_of
+from leapfrog.checkpoint.gguf import read_tensors as read_gguf_tensors
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.layers.moe import expert_target
 from leapfrog.models import model_class
