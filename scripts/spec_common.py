@@ -1,15 +1,15 @@
 """What the speculative-decoding scripts share: their command line (a model, how many
 concurrent requests, rounds, new tokens per request, CPU threads) and a wall-clock wrapper.
-Imported after
-leapfrog, as the benchmarks run: `import leapfrog` chooses OpenMP's short spin
-(GOMP_SPINCOUNT), which only takes effect if it happens before torch loads."""
+It chooses OpenMP's short spin (GOMP_SPINCOUNT) as the `leapfrog` command does, before torch loads."""
 from __future__ import annotations
 
 import argparse
 import time
 
-import leapfrog  # noqa: F401  (before torch: GOMP_SPINCOUNT)
-import torch
+from leapfrog.cli import short_openmp_spin
+
+short_openmp_spin()         # before torch loads
+import torch  # noqa: E402
 
 
 def parse_load_args(doc: str, extra=None, **defaults) -> argparse.Namespace:

@@ -128,7 +128,7 @@ def data_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def one_thread():
     """Many small ops per step: with 2 OpenMP threads on a shared 2-core box (libgomp's long
-    default spin, as torch loads before leapfrog sets GOMP_SPINCOUNT) these tests ran 2-50x
+    default spin: nothing sets GOMP_SPINCOUNT in the test process) these tests ran 2-50x
     slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

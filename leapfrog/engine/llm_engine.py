@@ -221,9 +221,7 @@ class LLMEngine:
     def _one_trailing_anchor(self, ids: list[int]) -> list[int]:
         """For a model with coupled positions, a prompt that ends in two or more anchor tokens
         ends in one: positions restart after the first, so a second (a client that appends
-        the marker, which the tokenizer appends too) would shift every answer token by one
-        (`couplets`: 72% of 上联 sent as text ending in `<sep>` got a 下联 of their length,
-        99.9% with one `<sep>`)."""
+        the marker, which the tokenizer appends too) would shift every answer token by one."""
         anchor = getattr(self.model, "coupled_anchor", None)
         n = len(ids)
         while anchor is not None and n >= 2 and ids[n - 1] == ids[n - 2] == anchor[1]:

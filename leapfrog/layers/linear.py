@@ -19,10 +19,9 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: o
 
 
 def skinny_rows_max() -> int:
-    """Largest row count sent to the CPU skinny-matmul kernel: with one thread it matches the
-    BLAS kernel up to ~16 rows, with two or more it is 1.5-2x faster up to ~32 (it reads each
-    weight row once; the BLAS kernel re-streams the weights from L3 for every few rows and
-    parallelises small products poorly)."""
+    """Largest row count sent to the CPU skinny-matmul kernel, which reads each weight row once
+    where the BLAS kernel re-streams the weights for every few rows and splits small products
+    poorly across threads (docs/benchmarks.md has the timings)."""
     return 32 if torch.get_num_threads() > 1 else 16
 
 
@@ -112,8 +111,8 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     Every such float32 CPU linear (up to PANEL_MAX_BYTES packed) also gets its weight packed
     in column panels (float16 where exact, else float32) for the panel kernel, which every
     product of up to PANEL_ROWS_MAX rows then uses: one chain of multiply-adds per output over
-    k in order, the same bits for a one-row decode step, a verify step or a batch, at 1.9x a
-    one-row step's time for 9 rows where the row-major kernel took 3x.
+    k in order, the same bits for a one-row decode step, a verify step or a batch, and cheaper
+    than the row-major kernel past a few rows.
 
     precision="bfloat16" (the engine's matmul_precision) packs the panels in bfloat16 instead,
     for every such linear, and no float16 copy: those products round each weight and activation

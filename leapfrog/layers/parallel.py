@@ -104,8 +104,8 @@ def init(rank: int, size: int, init_method: str | None = None, backend: str | No
 
 class _ShmGroup:
     """All-reduce and all-gather of the tensor-parallel group through shared memory, for ranks
-    on one machine on a CPU (gloo's loopback TCP took ~2 ms per all-reduce on a busy 2-core VM,
-    13 of them a step). Each rank has a slot in two alternating buffers (/dev/shm, unlinked
+    on one machine on a CPU (gloo's loopback TCP costs about a decode step's worth of time per
+    all-reduce, and a step has two a layer). Each rank has a slot in two alternating buffers (/dev/shm, unlinked
     once mapped) and a generation flag: it writes its tensor, raises its flag, waits for every
     rank's flag, and sums the slots in rank order (every rank the same sum, bit for bit). A
     rank's slot in one buffer is written again only two collectives later, after every rank

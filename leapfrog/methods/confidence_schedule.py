@@ -161,7 +161,7 @@ class MeasuredCost:
     * a plain decode step of R requests, which is what a step that does not draft costs. On a
       CPU with the decode loop that is a step of the loop (no Python per token), several times
       cheaper than a verify step of the same width; pricing it as one (the same table) made
-      drafting look worth it where it was not, and kept `stories` drafting at 0.33x `ar`.
+      drafting look worth it where it was not.
 
     For each kind: the average (exponential, `alpha`) of the steps measured at exactly that
     width once `min_samples` were seen; between measured widths, interpolated; past them, the

@@ -173,8 +173,7 @@ class ConfidencePolicy(VerifyPolicy):
 
     A probe also costs what it finds out: projecting every context row queued since the last
     draft, drafting, and a verify step. Probes are held to `probe_budget` of the time: one is
-    deferred until the wall time since the last has grown to its measured cost / probe_budget
-    (on `stories`, at 8 requests, a probe cost ~25 ms, one every ~150 steps: 13% of decoding)."""
+    deferred until the wall time since the last has grown to its measured cost / probe_budget."""
     name = "confidence"
     needs_confidence = True
     reprobe_steps = 16
@@ -283,9 +282,8 @@ class ConfidencePolicy(VerifyPolicy):
         """Whether drafting for `batch` requests would beat plain steps by probe_gain if every
         draft were accepted: the bound on what a probe can find, which must be worth the
         probes' cost. On a model whose step costs little next to a verify step and drafting,
-        such as one that sits in the CPU's caches, it is not: `stories` on a busy machine
-        bounded at 1.19x, and its probes (3% of the time, by the probe budget, plus the
-        drafter's features captured at every step) found nothing in 40 requests."""
+        such as one that sits in the CPU's caches, it is not, and its probes (plus the drafter's
+        features captured at every step) would cost time for nothing."""
         if self.prior is None or self.measured is None or not self.measured.draft.num_samples:
             return True
         return self._pays([[1.0] * len(self.prior)] * batch, self.probe_gain)

@@ -46,7 +46,7 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 MAX_LOGPROBS = 20                # SamplingParams' logprobs range, and chat's top_logprobs
 
 # Numeric ranges of request fields, by field name (SamplingParams.validate checks the same;
-# tests/test_server_fuzz.py checks each boundary against the server).
+# tests/serve/test_server_fuzz.py checks each boundary against the server).
 _TOKENS = {"minimum": 1, "maximum": MAX_TOKENS_LIMIT}
 _PENALTY = {"minimum": -2, "maximum": 2}
 BOUNDS: dict[str, dict] = {

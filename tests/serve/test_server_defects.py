@@ -188,7 +188,7 @@ def test_logprob_pieces_keep_sentencepiece_spaces():
     from pathlib import Path
     from leapfrog.serve.openai_api import completion_logprobs
     from leapfrog.tokenizer import Tokenizer
-    tok = Tokenizer.from_folder(Path(__file__).parent.parent / "checkpoints" / "stories")
+    tok = Tokenizer.from_folder(Path(__file__).resolve().parents[2] / "checkpoints" / "stories")
     text = "Once upon a time, there was a little cat named Tom."
     ids = tok.encode(text)           # BOS first
     entries = [{"token_id": t, "logprob": -1.0, "top": [(t, -1.0)]} for t in ids[1:]]

@@ -9,7 +9,7 @@ import pytest
 from leapfrog.serve.main import build_parser, main
 from leapfrog.serve.config import ConfigError, build_config, flags_from_args
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:

@@ -27,7 +27,7 @@ BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "
 if BROWSER is None:
     pytest.skip("no Chromium found (chromium, chromium-browser or google-chrome on PATH)", allow_module_level=True)
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCREENSHOTS = os.environ.get("LEAPFROG_SCREENSHOTS") == "1"
 KEYWORDS = "马年 吉祥"
 DESKTOP = {"viewport": {"width": 1280, "height": 900}}

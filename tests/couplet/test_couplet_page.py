@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PAGE = Path(__file__).resolve().parents[1] / "leapfrog" / "serve" / "static" / "couplet.html"
+PAGE = Path(__file__).resolve().parents[2] / "leapfrog" / "serve" / "static" / "couplet.html"
 
 
 @pytest.fixture(scope="module")

@@ -162,5 +162,5 @@ def test_the_recorded_command_still_builds_the_shipped_drafter_recipe(folder):
 
 def test_the_couplet_models_chat_template_is_the_one_its_export_writes():
     from leapfrog.data.couplets import CHAT_TEMPLATE
-    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "couplets" / "chat_template.jinja"
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / "couplets" / "chat_template.jinja"
     assert shipped.read_text(encoding="utf-8") == CHAT_TEMPLATE

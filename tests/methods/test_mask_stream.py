@@ -336,7 +336,7 @@ def test_training_moves_only_the_mask_stream(folders):
 def test_pipeline_stages_refuse_a_mask_stream(monkeypatch):
     """The two-stream forward runs every layer of both streams: a pipeline stage refuses such a
     checkpoint with a message naming the key, instead of computing wrong rows (tensor-parallel
-    ranks run it: tests/test_tensor_parallel.py)."""
+    ranks run it: tests/engine/test_tensor_parallel.py)."""
     from leapfrog.layers import parallel as tp
     from leapfrog.models import mask_stream as engine_side
     cfg = {"diffusion_mask_stream": True, "mask_token_id": 3}

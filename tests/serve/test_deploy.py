@@ -18,7 +18,7 @@ import yaml
 from leapfrog.serve.config import build_config
 from test_server_common import ServerThread
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 PROM = DEPLOY / "prometheus"
