@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Sequence as Seq
 
 from tqdm import tqdm
 
 from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import SamplingParams, defaults_for_model
 
 
 class LLM:
@@ -24,6 +25,15 @@ class LLM:
         else:
             self.engine = LLMEngine(model, method=method, draft_model=draft_model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+        self.model = model
+        self._defaults: dict | None = None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that passes no SamplingParams gets (vLLM's name): the model's
+        generation_config.json over SamplingParams' defaults, as the server and the CLI choose."""
+        if self._defaults is None:       # a malformed file is a warning, as in the server
+            self._defaults = defaults_for_model(self.model, lambda msg: warnings.warn(msg, stacklevel=3))
+        return SamplingParams(**self._defaults)
 
     def shutdown(self) -> None:
         """Stop the follower ranks (tensor parallelism); also done at exit."""
@@ -38,7 +48,7 @@ class LLM:
         if isinstance(prompts, (str, int)) or prompts is None or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * n
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params_list) != n or len(prios) != n:
             raise ValueError("params and priority lists must have one entry per prompt")

@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 
 from leapfrog.config import DEFAULT_MODEL
+from leapfrog.sampling_params import BOUNDS, DEFAULT_MAX_TOKENS, SamplingParams
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags, their defaults and ranges from SamplingParams (one table for Python,
+    HTTP and the command line)."""
+    base = SamplingParams()
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens to generate (default {DEFAULT_MAX_TOKENS}; {BOUNDS['max_tokens'].text})")
     model_default = "default: the model's generation_config.json, else"
-    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({model_default} 0.8)")
-    g.add_argument("--top-p", type=float, default=None, help=f"({model_default} 0.95)")
-    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({model_default} 0)")
-    g.add_argument("--min-p", type=float, default=None, help=f"({model_default} 0)")
-    g.add_argument("--repetition-penalty", type=float, default=None, help=f"({model_default} 1.0)")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    for name, kind, note in (("temperature", float, "0 = greedy; "), ("top_p", float, ""),
+                             ("top_k", int, ""), ("min_p", float, ""), ("repetition_penalty", float, "")):
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"{note}{BOUNDS[name].text} ({model_default} {getattr(base, name)})")
+    g.add_argument("--presence-penalty", type=float, default=base.presence_penalty,
+                   help=BOUNDS["presence_penalty"].text)
+    g.add_argument("--frequency-penalty", type=float, default=base.frequency_penalty,
+                   help=BOUNDS["frequency_penalty"].text)
     g.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible output)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
@@ -57,16 +63,16 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
-# when neither the flag nor the model's generation_config.json gives one
-CLI_SAMPLING_FALLBACK = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# the flags whose default is the model's generation_config.json, else SamplingParams'
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
     """Flags first, then the model's generation_config.json (``model_sampling_defaults``), then
-    CLI_SAMPLING_FALLBACK."""
-    from leapfrog.sampling_params import SamplingParams
-    defaults = {**CLI_SAMPLING_FALLBACK, **(model_defaults or {})}
-    pick = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in CLI_SAMPLING_FALLBACK}
+    SamplingParams' defaults, as the server and the Python API choose them."""
+    base = SamplingParams()
+    defaults = {**{k: getattr(base, k) for k in MODEL_DEFAULTED}, **(model_defaults or {})}
+    pick = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in MODEL_DEFAULTED}
     return SamplingParams(max_tokens=args.max_tokens, **pick,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,

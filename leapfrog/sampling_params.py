@@ -17,6 +17,63 @@ LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but f
 GREEDY_BELOW_TEMPERATURE = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)      # what torch.Generator.manual_seed accepts
 INT64_MAX = (1 << 63) - 1
+# Requests that name no max_tokens, from every entry point (Python, HTTP, the CLI).
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A numeric request field's range: the one table that SamplingParams checks, the OpenAPI
+    schema publishes and the CLI flags describe. `text` is what an error says about it."""
+    minimum: float | None
+    maximum: float | None
+    text: str
+    integer: bool = False
+    exclusive_minimum: bool = False
+
+    def holds(self, value: Any) -> bool:
+        if not (_is_int(value) if self.integer else _is_finite(value)):
+            return False
+        low = self.minimum is None or (value > self.minimum if self.exclusive_minimum else value >= self.minimum)
+        return low and (self.maximum is None or value <= self.maximum)
+
+    def json_schema(self) -> dict:
+        out: dict = {}
+        if self.minimum is not None:
+            out["exclusiveMinimum" if self.exclusive_minimum else "minimum"] = self.minimum
+        if self.maximum is not None:
+            out["maximum"] = self.maximum
+        return out
+
+
+MAX_LOGPROBS = 20                  # alternatives per position (logprobs, prompt_logprobs, top_logprobs)
+_LOGPROBS = Bound(0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]", integer=True)
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(1, MAX_TOKENS_LIMIT, f"must be between 1 and {MAX_TOKENS_LIMIT}", integer=True),
+    "min_tokens": Bound(0, MAX_TOKENS_LIMIT, "must be an integer between 0 and max_tokens", integer=True),
+    "temperature": Bound(0, None, "must be >= 0"),
+    "top_k": Bound(-1, INT64_MAX, "must be -1, 0 (off) or a positive 64-bit integer", integer=True),
+    "top_p": Bound(0, 1, "must be in (0, 1]", exclusive_minimum=True),
+    "min_p": Bound(0, 1, "must be in [0, 1]"),
+    "repetition_penalty": Bound(1e-3, 1e6, "must be in [0.001, 1e6]"),   # 1e-300 would divide logits to inf
+    "presence_penalty": Bound(-2, 2, "must be in [-2, 2]"),
+    "frequency_penalty": Bound(-2, 2, "must be in [-2, 2]"),
+    "seed": Bound(SEED_RANGE[0], SEED_RANGE[1], "must be an integer in [-2^63, 2^64 - 1]", integer=True),
+    "logprobs": _LOGPROBS,
+    "prompt_logprobs": _LOGPROBS,
+    "num_speculative_tokens": Bound(0, MAX_SPECULATIVE_TOKENS, "must be an integer between 0 (no drafting) and "
+                                    f"{MAX_SPECULATIVE_TOKENS}", integer=True),
+}
+OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "num_speculative_tokens")   # None: not asked for
+
+
+class ParamError(ValueError):
+    """A request field's bad value: `field` names it (the HTTP error's `param`), the message
+    quotes the value and says what it must be."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 SHOWN_CHARS = 60      # of a rejected value, in an error message
@@ -39,7 +96,7 @@ class SamplingParams:
     temperature 0 means greedy. `seed` makes a request's sampling independent of whatever
     else shares its batch: each seeded request owns a torch.Generator.
     """
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_k: int = 0                     # 0 or -1: off
     top_p: float = 1.0
@@ -77,11 +134,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field. Every number is range-checked here, so
+        """Raise ParamError (a ValueError) naming the offending field. Every number is range-checked here (BOUNDS), so
         that no value can reach a tensor constructor (where an out-of-range int fails the
         whole batch's step, not just this request)."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}={shorten(getattr(self, name))}: {why}")
+            raise ParamError(name, f"{name}={shorten(getattr(self, name))}: {why}")
         for name in ("max_tokens", "min_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 bad(name, "must be an integer")
@@ -89,37 +146,16 @@ class SamplingParams:
                      "frequency_penalty"):
             if not _is_finite(getattr(self, name)):
                 bad(name, "must be a finite number")
-        if self.max_tokens < 1 or self.max_tokens > MAX_TOKENS_LIMIT:
-            bad("max_tokens", f"must be between 1 and {MAX_TOKENS_LIMIT}")
-        if self.num_speculative_tokens is not None and not (
-                _is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
-            bad("num_speculative_tokens", f"must be an integer between 0 (no drafting) and {MAX_SPECULATIVE_TOKENS}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not -1 <= self.top_k <= INT64_MAX:
-            bad("top_k", "must be -1, 0 (off) or a positive 64-bit integer")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if not 1e-3 <= self.repetition_penalty <= 1e6:     # 1e-300 would divide logits to inf
-            bad("repetition_penalty", "must be in [0.001, 1e6]")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            bad("seed", "must be an integer in [-2^63, 2^64 - 1]")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name, bound in BOUNDS.items():
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= 20):
-                bad(name, "must be in [0, 20]")
+            if not (value is None and name in OPTIONAL) and not bound.holds(value):
+                bad(name, bound.text)
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
         if any(not callable(f) for f in self.logits_processors):
-            raise ValueError("logits_processors must be callables (output_ids, logits) -> logits")
+            raise ParamError("logits_processors", "logits_processors must be callables (output_ids, logits) -> logits")
 
     def _validate_stops(self, bad) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -138,9 +174,9 @@ class SamplingParams:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
         for token, value in self.logit_bias.items():
             if not _is_int(token) or not 0 <= token <= INT64_MAX:
-                raise ValueError(f"logit_bias: token id {shorten(token)} must be a non-negative integer")
+                raise ParamError("logit_bias", f"logit_bias: token id {shorten(token)} must be a non-negative integer")
             if not _is_finite(value) or abs(value) > LOGIT_BIAS_RANGE:
-                raise ValueError(f"logit_bias: the bias of token {token} is {shorten(value)}; it must be "
+                raise ParamError("logit_bias", f"logit_bias: the bias of token {token} is {shorten(value)}; it must be "
                                  f"a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
     @property

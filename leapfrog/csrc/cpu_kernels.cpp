@@ -148,10 +148,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // ---------------------------------------------------------------------------------------------
 // Skinny matmul y[M, N] = x[M, K] . w[N, K]^T for a few rows (decode, draft verification).
 //
-// The weights of a small model live in L3 (about 12 GB/s per core on the machines we test on),
-// and for 2 <= M <= 32 the BLAS kernel streams them from L3 again for every few rows of x, so
-// verifying 8 drafts costs ~6x one decode step. Here each weight row is read once into L1 and
-// used for every row of x (which stays in L1/L2): cost ~ one weight read.
+// For 2 <= M <= 32 the BLAS kernel streams the weights again for every few rows of x, so a
+// verify step costs several decode steps. Here each weight row is read once into L1 and used
+// for every row of x (which stays in L1/L2): cost ~ one weight read.
 
 // One row of x against each weight row (dot_row in cpu_math.h): each weight row is read once
 // from memory for all rows of x, and a sequence's logits do not depend on how many rows its
@@ -313,7 +312,7 @@ torch::Tensor panel_rows_gather(torch::Tensor panels, torch::Tensor ids) {
 }
 
 // RMSNorm over the last dimension, float32: one pass for the mean square, one for the scale.
-// torch's CPU rms_norm is several kernels (~40 us for a [9, 256] input); this is ~2 us.
+// torch's CPU rms_norm is several kernels; this is one pass per row.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
   auto xc = x.contiguous();

@@ -252,10 +252,9 @@ static inline void dot_block_any(const float* x, int64_t ldx, int64_t rows, cons
 
 // y[m, n0:n1] = x[m] . w[n]^T (+ bias) for rows m < M of x (row stride K) and of y (row stride
 // ldy): each weight row read once for all rows of x. pair_rows (one row of x): two weight rows
-// side by side, sharing the loads of x. That pays only while the weights come from the caches:
-// streamed from memory, two interleaved rows ran at 17-19 GB/s against 28-29 for one row at a
-// time, while from L3 they ran at 64-67 GB/s against 53-58 (one-off timings of skinny_linear).
-// Either way each output is summed the same way.
+// side by side, sharing the loads of x. That pays only while the weights come from the caches
+// (streamed from memory, one row at a time reads faster; docs/benchmarks.md). Either way each
+// output is summed the same way.
 static constexpr int64_t kPairRowsMaxBytes = 2 << 20;      // one product's weight, layer path
 static constexpr int64_t kPairRowsModelBytes = 24 << 20;   // a model's, in the decode loop (L3: 32 MB)
 
@@ -522,8 +521,7 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
 //
 // Row-major weights read a weight row per output (dot_row above): one row of x then streams
 // about as fast, but R rows of x cost R widenings of every weight element and R horizontal sums
-// per output, so a 9-row product ran at a third of this CPU's float32 peak; from panels a 9-row
-// product costs about 1.9x a one-row one while the weights stream from memory.
+// per output; from panels every weight element is widened once for all the rows.
 static constexpr int64_t kPanel = 16;
 
 // How far ahead the panel kernels prefetch (bytes of the panel being read).

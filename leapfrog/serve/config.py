@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from leapfrog.config import DEFAULT_MODEL, EngineConfig
+from leapfrog.sampling_params import BOUNDS as SAMPLING_BOUNDS
+from leapfrog.sampling_params import DEFAULT_MAX_TOKENS
 
 # Deployment-guide vocabulary -> our keys. CACHE_SIZE is a token count ("4096"), or a byte
 # size with a unit ("512MiB", "2GB"), which then sets kv_cache_bytes instead.
@@ -71,7 +73,7 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     log_level: str = "info"
     # request defaults
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     default_temperature: float | None = None   # None: the model's generation_config.json, else 1.0
     max_n: int = 16                            # most choices one request may ask for
     # protection
@@ -382,14 +384,17 @@ def _validate(cfg: ServerConfig) -> None:
     check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
     check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
           "expected critical, error, warning, info, debug or trace")
-    for key in ("default_max_tokens", "max_n", "max_body_bytes", "max_couplets_in_flight"):
+    check("default_max_tokens", SAMPLING_BOUNDS["max_tokens"].holds(cfg.default_max_tokens),
+          SAMPLING_BOUNDS["max_tokens"].text)
+    for key in ("max_n", "max_body_bytes", "max_couplets_in_flight"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
     for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
     for key in ("request_timeout", "rate_limit", "shutdown_timeout", "max_queue_wait_s", "max_couplet_wait_s",
                 "header_timeout"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")
-    check("default_temperature", cfg.default_temperature is None or cfg.default_temperature >= 0, "must be >= 0")
+    check("default_temperature", cfg.default_temperature is None or SAMPLING_BOUNDS["temperature"].holds(cfg.default_temperature),
+          SAMPLING_BOUNDS["temperature"].text)
     check("ssl_keyfile", bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile),
           "ssl_certfile and ssl_keyfile must be given together")
     for key in ("ssl_certfile", "ssl_keyfile", "api_key_file"):

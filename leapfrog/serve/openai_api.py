@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import MAX_SPECULATIVE_TOKENS, SEED_RANGE, SamplingParams, shorten
+from leapfrog.sampling_params import MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamError, SamplingParams, shorten
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
-                                    TokenizeRequest, bad_request, field_of)
+                                    TokenizeRequest, bad_request)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
@@ -108,8 +108,8 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
     kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
     try:
         params = SamplingParams(**kw)
-    except ValueError as exc:
-        raise bad_request(str(exc), field_of(str(exc)), "invalid_value") from None
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.field, "invalid_value") from None
     if explicit and max_tokens > room:
         raise bad_request(f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
                           f"model's context of {limits.max_model_len} tokens", "max_tokens",

@@ -6,7 +6,6 @@ Bodies are strict (no "5" for 5) and closed (an unknown field is an error): a ty
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -201,9 +200,3 @@ def _is_type_tag(part: str) -> bool:
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPart", "StreamOptions",
               "SpeculativeOptions"}
-
-
-def field_of(message: str) -> str | None:
-    """SamplingParams errors start with 'name=value:'; pull out the name for `param`."""
-    head = re.split("[=:]", message, maxsplit=1)[0]
-    return head if head.isidentifier() else None

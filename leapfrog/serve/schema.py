@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from leapfrog.sampling_params import (INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
-                                      MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, SEED_RANGE)
+from leapfrog.sampling_params import BOUNDS as SAMPLING_BOUNDS
+from leapfrog.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from leapfrog.serve.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, FaultRequest,
                                     GenerateRequest, TokenizeRequest)
 
@@ -43,25 +43,14 @@ GENERATION_ERRORS = {
     "504": "request ran past request_timeout",
 }
 REF_TEMPLATE = "#/components/schemas/{model}"
-MAX_LOGPROBS = 20                # SamplingParams' logprobs range, and chat's top_logprobs
-
-# Numeric ranges of request fields, by field name (SamplingParams.validate checks the same;
-# tests/serve/test_server_fuzz.py checks each boundary against the server).
-_TOKENS = {"minimum": 1, "maximum": MAX_TOKENS_LIMIT}
-_PENALTY = {"minimum": -2, "maximum": 2}
+# Numeric ranges of request fields, by field name: SamplingParams' own table (BOUNDS there), plus
+# the HTTP names of its fields (tests/serve/test_server_fuzz.py checks each boundary against the
+# server).
+_SAMPLING = {name: bound.json_schema() for name, bound in SAMPLING_BOUNDS.items()}
 BOUNDS: dict[str, dict] = {
-    "max_tokens": _TOKENS, "max_length": _TOKENS, "max_completion_tokens": _TOKENS,
-    "min_tokens": {"minimum": 0, "maximum": MAX_TOKENS_LIMIT},
-    "temperature": {"minimum": 0},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1, "maximum": INT64_MAX},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "repetition_penalty": {"minimum": 1e-3, "maximum": 1e6},
-    "presence_penalty": _PENALTY, "frequency_penalty": _PENALTY,
-    "seed": {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
-    "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    **_SAMPLING,
+    "max_length": _SAMPLING["max_tokens"], "max_completion_tokens": _SAMPLING["max_tokens"],
+    "top_logprobs": _SAMPLING["logprobs"],
 }
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
