@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from leapfrog.engine.block_manager import BlockManager
+from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.engine.runner import ModelRunner, rotary_anchor
 from leapfrog.sample.sampler import Sampler
@@ -90,27 +91,25 @@ class MultiStep:
         tables = t([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
         tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
         coupled = getattr(self.runner.model, "coupled_anchor", None)
-        anchors = t([rotary_anchor(s, coupled[1], len(s.token_ids)) for s in seqs]) if coupled else _NO_ANCHORS
+        anchors = t([rotary_anchor(s, coupled[1], len(s.token_ids)) for s in seqs]) if coupled else None
+        call = LoopCall(tokens, positions, tables, t(plan.budgets), anchors=anchors)
         self.num_calls += 1
         if plan.logits_only:
-            empty = torch.full((len(seqs), 1), -1, dtype=torch.long)
-            zeros = torch.zeros(len(seqs), dtype=torch.long)
-            _, _, logits, _ = loop.run(tokens, positions, tables, t(plan.budgets), 1,
-                                    torch.zeros(len(seqs)), zeros, torch.ones(len(seqs)), torch.zeros(len(seqs)),
-                                    zeros, zeros, empty, empty, zeros, True, [], anchors)
+            call.return_logits = True
+            _, _, logits, _ = call.run(loop)
             self.num_loop_steps += 1
             self.method.prepare(batch)
             return self.method.commit(batch, StepOutput(logits))
-        settings = self.sampler.row_settings(seqs, dev)
         stops, bans = [], []
         for s in seqs:
             p = s.params
             stops.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids)))
             bans.append(list(s.eos_token_ids) + list(p.stop_token_ids) if p.min_tokens else [])
-        min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
-        out, counts, _, captured = loop.run(tokens, positions, tables, t(plan.budgets), plan.steps, *settings,
-                                            _padded(stops, dev), _padded(bans, dev), min_left, False,
-                                            list(self.method.loop_capture_layers(batch)), anchors)
+        call.steps, call.sampling = plan.steps, self.sampler.row_settings(seqs, dev)
+        call.stop_ids, call.ban_ids = _padded(stops, dev), _padded(bans, dev)
+        call.min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
+        call.capture_layers = list(self.method.loop_capture_layers(batch))
+        out, counts, _, captured = call.run(loop)
         self.num_loop_steps += plan.steps
         commits = []
         for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):
@@ -118,9 +117,6 @@ class MultiStep:
             commits.append(Commit(row[:n], n, forwards=n))
         self.method.after_loop(batch, commits, captured)
         return commits
-
-
-_NO_ANCHORS = torch.empty(0, dtype=torch.long)
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:

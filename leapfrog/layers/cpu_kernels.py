@@ -7,6 +7,7 @@ import hashlib
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,3 +80,36 @@ def cpu_kernels():
               file=sys.stderr)
         _module = None
     return _module
+
+
+@dataclass(slots=True)
+class LoopCall:
+    """One call of the C++ decode loop (`DecodeLoop.run`, csrc/decode_loop.cpp), by name: B rows,
+    each feeding `tokens[b]` at `positions[b]` over its block table, for up to `budgets[b]` of at
+    most `steps` steps. Left out: greedy sampling, no stop or banned token ids, no tokens still
+    owed before the end may be sampled, no captured layers, no coupled-position anchors."""
+    tokens: torch.Tensor                        # [B] long
+    positions: torch.Tensor                     # [B] long
+    tables: torch.Tensor                        # [B, blocks] long
+    budgets: torch.Tensor                       # [B] long
+    steps: int = 1
+    sampling: tuple[torch.Tensor, ...] | None = None   # Sampler.row_settings; None: greedy
+    stop_ids: torch.Tensor | None = None        # [B, n] long, -1 padded: a row ends on these
+    ban_ids: torch.Tensor | None = None         # [B, n] long, -1 padded: never sampled while min_left
+    min_left: torch.Tensor | None = None        # [B] long: tokens before a stop or ban lifts
+    return_logits: bool = False                 # one step; the logits back instead of sampling
+    capture_layers: list[int] = field(default_factory=list)
+    anchors: torch.Tensor | None = None         # [B] long: coupled positions' anchor index
+
+    def run(self, loop) -> list[torch.Tensor]:
+        """(tokens [B, steps], counts [B], logits or picked probabilities, captured rows)."""
+        rows = self.tokens.numel()
+        zeros = torch.zeros(rows, dtype=torch.long)
+        none = torch.full((rows, 1), -1, dtype=torch.long)
+        sampling = self.sampling or (torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros, zeros)
+        return loop.run(self.tokens, self.positions, self.tables, self.budgets, self.steps, *sampling,
+                        none if self.stop_ids is None else self.stop_ids,
+                        none if self.ban_ids is None else self.ban_ids,
+                        zeros if self.min_left is None else self.min_left, self.return_logits,
+                        list(self.capture_layers),
+                        torch.empty(0, dtype=torch.long) if self.anchors is None else self.anchors)

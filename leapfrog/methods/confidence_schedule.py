@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from leapfrog.layers.cpu_kernels import LoopCall
+
 
 def survival(confidence: list[float]) -> list[float]:
     out, a = [], 1.0
@@ -303,11 +305,8 @@ def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
     if loop is not None:
         # A plain decode step of one request runs in the C++ decode loop (engine/decode_loop.py): price
         # it as that, greedy, on the scratch caches.
-        one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        none = torch.full((1, 1), -1, dtype=torch.long)
-        args = (ids.cpu(), pos.cpu(), tables.cpu(), one, 1, torch.zeros(1), zero, torch.ones(1), torch.zeros(1),
-                zero, zero, none, none, zero, False, [], torch.empty(0, dtype=torch.long))
-        return lambda: loop.run(*args)
+        call = LoopCall(ids.cpu(), pos.cpu(), tables.cpu(), torch.ones(1, dtype=torch.long))
+        return lambda: call.run(loop)
 
     def step() -> None:
         hidden, _ = model(ids, pos, meta)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, ScheduledSeq
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
@@ -216,15 +217,11 @@ class DraftModelMethod(SpeculativeMethod):
             return False
         loop.set_pick_probs(True)                 # the drafts' probabilities: their confidences
         t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-        rows = len(live)
         budgets = [plan[i] - len(drafts[i]) for i, _, _ in live]
         width = max(len(entry.block_table) for _, entry, _ in live)
         tables = t([e.block_table + [0] * (width - len(e.block_table)) for _, e, _ in live])
-        zeros, none = torch.zeros(rows, dtype=torch.long), torch.full((rows, 1), -1, dtype=torch.long)
-        tokens, counts, picked, _ = loop.run(
-            t([feed[0] for _, _, feed in live]), t([len(e.token_ids) for _, e, _ in live]), tables,
-            t(budgets), max(budgets), torch.zeros(rows), zeros, torch.ones(rows), torch.zeros(rows), zeros,
-            zeros, none, none, zeros, False, [], torch.empty(0, dtype=torch.long))
+        tokens, counts, picked, _ = LoopCall(t([feed[0] for _, _, feed in live]), t([len(e.token_ids) for _, e, _ in live]),
+                                             tables, t(budgets), steps=max(budgets)).run(loop)
         self.num_loop_calls += 1
         for (i, entry, feed), row, p, n in zip(live, tokens.tolist(), picked.tolist(), counts.tolist()):
             got = [int(x) for x in row[:n]]
