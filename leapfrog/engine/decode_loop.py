@@ -23,7 +23,7 @@ import torch
 from leapfrog.engine.block_manager import BlockManager
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
-from leapfrog.engine.runner import ModelRunner, rotary_anchor
+from leapfrog.engine.runner import ModelRunner
 from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
@@ -90,9 +90,8 @@ class MultiStep:
         width = max(-(-(s.num_computed + n) // bs) for s, n in zip(seqs, plan.budgets))
         tables = t([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
         tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
-        coupled = getattr(self.runner.model, "coupled_anchor", None)
-        anchors = t([rotary_anchor(s, coupled[1], len(s.token_ids)) for s in seqs]) if coupled else None
-        call = LoopCall(tokens, positions, tables, t(plan.budgets), anchors=anchors)
+        anchors = self.runner.model.loop_anchors(seqs)
+        call = LoopCall(tokens, positions, tables, t(plan.budgets), anchors=None if anchors is None else t(anchors))
         self.num_calls += 1
         if plan.logits_only:
             call.return_logits = True

@@ -190,7 +190,7 @@ class LLMEngine:
                             f"{str(prompt)[:60]!r}")
         if not ids:
             raise ValueError("prompt is empty")
-        ids = self._one_trailing_anchor(ids)
+        ids = self.model.prompt_ids(ids)
         if params.logits_processors and not self.method.supports_logits_processors:
             raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
         if params.prompt_logprobs is not None and not self.method.supports_prompt_logprobs:
@@ -217,16 +217,6 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(ids)
         return request_id
-
-    def _one_trailing_anchor(self, ids: list[int]) -> list[int]:
-        """For a model with coupled positions, a prompt that ends in two or more anchor tokens
-        ends in one: positions restart after the first, so a second (a client that appends
-        the marker, which the tokenizer appends too) would shift every answer token by one."""
-        anchor = getattr(self.model, "coupled_anchor", None)
-        n = len(ids)
-        while anchor is not None and n >= 2 and ids[n - 1] == ids[n - 2] == anchor[1]:
-            n -= 1
-        return ids[:n]
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)

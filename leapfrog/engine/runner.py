@@ -52,11 +52,10 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor]:
         ids, pos, slots, logit_rows = [], [], [], []
         row = 0
-        coupled = getattr(self.model, "coupled_anchor", None)
         for s in batch.seqs:
             n = s.num_query
             ids.extend(s.query_ids)
-            pos.extend(self._rotary(s.seq, s.start_pos, n, coupled) if coupled else range(s.start_pos, s.start_pos + n))
+            pos.extend(self.model.rotary_positions(s.seq, s.start_pos, n))
             slots.extend(self._slots(s.seq.block_table, s.start_pos, s.start_pos + n))
             logit_rows.extend(range(row, row + s.num_prompt_logits))     # the engine's (prompt logprobs)
             logit_rows.extend(range(row + n - s.num_logits, row + n))
@@ -65,13 +64,6 @@ class ModelRunner:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         meta = AttnMetadata(t(slots), self._groups(batch), batch.attn_bidir_token)
         return t(ids), t(pos), meta, t(logit_rows)
-
-    @staticmethod
-    def _rotary(seq, start: int, n: int, coupled: tuple[int, int]) -> list[int]:
-        """Rotary positions of tokens start..start+n-1 of ``seq`` for a model trained with coupled
-        positions: past the first anchor token they count from it (its cache slots do not)."""
-        a = rotary_anchor(seq, coupled[1], start + n)
-        return [p - a if 0 <= a < p else p for p in range(start, start + n)]
 
     def _groups(self, batch: Batch) -> list[AttnGroup]:
         small, groups, row = [], [], 0
@@ -221,13 +213,3 @@ def micro_batches(batch: Batch, n: int) -> list[Batch]:
     if cur:
         parts.append(cur)
     return [Batch(p, batch.attn_block_size, batch.capture_layers, batch.attn_bidir_token) for p in parts]
-
-
-def rotary_anchor(seq, anchor_id: int, known: int) -> int:
-    """For a model trained with coupled positions: the index of ``seq``'s first anchor token
-    among its first ``known`` tokens, -1 while there is none (it may yet be generated). Kept in
-    ``seq.rotary_anchor`` once found."""
-    if seq.rotary_anchor is None or seq.rotary_anchor < 0:
-        head = seq.token_ids[:known]
-        seq.rotary_anchor = head.index(anchor_id) if anchor_id in head else -1
-    return seq.rotary_anchor

@@ -417,6 +417,31 @@ class LlamaForCausalLM(nn.Module):
                                          [p._version for p in params])
         return loop
 
+    # --- positions: the model's own contract (coupled positions, `couplets`) --------------
+    def rotary_positions(self, seq, start: int, n: int) -> list[int] | range:
+        """Rotary positions of tokens start..start+n-1 of `seq`: their indices, except in a model
+        trained with coupled positions, where past the first anchor token they count from it
+        (its cache slots do not)."""
+        if self.coupled_anchor is None:
+            return range(start, start + n)
+        a = first_anchor(seq, self.coupled_anchor[1], start + n)
+        return [p - a if 0 <= a < p else p for p in range(start, start + n)]
+
+    def loop_anchors(self, seqs: list) -> list[int] | None:
+        """Each row's first anchor index for the decode loop (None: the model has no anchors)."""
+        if self.coupled_anchor is None:
+            return None
+        return [first_anchor(s, self.coupled_anchor[1], len(s.token_ids)) for s in seqs]
+
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        """A prompt as the model takes it. With coupled positions one that ends in two or more
+        anchor tokens ends in one: positions restart after the first, so a second (a client that
+        appends the marker, which the tokenizer appends too) would shift every answer token."""
+        n = len(ids)
+        while self.coupled_anchor is not None and n >= 2 and ids[n - 1] == ids[n - 2] == self.coupled_anchor[1]:
+            n -= 1
+        return ids[:n]
+
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> logits [B, T, V]: plain causal forward without a cache (tests, eval)."""
@@ -433,3 +458,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     flavour = "qwen3"
+
+
+def first_anchor(seq, anchor_id: int, known: int) -> int:
+    """For a model trained with coupled positions: the index of `seq`'s first anchor token among
+    its first `known` tokens, -1 while there is none (it may yet be generated). Kept in
+    `seq.rotary_anchor` once found."""
+    if seq.rotary_anchor is None or seq.rotary_anchor < 0:
+        head = seq.token_ids[:known]
+        seq.rotary_anchor = head.index(anchor_id) if anchor_id in head else -1
+    return seq.rotary_anchor
