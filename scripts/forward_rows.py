@@ -37,7 +37,8 @@ def main() -> None:
         macs += cfg["vocab_size"] * cfg["hidden_size"]
     best: dict[int, float] = {}
     for r in range(args.rounds):
-        table = StepCostTable.profile(model, device, max_tokens=args.max_rows, repeats=3)
+        table = StepCostTable.profile(model, device, max_tokens=args.max_rows, repeats=3,
+                                     step=llm.engine.timed_step)
         for b, s in zip(table.num_tokens, table.seconds):
             best[b] = min(best.get(b, s), s)
         print(f"round {r + 1}: " + ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in zip(table.num_tokens, table.seconds)))

@@ -10,6 +10,8 @@ import math
 from dataclasses import replace
 from numbers import Integral
 
+from typing import Callable
+
 import torch
 
 from leapfrog.engine.block_manager import BlockManager
@@ -19,7 +21,8 @@ from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.models.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
-from leapfrog.methods.base import Batch, Method, MethodContext, StepOutput
+from leapfrog.layers.cpu_kernels import LoopCall
+from leapfrog.methods.base import Batch, Method, MethodContext, ScheduledSeq, StepOutput
 from leapfrog.engine.decode_loop import MultiStep
 from leapfrog.engine.output_processor import EngineStats, OutputProcessor
 from leapfrog.outputs import RequestOutput
@@ -65,7 +68,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(self.device, self.config.seed)
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
-                            self.device, self.dtype, draft_model, self._paged_runner)
+                            self.device, self.dtype, draft_model, self._paged_runner, self.timed_step)
         # The model folder's defaults for this method (leapfrog.json), under the caller's own.
         folder_options = model_method_options(self.model_path, method)
         try:
@@ -126,6 +129,23 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.method, self.stats)
         self.requests = self.output_processor.requests
         self._ids = itertools.count()
+
+    def timed_step(self, rows: int, context: int) -> Callable[[], None]:
+        """A step of `rows` query rows after `context` cached positions, built as this engine
+        builds it (the runner's verify step of one request; one row: a step of the decode loop
+        where it runs), writing its keys to blocks 0.. of whatever caches the attention layers
+        hold: the confidence scheduler's cost profile swaps scratch caches in around it."""
+        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        bs = self.config.block_size
+        table = list(range(-(-(context + rows) // bs)))
+        loop = self.decode_loop.loop() if rows == 1 else None
+        if loop is not None:
+            call = LoopCall(t([0]), t([context]), t([table]), t([1]))
+            return lambda: call.run(loop)
+        seq = Sequence("profile", [0] * (context + rows), SamplingParams(max_tokens=1, temperature=0))
+        seq.block_table, seq.num_computed = table, context
+        batch = Batch([ScheduledSeq(seq, context, rows, 0, [0] * rows, rows)])
+        return lambda: self.runner.run(batch)
 
     def _paged_runner(self, model: torch.nn.Module, num_blocks: int, block_size: int
                       ) -> tuple[ModelRunner, BlockManager]:

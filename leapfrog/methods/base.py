@@ -34,6 +34,9 @@ class MethodContext:
     # BlockManager of those blocks): for a method that runs a second model step by step (the
     # engine supplies it; methods sit below the runner).
     paged_runner: Callable[[torch.nn.Module, int, int], tuple[Any, Any]] | None = None
+    # (rows, context) -> a step of that many query rows as the engine runs it (the engine's
+    # timed_step): what the confidence scheduler's cost profile times.
+    timed_step: Callable[[int, int], Callable[[], None]] | None = None
 
 
 @dataclass(slots=True)

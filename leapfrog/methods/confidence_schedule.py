@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from leapfrog.layers.cpu_kernels import LoopCall
 
 
 def survival(confidence: list[float]) -> list[float]:
@@ -79,12 +78,13 @@ class StepCostTable:
     @classmethod
     @torch.inference_mode()
     def profile(cls, model: torch.nn.Module, device: torch.device, max_tokens: int = 64,
-                repeats: int = 3, context: int = 64) -> "StepCostTable":
+                repeats: int = 3, context: int = 64,
+                step: Callable[[int, int], Callable[[], None]] | None = None) -> "StepCostTable":
         """Time forwards of B query tokens, best of `repeats`, at B = 1..4, 6, 8, 10, 12, 16,
-        24, ... max_tokens (dense where verification lengths live). When the model's paged
-        KV cache exists (inside an engine), the forward is the engine's own paged step
-        (`context` keys of context per row, on a scratch cache swapped in for the duration),
-        so the curve has the shape of the steps it prices; otherwise a dense forward."""
+        24, ... max_tokens (dense where verification lengths live). `step(B, context)` (the
+        engine's timed_step) builds each as the engine runs it, after `context` cached positions,
+        on scratch caches swapped into the model's attention layers for the duration, so the
+        curve has the shape of the steps it prices; without it, a dense forward."""
         # The rows sit after `context` cached positions: keep both inside the model's positions
         # (a model with 256 of them cannot time 256 rows after 64).
         limit = int(getattr(model, "config", {}).get("max_position_embeddings", 1 << 30))
@@ -92,19 +92,24 @@ class StepCostTable:
         context = max(0, min(context, limit - max_tokens))
         sizes = [b for b in (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
                  if b <= max_tokens]
-        layers = getattr(model, "attention_layers", None)
-        paged = bool(layers) and all(a.k_cache is not None for a in layers)
+        layers = getattr(model, "attention_layers", None) or []
+        paged = step is not None and bool(layers) and all(a.k_cache is not None for a in layers)
         saved = [(a.k_cache, a.v_cache) for a in layers] if paged else []
         try:
+            if paged:       # room for the widest step's blocks whatever the block size (<= 256)
+                slots = context + max(sizes) + 256
+                for a in layers:
+                    a.k_cache = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=a.k_cache.dtype, device=device)
+                    a.v_cache = torch.zeros_like(a.k_cache)
             secs = []
             for b in sizes:
-                step = paged_step(model, layers, b, context, device) if paged else \
+                run = step(b, context) if paged else \
                     (lambda ids=torch.zeros(1, b, dtype=torch.long, device=device): model.forward_dense(ids))
-                step()                                     # warm-up: first-call allocations
+                run()                                      # warm-up: first-call allocations
                 best = float("inf")
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    step()
+                    run()
                     best = min(best, time.perf_counter() - t0)
                 secs.append(best)
         finally:
@@ -282,33 +287,3 @@ class AcceptanceFeedback:
             last = min(last, a * self.ratio(j))
             out.append(last)
         return out
-
-
-def paged_step(model: torch.nn.Module, layers: list, b: int, context: int,
-                device: torch.device) -> Callable[[], None]:
-    """A paged forward of b query rows after `context` cached positions, as the runner builds
-    it for verification (one kernel row per query, its keys a prefix), on scratch caches; one
-    row on a CPU with the decode loop: a step of the loop, as plain decode steps run."""
-    from leapfrog.layers.attention import AttnGroup, AttnMetadata
-    block = 16
-    slots = -(-(context + b) // block) * block
-    for a in layers:
-        a.k_cache = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=a.k_cache.dtype, device=device)
-        a.v_cache = torch.zeros_like(a.k_cache)
-    pos = torch.arange(context, context + b, device=device)
-    tables = torch.arange(slots // block, device=device).expand(b, -1).contiguous()
-    group = AttnGroup(None, None, None, None, None, row_start=0, block_tables=tables,
-                      ctx_lens=pos + 1, block_size=block)
-    meta = AttnMetadata(pos.clone(), [group])
-    ids = torch.zeros(b, dtype=torch.long, device=device)
-    loop = model.decode_loop(block) if b == 1 and hasattr(model, "decode_loop") else None
-    if loop is not None:
-        # A plain decode step of one request runs in the C++ decode loop (engine/decode_loop.py): price
-        # it as that, greedy, on the scratch caches.
-        call = LoopCall(ids.cpu(), pos.cpu(), tables.cpu(), torch.ones(1, dtype=torch.long))
-        return lambda: call.run(loop)
-
-    def step() -> None:
-        hidden, _ = model(ids, pos, meta)
-        model.compute_logits(hidden)
-    return step

@@ -111,7 +111,8 @@ class DraftModelMethod(SpeculativeMethod):
         if options:
             raise ValueError(f"unknown option(s) for method 'draft': {', '.join(sorted(options))}")
         policy = make_policy(verify, threshold, step_costs,
-                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256,
+                                                                   step=ctx.timed_step))
         policy.draft_cost_per_token = True       # each draft is a draft-model step
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
         if int(draft_kv_tokens) < self.block_size:

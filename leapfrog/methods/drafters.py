@@ -46,7 +46,8 @@ class DFlashMethod(SpeculativeMethod):
             raise ValueError(f"draft_sampling={draft_sampling!r}: expected argmax or sample")
         self.draft_sampling = draft_sampling
         policy = make_policy(verify, threshold, step_costs,
-                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256,
+                                                                   step=ctx.timed_step))
         self.context_cache = ContextCache()
         self.drafter = drafter or self._load(ctx, fallback, self.name)
         if self.drafter is None:          # fallback="ar" without a drafter: plain ar decoding

@@ -84,7 +84,8 @@ class NgramMethod(SpeculativeMethod):
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool):
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer")
         policy = make_policy(verify, threshold, step_costs,
-                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256))
+                             lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256,
+                                                                   step=ctx.timed_step))
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
         self.lookup_min, self.lookup_max = lo, hi
         self.max_step_tokens = 1 + self.num_speculative_tokens

@@ -633,18 +633,23 @@ def test_context_cache_projects_queued_rows_only_when_an_entry_is_reused(llama_d
 
 
 def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_greedy, monkeypatch):
-    """Inside an engine the start-up profile runs the engine's own paged step on scratch
-    caches; the real caches (and what is in them) come back untouched."""
+    """Inside an engine the start-up profile runs the engine's own step (timed_step: the runner's,
+    or the decode loop's for one row) on scratch caches; the real caches (and what is in them)
+    come back untouched."""
     from leapfrog.methods.confidence_schedule import StepCostTable
-    import leapfrog.methods.confidence_schedule as cs
     llm = LLM(str(llama_dir), **ENGINE)
     model = llm.engine.model
     assert llm.generate(PROMPTS, GREEDY)[0].token_ids == ar_greedy[0]
     before = [(a.k_cache, a.v_cache, a.k_cache.clone()) for a in model.attention_layers]
-    paged, real = [], cs.paged_step
-    monkeypatch.setattr(cs, "paged_step", lambda *a: paged.append(a[2]) or real(*a))
-    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=16, repeats=1)
-    assert paged == table.num_tokens and table.num_tokens[0] == 1 and min(table.seconds) > 0
+    timed, caches = [], []
+
+    def step(rows, context):
+        timed.append(rows)
+        caches.append(model.attention_layers[0].k_cache)
+        return llm.engine.timed_step(rows, context)
+    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=16, repeats=1, step=step)
+    assert timed == table.num_tokens and table.num_tokens[0] == 1 and min(table.seconds) > 0
+    assert all(c is not before[0][0] for c in caches)      # scratch caches while it timed
     assert table.seconds == sorted(table.seconds)          # more tokens never cost less
     for a, (k, v, snapshot) in zip(model.attention_layers, before):
         assert a.k_cache is k and a.v_cache is v and torch.equal(a.k_cache, snapshot)
@@ -652,7 +657,8 @@ def test_cost_profile_times_the_paged_step_and_restores_the_cache(llama_dir, ar_
     # Asked for more rows than fit after the context in the model's 256 positions, the profile
     # keeps rows and context inside them (it indexed past the RoPE table before).
     limit = model.config["max_position_embeddings"]
-    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=limit, repeats=1)
+    table = StepCostTable.profile(model, torch.device("cpu"), max_tokens=limit, repeats=1,
+                                  step=llm.engine.timed_step)
     assert table.num_tokens[-1] <= limit // 2 and min(table.seconds) > 0
 
 
