@@ -21,6 +21,9 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+import torch
+
+from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.layers import parallel as tp
 
 log = logging.getLogger("leapfrog.engine.distributed")
@@ -55,10 +58,8 @@ def check_method(method: str) -> None:
 
 def _follower_main(rank: int, size: int, init_method: str, model: str, kwargs: dict) -> None:
     """A spawned follower: join the group, build its part's engine, follow rank 0."""
-    import torch
     torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
     tp.init(rank, size, init_method, pipeline_size=sizes(kwargs)[1])
-    from leapfrog.engine.llm_engine import LLMEngine
     engine = LLMEngine(model, **kwargs)
     follow(engine)
     tp.shutdown()
@@ -155,7 +156,6 @@ def start(model: str, kwargs: dict) -> Any:
     """The engine for `tensor_parallel_size` x `pipeline_parallel_size` ranks: followers spawned
     here (or, under torchrun, this process's rank); on rank 0 a TensorParallelEngine, on a
     follower rank never returns."""
-    from leapfrog.engine.llm_engine import LLMEngine
     check_method(str(kwargs.get("method", "ar")))
     t, pipeline = sizes(kwargs)
     size = t * pipeline
@@ -179,7 +179,6 @@ def start(model: str, kwargs: dict) -> Any:
                              name=f"leapfrog-tp-rank{r}", daemon=True) for r in range(1, size)]
     for p in followers:
         p.start()
-    import torch
     torch.set_num_threads(threads)
     tp.init(0, size, init_method, pipeline_size=pipeline)
     try:

@@ -19,6 +19,7 @@ from leapfrog.engine.kv_tiers import HostKVTier, RedisKVTier
 from leapfrog.config import EngineConfig, resolve_model
 from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
+from leapfrog.layers.parallel import agree_min, gather_objects, pp_size, tp_size
 from leapfrog.models.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
 from leapfrog.layers.cpu_kernels import LoopCall
@@ -51,7 +52,6 @@ class LLMEngine:
         self.model_path = resolve_model(model)
         # The model folder's engine defaults (leapfrog.json: its numerics), under the caller's own.
         self.config, method_options = EngineConfig.from_options({**model_engine_options(self.model_path), **options})
-        from leapfrog.layers.parallel import pp_size, tp_size
         for name, size in (("tensor_parallel_size", tp_size()), ("pipeline_parallel_size", pp_size())):
             if getattr(self.config, name) != size:
                 raise ValueError(f"engine option {name}={getattr(self.config, name)}: this process is in a group "
@@ -183,13 +183,11 @@ class LLMEngine:
             tokens = min(self.config.max_batch_size * self.max_model_len, (1 << 30) // per_token)
         # Every rank schedules the same batches into the same blocks: the count all can hold
         # (pipeline stages may hold different numbers of layers).
-        from leapfrog.layers.parallel import agree_min
         return agree_min(max(1, tokens // self.config.block_size))
 
     def parallel_stats(self) -> list[dict]:
         """Every rank's pipelined-step counters (runner.PipelineStats), in rank order: a
         collective, made by every rank at once (TensorParallelEngine.parallel_stats)."""
-        from leapfrog.layers.parallel import gather_objects
         return gather_objects(self.runner.pipeline_stats.as_dict())
 
     # --- requests -----------------------------------------------------------------------

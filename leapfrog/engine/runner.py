@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from leapfrog.layers.attention import AttnGroup, AttnMetadata
+from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.layers.parallel import pp_size, recv_wait_seconds
 from leapfrog.methods.base import Batch, ScheduledSeq, StepOutput
 
@@ -30,7 +31,6 @@ class ModelRunner:
         self.cpu_decode_kernel = False
         self.pipeline_stats = PipelineStats()
         if device.type == "cpu":
-            from leapfrog.layers.cpu_kernels import cpu_kernels
             self.cpu_decode_kernel = cpu_kernels() is not None
 
     def _allocate_cache(self, num_slots: int, dtype: torch.dtype) -> None:

@@ -1,4 +1,8 @@
-"""METHODS: decoding-method name -> factory(sampler, engine context, **options)."""
+"""METHODS: decoding-method name -> factory(sampler, engine context, **options).
+
+The registry names each method's module without importing it, and default_method imports what
+it reads inside the call: the commands' flag parsing asks for the default method without
+loading torch or any method."""
 from __future__ import annotations
 
 import importlib

@@ -32,12 +32,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leapfrog.config import resolve_model
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, ScheduledSeq
 from leapfrog.methods.confidence_schedule import StepCostTable
 from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
 from leapfrog.methods.verify import make_policy
+from leapfrog.models.loader import load_model, named_drafter, read_config
 from leapfrog.sequence import Sequence
+from leapfrog.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from leapfrog.methods.base import MethodContext
@@ -117,10 +120,6 @@ class DraftModelMethod(SpeculativeMethod):
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
         if int(draft_kv_tokens) < self.block_size:
             raise ValueError(f"method 'draft': draft_kv_tokens={draft_kv_tokens}: must be >= {self.block_size}")
-        from leapfrog.config import resolve_model
-        from leapfrog.models.loader import load_model, named_drafter, read_config
-        from leapfrog.tokenizer import Tokenizer
-
         # The model given, else the one the target folder's leapfrog.json names for `draft`.
         folder = resolve_model(ctx.draft_model) if ctx.draft_model else named_drafter(ctx.model_path, "draft")
         if folder is None:
