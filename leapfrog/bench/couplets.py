@@ -1,15 +1,6 @@
 """`leapfrog bench --suite couplets`: the couplet writer's quality with and without the rules
 enforced, on keyword sets drawn from held-out couplets.
-
-For each of --num-prompts held-out couplets (a fixed sample, the same every run), 1-3 keywords
-are drawn from the couplet itself (as the keyword-mode training examples draw them), and a
-couplet is written for them twice: `free` (the model alone, one sampled keyword-mode
-completion) and `constrained` (rules enforced while decoding, candidates reranked; see
-leapfrog.couplet.writer). Reported per way: how often each rule holds, how often all do,
-part-of-speech parallelism between the lines (jieba, position by position), distinct-1/2 over
-every line written, and seconds per couplet. The held-out couplets themselves are the first
-row, for scale (they have no 横批: that rule is left out of their `all`).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

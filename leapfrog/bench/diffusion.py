@@ -1,30 +1,5 @@
 """`leapfrog bench --suite diffusion`: block-diffusion decoding against `ar`, one process, one run.
-
-Prompts: held-out story openings, the same ones `leapfrog eval` continues. Greedy; a request
-stops at its end of text or after --new-tokens, as any request does (ignore_eos off: past the
-end a story model writes filler that would only blur the quality columns, and ignore_eos would
-bypass the diffusion method's stop-at-the-end-block logic). Every rate counts the tokens
-really produced.
-
-Configs: `ar` on --ar-model (default `stories`, the AR model the diffusion model was made from:
-`ar` on the diffusion checkpoint is nobody's baseline), and `diffusion` on --model (default
-`stories-diffusion`) for every N in --num-blocks (N = 1 is single-block decoding) and every
-threshold in --thresholds; with --verify (two-stream models), each of those configs also
-verified (`verify=True`: the parent checks the mask stream's drafts, so the text is the parent's
-and the threshold only decides what is drafted). Each config is its own engine, all in this
-process. The `same as ar` column counts the openings whose tokens equal `ar`'s.
-
-Speed at batch 1 (latency): each config decodes each prompt alone; configs take turns prompt by
-prompt, so a machine that slows mid-run slows all alike. Reported: tokens per forward, output
-tokens/s, and the speed-up over `ar` (ratio of tokens/s, so texts that end early gain nothing).
-Then all prompts as one batch (throughput): output tokens/s, best of --repeats interleaved runs.
-Quality of the batch-1 texts, with `leapfrog eval`'s functions: perplexity under --ar-model
-(the judge), rep-4 over words, coherence (MiniLM, opening vs continuation).
-Targets (the memory-bound target's issue), checked per row: a multi-block config faster at
-batch 1 than single-block at the same threshold and floor, with judge ppl at most 5% above
-single-block's; a diffusion config >= 1.3x `ar`'s batch-1 speed with judge ppl at most 10%
-above `ar`'s. Multi-block rows also show their tokens per forward against single-block's.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

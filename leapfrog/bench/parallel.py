@@ -1,16 +1,7 @@
 """`leapfrog bench --suite parallel`: one model decoded whole and split over ranks on this
 machine: tensor-parallel ranks, pipeline stages, or both (LLM(tensor_parallel_size=N,
 pipeline_parallel_size=M)), and what the split costs in communication.
-
-For each layout: output tokens/s at each concurrency (greedy, --new-tokens each, the same
-prompts), and whether the tokens equal the whole model's. The communication is timed on its own,
-between processes doing nothing else: for tensor parallelism, an all-reduce of one step's hidden
-rows times the 2 per layer and 1 for the embedding that a step makes, plus the logits'
-all-gather; for pipeline parallelism, sending one step's hidden rows to the next stage once per
-stage boundary, plus the logits' broadcast from the last stage. Pipelined steps also report
-their bubble: the share of each rank's step time not spent on its own stage's layers (waiting
-for the previous stage, for its sends, for the logits), averaged over the ranks.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

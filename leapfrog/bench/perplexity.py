@@ -1,15 +1,7 @@
 """`leapfrog bench --suite perplexity`: a model's perplexity on held-out text, scored the way
 llama.cpp's `llama-perplexity` scores it, by leapfrog, by transformers and by llama-perplexity
 itself on the same file (a GGUF model: the same GGUF file for all three).
-
-The text (held-out stories, or --text) is tokenized whole and cut into chunks of --ctx tokens;
-in each chunk only the second half is scored (every token from ctx/2 + 1 on, given all before it
-in the chunk), and with a tokenizer that adds BOS the chunk's first token is replaced by BOS, as
-llama-perplexity does. leapfrog prefills 128 rows a step, so that its scores come from the
-products decoding runs (`matmul_precision`), not from prefill's. Perplexity is exp of the mean negative log-likelihood over every scored
-token. leapfrog scores through the engine (prompt log-probabilities), transformers with its own
-forward of the same chunks (the GGUF loader for a GGUF model), llama.cpp in a clean process.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

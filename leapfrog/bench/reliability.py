@@ -1,24 +1,7 @@
 """`leapfrog bench --suite reliability` and `--suite soak`: the server under bad input, overload,
 faults and time, measured against a real `leapfrog serve` process started here (built-in models,
 loopback, a free port), read back through its own /metrics.
-
-reliability, in parts (--parts):
-  fuzz      schemathesis generates valid and invalid requests from the server's OpenAPI document
-            for every endpoint (--fuzz-examples per operation and mode, plus its coverage phase);
-            reported: cases, failed checks, and the 5xx the server itself counted.
-  overload  a burst of --burst-factor x capacity (max_batch_size + max_queue_size) requests at
-            once, from a client of bare asyncio connections: 429s with Retry-After and how fast
-            they come, every admitted request finished, admitted latency against a stated bound
-            (1.5x the time `capacity` requests take with no burst, measured first), resident
-            memory, KV blocks back to zero.
-  recovery  with --fault-injection, POST /admin/fault crashes each model's engine while requests
-            stream; seconds until /ready and a request answer again; every request in flight ends
-            (an explicit error, never a hang).
-soak: --duration seconds of mixed load (streams, non-streams, aborted streams, bad requests,
-  several sampling settings, couplets) over three served models decoding with three methods
-  (stories with dspark, couplets with ar, stories-diffusion with diffusion); resident memory
-  sampled throughout, its growth after warm-up, KV blocks when idle, and every outcome counted.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

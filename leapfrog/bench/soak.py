@@ -1,15 +1,6 @@
 """`leapfrog bench --suite soak`: a long mixed run against one `leapfrog serve` process (see
 reliability.py for the server harness).
-
-Served: `stories` decoding with DSpark (speculative), `couplets` with `ar` (and the couplet writer's
-constrained requests), `stories-diffusion` with block diffusion. --clients workers loop over a
-weighted mix: non-streamed and streamed completions and chats with several sampling settings
-(greedy, temperature/top-p, top-k with penalties, seeds, stop strings, logprobs, n = 2), streams
-aborted after a few events, couplets, and bad requests (malformed JSON, unknown fields, values out
-of range, a wrong model, an oversized body) that must get their 4xx. Every outcome is classified:
-expected (a 2xx, the intended 4xx, a 429 at capacity) or not. Resident memory and KV blocks are
-sampled every --sample-interval seconds; memory growth is measured from the end of warm-up.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

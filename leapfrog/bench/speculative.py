@@ -1,29 +1,5 @@
 """`leapfrog bench --suite speculative`: decoding methods against `ar` in one process, one run.
-
-Part 1, latency (batch 1, greedy, held-out story openings): every method decodes the same
-prompts one request at a time; methods take turns prompt by prompt, so a machine that slows
-down mid-run slows every method alike. Reported per method: output tokens/s, wall-clock
-speed-up over `ar`, τ (tokens committed per verify step: accepted drafts + the bonus),
-tokens per target forward, acceptance rate per draft position, and whether the output equals
-`ar` token for token (greedy speculative decoding is lossless, so anything but "all" is a bug).
-A request stops at its end of text or after --new-tokens, as a served request does; past the
-end a story model starts a new text from nothing, which no drafter is trained for and no user
-receives (--ignore-eos measures that too: equal lengths, lower τ).
-
-With a llama.cpp build (--llama-cpp-dir or $LLAMA_CPP_DIR), the latency table also has
-llama.cpp's own single-request decode of the same weights (its converter's float16 GGUF, its
-llama-bench, `-p 0 -n --new-tokens`, in a clean environment), measured in the same run right
-after the leapfrog rows, and every row's ratio to it. --draft-models adds the `draft` method
-with each small AR model named (one row per γ), in both parts.
-
-Part 2, throughput at 1, 8 and 32 concurrent requests: `ar`, a second `ar` engine (the control:
-how far apart two identical engines measure), the DSpark drafter verifying all γ drafts
-(fixed), and the same drafter with confidence-scheduled verification (Algorithm 1).
-Each level runs at least --num-prompts prompts, in waves of its concurrency, so one request at
-a time is measured on the same prompts as part 1, not on the first alone. Each of --repeats
-rounds runs every engine once (in reverse order on odd rounds); a row's tok/s is the median of
-its rounds and its ratio to `ar` the median of the rounds' ratios.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

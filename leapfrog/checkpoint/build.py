@@ -1,26 +1,5 @@
 """Built-in models made on first use from shipped small weights (a recipe folder's build.json).
-
-A checkpoint folder may hold, instead of weights, a `build.json` recipe: grow a shipped base model
-by function-preserving growth, then add a shipped low-rank training delta. The first use builds
-the model into a cache folder (LEAPFROG_CACHE, default ~/.cache/leapfrog), checks the result
-against the recipe folder's SHA256SUMS, and later uses read it from there. This keeps the
-repository small: a 146M-parameter model is ~290 MB of float16, its recipe and delta a few MB.
-
-Growth, on Hugging Face Llama tensors (names as in the checkpoint):
-* wider by an integer factor k (Net2Net, Chen et al. 2016; bert2BERT, Chen et al. 2022): every
-  hidden unit, attention head, KV head and MLP unit is copied k times, copy-major (unit i of copy
-  j sits at j * n + i), and each weight's input side is divided by k, so a layer's output is the
-  same sum, copied. RMSNorm sees the same root-mean-square over the copies; copy-major heads keep
-  each query head with its KV head; with tied embeddings the final norm's weight is divided by k
-  (the LM head's input is the copied hidden state). Dividing by k = 2^n is exact.
-* deeper by inserting, after every layer, a copy of it whose output projections (o_proj,
-  down_proj) are zero (LLaMA Pro's block expansion, Wu et al. 2024): the copy adds nothing to the
-  residual stream until trained.
-The grown model computes the base model's logits (up to float rounding: tested).
-
-The delta: for each listed weight, W += B @ A (B: [out, r], A: [r, in]), float32 arithmetic,
-then float16, as LoRA training produced it (leapfrog.train.large).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import hashlib

@@ -1,20 +1,6 @@
 """GGUF files (llama.cpp's format): a model folder made from the file's metadata, the weights read
 from the file itself.
-
-`LLM("model.gguf")` and `leapfrog serve --model model.gguf` resolve the file to a small folder in
-the cache (`materialize_gguf`): config.json (the architecture's keys in Hugging Face's names),
-tokenizer.json and tokenizer_config.json (the vocabulary, merges, special tokens, BOS/EOS rule and
-chat template of the metadata), generation_config.json, leapfrog.json (int8 products by default
-where the kernels keep the weights quantized), and `gguf_source.json`, which points back at the
-file. The loader then reads the weights from the file (`read_tensors`), named as in a
-Hugging Face checkpoint, so every engine path (fused layers, the C++ decode loop, tensor
-parallelism) serves them unchanged.
-
-The file is read with the `gguf` package, the format's reference reader. Weights are dequantized
-at load by its dequantizers (every type below), and the blocks of KERNEL_TYPES are also kept for
-the CPU kernels (layers/quant.py); llama.cpp's converter stores a llama model's query and key rows
-permuted for its rotary layout, which is undone here.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import hashlib

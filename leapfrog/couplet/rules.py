@@ -1,27 +1,6 @@
 """The couplet rules (对联格律), as pure functions that both check a finished couplet and guide
 constrained decoding. No torch, no model.
-
-The rules, from issue 21:
-
-* ``equal_length``: the 上联 and the 下联 have the same number of characters (punctuation and
-  whitespace do not count, see ``hanzi``).
-* ``no_repeat``: the 下联 is not the 上联, and never has the 上联's character at the same position.
-* ``repeat_pattern``: the 下联 carries no repeated-character pattern that the 上联 lacks: if the
-  下联 repeats a character at positions i and j, the 上联 repeats one there too
-  (天若有情天亦老 / 月如无恨月常圆: 天…天 answers 月…月).
-* ``keywords``: every character of every keyword appears somewhere in 上联 + 下联 + 横批.
-* ``tone``: 仄起平收, the 上联 ends on an oblique tone (仄, tones 3-4) and the 下联 on a level tone
-  (平, tones 1-2).
-* ``horizontal_4``: the 横批 has exactly 4 characters.
-
-Tones are modern Mandarin tones (the 新韵 reading, not the classical 平水韵 with its entering
-tone), read by pypinyin. A character read in the neutral tone (tone 5: 的, 了, 么) is neither level
-nor oblique, so it fails both line ends. Heteronyms (长 chang2/zhang3, 重, 行, 华) are read in
-context where a whole line is known (``tones``, ``check``): pypinyin's phrase dictionary picks the
-reading. A bare character (``is_level``, ``is_oblique``, ``level_and_oblique``) gets pypinyin's
-default single-character reading; taking only characters whose *every* reading agrees would drop
-春, 年, 家, 明, 福 and about 1,300 of the couplet vocabulary's 5,700 characters, so we do not.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import re

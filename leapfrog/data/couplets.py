@@ -1,22 +1,5 @@
 """Text formats the couplet model is trained on; training, evaluation and the app rely on them.
-
-The couplets tokenizer marks the end of every prompt it encodes with ``<sep>``, as it marks the
-start with ``<s>`` (tokenizer.json: ``<s> $A <sep>``; see leapfrog.train.tokenizer), so a client
-that sends a raw prompt hands the model ``<s>prompt<sep>``; the texts below put ``<sep>`` where
-that prompt ends. ``<sep>`` is a special token, dropped by ``decode(skip_special_tokens=True)``.
-
-Pair mode (the default, no template needed by clients): the prompt is the raw 上联 and the
-completion is the 下联, trained as ``<s>上联<sep>下联</s>``: a client that sends "天若有情天亦老"
-gets back "月如无恨月常圆". A few pair examples carry ``<sep><sep>``, what a client that still
-appends "<sep>" to the 上联 itself (the format before the tokenizer did it) now sends.
-
-Keyword mode: prompt ``关键词：春 福\\n`` (1-3 keywords of 1-2 characters, space separated),
-completion ``上联：…\\n下联：…\\n横批：…``, trained as ``<s>关键词：春 福\\n<sep>上联：…</s>``.
-Keywords are sampled from the couplet itself. Only spring_festival.tsv has a real 横批 (170 items),
-so the other keyword examples get the 4-character phrase from a pool (real 横批 + 4-character
-couplet sides) that shares most characters with the couplet: the model learns "横批 = a
-four-character phrase on the same theme", not one fixed list.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import random

@@ -1,20 +1,5 @@
 """Truecasing: restore the capitals of a lowercased story from the casing of cased ones.
-
-Half of the TinyStories text here (``tinystories_lowercase.txt``) was lowercased by the project
-it came from, while the validation stories and every prompt are cased. Tokenized, "lily" and
-"Lily" are different pieces, so for a model trained on both that half is partly another
-language. Restoring the casing makes it in-distribution text:
-
-* a word gets the form it takes most often in the cased training stories, counted away from
-  sentence starts (whose capital says nothing about the word), when that form is the word's
-  own at least ``MIN_SHARE`` of the time: names (Lily, Ben, Spot), "I" and its contractions;
-* the first word of a sentence, of a paragraph and of a quotation is capitalised, except after
-  a quotation ending in ! or ? ("Ow!" he cried.), where TinyStories continues in lower case;
-* a word after "named" that the cased stories write in lower case fewer than 3 times is a name.
-
-The table is learned from the cased training split only (never from held-out stories), so
-validation stays honest. Deterministic: same stories, same table, same text.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import re

@@ -1,14 +1,6 @@
 """Paged KV blocks: allocate / append / truncate (rollback) / free with reference counts, and
 prefix caching by chained hashes of full blocks.
-
-A block whose reference count drops to zero keeps its hash and contents and joins the free
-list at the tail; allocation takes from the head, so cached blocks are evicted
-least-recently-freed first (LRU), and a later prompt with the same prefix can revive them.
-With a second tier (kv_tiers.HostKVTier), an evicted cached block's rows are saved there, and a
-prefix that misses here but is there comes back into a free block. A third tier shared between
-replicas (kv_tiers.RedisKVTier) is given every block as it becomes full, and is asked after the
-second.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from collections import OrderedDict

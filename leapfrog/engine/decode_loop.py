@@ -1,18 +1,5 @@
 """Decode steps without Python per token: the C++ decode loop on a CPU (csrc/decode_loop.cpp).
-
-A step whose batch is all decode rows of `ar` (one known token per sequence, nothing else) runs
-in the loop: up to `num_scheduler_steps` whole steps per call while nobody waits to be admitted,
-each row stopping at its own end (an end-of-text or stop token id, max_tokens, the context) or
-after the steps; a step with someone waiting runs one step, so a new request is admitted at the
-next step as before. Every row's KV slots for the steps are reserved before the call (a row
-whose blocks cannot be had gets one step). Rows whose sampling needs Python (penalties,
-logprobs) make the loop return the step's logits instead, which the method samples as usual.
-
-The loop computes each row exactly as the layer-by-layer path does (csrc/cpu_math.h) and samples
-with the same sampler, so outputs are the same tokens whichever path ran; stop strings are
-matched token by token afterwards (engine._output), which ends a request where one step at a
-time would have ended it.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import os

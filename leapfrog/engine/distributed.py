@@ -1,18 +1,6 @@
 """One engine over several ranks (tensor-parallel shards, pipeline stages, or both): rank 0
 drives, the others follow its schedule.
-
-Every rank builds the same LLMEngine over its part of the model (layers/parallel.py) and runs
-the same scheduler. Rank 0 broadcasts each call that changes the engine's state (add a request,
-abort one, take a step) before making it; the followers make the same call. The schedule is a
-function of those calls alone (a decision from measured time reads rank 0's clock, broadcast),
-and every rank samples from the same gathered logits with the same seeds, so the ranks' batches,
-KV blocks and tokens stay identical and their collectives meet.
-
-Launch: `tensor_parallel_size=N` and `pipeline_parallel_size=M` in one process start N x M - 1
-follower processes on this machine (gloo on loopback, NCCL on GPUs); under `torchrun` (several nodes), rank 0 drives and the other
-ranks follow inside the LLMEngine call and exit when the driver stops. A follower that dies is
-noticed before the driver's next call, which raises instead of waiting on a collective.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import atexit

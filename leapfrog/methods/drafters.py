@@ -1,14 +1,6 @@
 """`dflash` and `dspark`: speculative decoding with a parallel drafter (DFlash: "DFlash: Block
 Diffusion for Flash Speculative Decoding", Chen et al. 2026; DSpark).
-
-The drafter (models/dflash.py) is conditioned on the target's hidden states at its tapped
-layers: this method asks the runner to capture them (capture_layers), feeds the rows of each
-sequence's kept positions to the drafter's per-sequence context cache (observe), and drafts one
-block per sequence, batched, after every verify pass (propose). DSpark adds the sequential
-Markov/RNN stage and confidence scores; the `verify` option chooses the verify policy
-(verify.py): "fixed" (all γ), "threshold" (the prefix whose cumulative confidence stays >=
-threshold) or "confidence" (DSpark's hardware-aware prefix scheduler, Algorithm 1).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import warnings

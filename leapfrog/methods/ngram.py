@@ -1,22 +1,6 @@
-"""`ngram`: speculative decoding without a drafter, by prompt lookup (vLLM's `ngram` method,
-Saxena's prompt lookup decoding).
-
-After each verify, the last n tokens of a request (prompt and output so far) are looked up among
-its earlier tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; at the latest earlier
-place where they occur, the tokens that followed there become the drafts (up to
-`num_speculative_tokens`). It pays where the output copies its input: summaries, extraction,
-rewriting, code edits. No match, no drafts: that step is a plain decode step.
-
-Drafts are copies, so verification treats the draft distribution as one-hot, as for `draft`:
-greedy requests keep "accept while the draft is the target's argmax", sampled ones the lossless
-rule. A draft's confidence for the verify policy is the acceptance verification has shown so far
-for drafts at that position after a match of that length (a running estimate); `confidence`
-scheduling (the default) then prices verifying against the target's measured step costs, as for
-the other speculative methods, and stops drafting where it does not pay.
-
-Each request keeps an index of its n-grams (n-gram -> where it last ended), extended by the
-tokens committed since its last lookup, so a lookup costs a few dictionary reads.
-"""
+"""`ngram`: speculative decoding without a drafter, by prompt lookup (vLLM's `ngram`): the tokens
+that followed the latest earlier occurrence of the request's last n tokens are the drafts. Its
+index and confidences: docs/architecture.md, "The methods in detail"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

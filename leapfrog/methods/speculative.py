@@ -1,22 +1,6 @@
-"""Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward.
-
-Per decoding step a sequence feeds [last committed token, d_1..d_k] (query = last token + k
-drafts, num_logits = k+1). Row j of the target's logits is the distribution of the token after
-d_j, so one forward checks every draft and yields one more token (the bonus). Verification is
-the standard lossless rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
-accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
-normalize(max(0, p_j - q_j)); if all k survive, draw the bonus from p_k. Greedy requests have
-one-hot p (Sampler.probs), which reduces the rule to "accept while d_j == argmax p_j".
-
-Drafting happens at the end of commit(), right after the verify pass ("propose after
-verify", as vLLM's proposers do): the target's hidden states of the kept positions are at
-hand then, and the next step's num_extra_tokens() can say exactly how many drafts a sequence
-carries (the scheduler budgets tokens before prepare()). Subclasses implement observe()
-(take the kept rows' captured hidden states) and propose() (draft from the new anchors). The
-method's verify policy (verify.py) may skip drafting for a step and says how many of each
-request's drafts are verified; what the method keeps of a request between steps is its
-SpecState (Sequence.method_state).
-"""
+"""Speculative decoding: a drafter proposes tokens after each verify, the target verifies them in
+one forward with the shared acceptance rule (sample/rejection.py). How steps, drafting and the
+verify policy fit together: docs/architecture.md, "The methods in detail"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

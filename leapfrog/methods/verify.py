@@ -1,26 +1,7 @@
-"""Verification policies: how many of a request's drafts the target checks in the next step.
-
-A verified draft costs a query token in the target's forward; an unverified one costs nothing
-there and commits nothing. `fixed` verifies all γ drafts. `threshold` verifies the longest
-prefix whose survival Π c_i (the product of the drafter's per-position confidences, DSpark's
-confidence head) stays >= a threshold. `confidence` is DSpark's hardware-aware prefix scheduler
-(Algorithm 1 of the DSpark paper): it prices each draft by its survival and each step by what
-the target's forward costs at its batch width, and verifies the prefixes that maximise expected
-tokens per second; it also decides, before drafting, whether drafting pays at all. Whether
-draft j is verified depends on c_1..c_j and on earlier steps only, which do not see the
-sampled x_j: the decision is non-anticipating, so verification stays lossless (the DSpark
-paper's non-anticipation argument; the rule itself is Leviathan et al. 2023 / Chen et al. 2023).
-
-A policy sees a request through its VerifyRecord (kept in the request's SpecState) and a step
-through these calls, in this order:
-    observe(record, ...)       each verified request: its confidences, what was accepted
-    observe_step(num_tokens, decode_only)   the step's forward and verification are done
-    should_draft(records, batch)   drafting for the next step (of `batch` requests), or not
-    begin_drafting()           after the drafter's context projection, before its forward
-    num_to_verify(...)         the drafts are sampled: how many of each to verify
-    end_drafting(num_requests)
-    next_step()                drafting (or skipping it) is done: the next step begins
-"""
+"""Verification policies: how many of a request's drafts the target checks in the next step
+(`fixed`, `threshold`, DSpark's `confidence` scheduler), decided without seeing the sampled
+drafts, so verification stays lossless. The call order and the pricing: docs/architecture.md,
+"The methods in detail"."""
 from __future__ import annotations
 
 import time

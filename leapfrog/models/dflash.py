@@ -1,16 +1,6 @@
 """DFlash / DSpark drafter backbone (DFlash: "DFlash: Block Diffusion for Flash Speculative
 Decoding", Chen et al. 2026; the DSpark paper's semi-autoregressive drafter).
-
-A few Qwen3 decoder layers run non-causally over one block [anchor, MASK x (B-1)]. The target's
-hidden states from `target_layer_ids` are concatenated and fused, H_ctx = RMSNorm(fc(concat))
-(DSpark Eq. 2), and every draft layer attends to [K(H_ctx); K(block)] (Eq. 3): the same
-k_proj / v_proj / k_norm for context and block, RoPE at each key's absolute position. Context
-K/V are computed once per committed position and cached per sequence (DraftContext); block K/V
-live only inside the forward. Embedding and LM head are the target's (DFlash: "not part of the
-drafter"). Weight names follow the z-lab / DeepSpec layouts: `layers.N.self_attn.q_proj`,
-`fc`, `hidden_norm`, `norm` with no `model.` prefix; q/k/v and gate/up are packed here as in
-models/llama.py. The DSpark heads live in models/dflash_heads.py.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -1,18 +1,5 @@
 """Block-diffusion checkpoint families: block size, mask token, logit shift and EOS in one place.
-
-A diffusion checkpoint is an ordinary HF folder of a supported architecture whose config.json
-carries the block size (`block_size`, or `bd_size` for Fast-dLLM v2) and, when it has one,
-`mask_token_id`; leapfrog's own optional key `diffusion_logit_shift` (bool) says whether
-position i is predicted from the hidden state at i-1. What a config leaves out comes from
-the defaults each family's release documents:
-
-| family | architectures | block key | mask id | shift | EOS |
-|---|---|---|---|---|---|
-| SDAR | SDARForCausalLM | block_size | 151669 | no | 151645, 151643 |
-| Fast-dLLM v2 | Fast_dLLM_QwenForCausalLM | bd_size (32) | 151665 | yes | 151645 |
-| LLaDA2.x | LLaDA2MoeModelLM | none (32) | 156895 | no | 156892 |
-| leapfrog (any other) | e.g. LlamaForCausalLM | block_size | from the tokenizer | no | tokenizer's |
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from dataclasses import dataclass

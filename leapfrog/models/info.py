@@ -1,16 +1,6 @@
 """`leapfrog info`: total parameters, parameters active per token and their ratio, from config.json
 alone (no weights are read, so it answers for a 100B checkpoint before downloading it).
-
-A token passes through every attention block, norm and dense MLP, but through only the router,
-the top-k routed experts and the shared experts of an MoE layer, so
-
-    active = total - sum over MoE layers of (num_experts - top_k) * params of one routed expert.
-
-Embeddings count in both (the convention of the Qwen3-MoE, DeepSeek-V3 and LLaDA2 model cards),
-once when the output head is tied to them. Layers are counted as the Llama-shaped decoder that
-leapfrog builds (llama.py, llada2_moe.py, layers/moe.py) plus DeepSeek's multi-head latent
-attention; other families are counted as if Llama-shaped, and the report says so.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

@@ -1,16 +1,6 @@
 """LLaDA2.0 / 2.1 (`LLaDA2MoeModelLM`, inclusionAI, the LLaDA2.0 technical report): the Ling-2.0 MoE
 decoder, trained as a block-diffusion model.
-
-Architecturally it is the Qwen3 decoder of llama.py with other checkpoint names: q|k|v fused
-row-wise in `attention.query_key_value` (the order our packed qkv_proj already uses), per-head q/k
-RMSNorm before a partial RoPE (`partial_rotary_factor`), `attention.dense` as output projection,
-dense MLPs in the first `first_k_dense_replace` layers and, after them, sigmoid-scored,
-group-limited MoE layers with a selection-only `expert_bias`, `routed_scaling_factor` and
-always-on shared experts (layers/moe.py). So this class only translates config keys and names.
-
-The diffusion side (block size, mask token, bidirectional attention inside a block) belongs to
-the decoding method, which reads it from `model.config` (the original config.json).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from leapfrog.models.llama import LlamaForCausalLM

@@ -1,13 +1,5 @@
 """Sampling: penalties, temperature, top-k / top-p / min-p, and seeded draws.
-
-Each seeded request draws from its own generator, so its output does not depend on what else
-is in the batch. On a CPU with the C++ kernels, a token is drawn by the decode loop's sampler
-(csrc/cpu_math.h): one uniform number per draw from a counter-based generator keyed by the
-request's seed and its number of draws, so the one-step path and the multi-step decode loop
-draw the same tokens. Elsewhere (and for the speculative methods' verification draws) draws
-use torch generators and the exponential race (argmax p_i / E_i with E_i ~ Exp(1) selects i
-with probability p_i), which needs no cumulative sum or host sync.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import torch

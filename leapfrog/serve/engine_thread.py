@@ -1,13 +1,5 @@
 """AsyncEngine: one background thread owns the (not thread-safe) LLMEngine.
-
-The event loop talks to it through a thread-safe inbox (add / abort); the thread hands each
-step's outputs back to per-request asyncio queues with one `call_soon_threadsafe` per step,
-so a busy batch wakes the loop once per step rather than once per request.
-
-A supervisor task on the event loop watches the thread. If the engine loop dies (an error
-escapes it, or it keeps failing), every request in flight gets an explicit error at once,
-readiness answers 503, and a fresh engine is built from the same factory in a new thread.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import asyncio

@@ -1,18 +1,5 @@
 """Waiting in line for a place: the couplets written at once, the engine's running batch.
-
-A request that finds every place taken waits in a first-come, first-served line, but only while
-its expected wait fits a bound: past it, it is turned away at once instead of joining a line it
-would not clear in time, and told (Retry-After) when to come back: when its place would be
-half the bound from the front. Those turned away in a burst are given places one after another,
-so that they come back as places free up.
-
-The expected wait of the k-th in line is k over the drain rate: the places that free up a second
-while every place is taken. ``DrainRate`` measures that rate: completions counted only while the
-places were all taken, over the time they were, both decayed with a ten-second time constant so
-that it follows the recent load and keeps its value through idle spells. Until it has seen a few
-such completions it answers with the owner's prior (measured at warm-up), or None: no bound,
-only the line's length limits it.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import asyncio

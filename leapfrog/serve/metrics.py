@@ -1,16 +1,5 @@
 """Prometheus metrics for the server, exposed through prometheus_client.
-
-Names follow vLLM's production metrics (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`,
-`vllm:prompt_tokens_total`, ...) under a `leapfrog:` prefix, so dashboards and benchmark scrapers
-built for vLLM need only the prefix changed. Observations come from the engine thread and rendering
-from the event loop, hence the lock.
-
-The values are kept here and handed to prometheus_client at scrape time as metric families (a custom
-collector), which writes the exposition format and escapes names, labels and help text. Its own
-Counter/Histogram objects are not used because they would change the exposed series: `_created`
-samples next to every counter, bucket bounds written `le="1.0"` where dashboards know `le="1"`; and the
-engine's counters arrive as running totals that such objects cannot be set to.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import bisect

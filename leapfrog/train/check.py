@@ -1,18 +1,5 @@
 """Quality checks of a built-in checkpoint with plain ``transformers`` (independent of the engine).
-
-stories:  continue held-out story openings (temperature 0.7, top-p 0.9) and measure rep-4, the
-          share of repeated 4-grams in a continuation, 1 - distinct/total (Welleck et al. 2019,
-          "Neural Text Generation with Unlikelihood Training", §6), on words and on tokens.
-couplets: greedy 下联 for held-out 上联 sent as the raw prompt (the tokenizer ends it with <sep>);
-          the share whose length equals the 上联's; the same for the text "上联<sep>" (what
-          clients sent before the tokenizer added <sep>: it now encodes as <sep><sep>); and
-          keyword mode: the share of completions with all three parts well formed.
-block-diffusion folders (config.json with mask_token_id and block_size): continue the same story
-          openings with a slow single-block reference decoder (full recompute, confidence
-          threshold 0.9, greedy) and report rep-4 and tokens per forward.
-
-    python -m leapfrog.train.check checkpoints/stories [--num 64]
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

@@ -1,48 +1,6 @@
 """Block-diffusion objectives: turn an AR Llama into a block-diffusion LM, then post-train it for
 multi-block decoding (BD3-LM, Arriola et al. 2025; SDAR; Fast-dLLM v2; MBD-LMs).
-
-The sequence is cut on the absolute grid into blocks of B tokens (B = 4 here). A *view* is a noisy
-copy of the window: some tokens replaced by the mask token, and a partition of its blocks into
-*groups*. Single-block teacher forcing (TF, BD3-LM) is the view whose groups are single blocks;
-MBD-LMs' MultiTF groups 2..G_max consecutive blocks, the training analogue of the running set that
-multi-block decoding keeps in its buffer.
-
-One training row packs V views and one clean copy, each L tokens with position ids 0..L-1:
-
-    [view_1 ; ... ; view_V ; clean]
-
-This is BD3-LM's vectorised ``[x_t ; x_0]`` trick with the clean copy shared by all views:
-the clean copy never attends to a noisy one, so one clean copy serves every view and a pair of
-complementary views costs 3L tokens instead of 4L. Attention (``attention_mask``), with the MBD
-group-aware dual-stream rule (MBD-LMs §B.3):
-  - noisy -> same view: same group and the same or an earlier block (bidirectional in a block);
-  - noisy -> clean: clean blocks strictly before the first block of the query's group;
-  - clean -> clean: block-causal;  clean -> noisy and view -> other view: never.
-With single-block groups this is exactly BD3-LM / SDAR / Fast-dLLM v2's three-part mask.
-
-Noise. Single-block views: per block t ~ U(0,1), each token masked with p = (1-eps) t + eps
-(SDAR / Fast-dLLM v2), and each view is paired with its complement, so every token is masked in
-exactly one copy (Fast-dLLM v2's complementary masks). MultiTF views: MBD-LMs' chain-uniform
-scheduler: per group a floor l ~ U(t_low, t_eff), then block by block t_j ~ U(l, t_eff),
-l <- t_j, so later blocks of a group are noisier, as in the decoding buffer; block j gets
-ceil(B t_j) masked positions. (MBD masks floor(B t_j); with B = 4 that never yields the fully
-masked block that enters the buffer, and can leave a block without any target.) MultiTF views
-get no complement: it would reverse the noise order the scheduler is built to match.
-
-Token shift (Fast-dLLM v2): with ``shift`` the token at position i is predicted from the
-hidden state at i-1, so the AR model's head keeps its meaning. Inside a block i-1 is the same
-noisy view; for the first token of a block, i-1 belongs to the previous block, and its hidden is
-taken from the noisy view when that block is in the same group (MultiTF: a still-noisy block
-earlier in the buffer) and from the clean copy otherwise (the committed prefix, as a decoder reads
-it from the last position of the prefix). Position 0 has no predictor. Without shift (SDAR),
-position i predicts token i.
-
-Loss: cross-entropy on masked positions only, the plain mean over them (MBD-LMs' default
-normalisation; Fast-dLLM v2's causal-LM mean) rather than the 1/t weighting of MDLM: with
-complementary pairs every token is a target exactly once, so the number reads as nats per token
-over a spread of noise levels, and its variance does not blow up at small t. Stage two mixes
-(1 - w) * single-block loss + w * MultiTF loss so single-block quality is kept.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,18 +1,5 @@
 """Self-distillation data: a training stream of text the AR model wrote itself.
-
-Used by `stories-diffusion-distill`: a block-diffusion model fine-tuned on its AR parent's own
-continuations of training-story openings (most greedy, some sampled) learns that parent's
-distribution rather than the raw corpus's. That distribution is sharper (the parent's own text
-has a far lower perplexity under it than held-out stories), so the diffusion model grows
-confident about several masked positions at once and parallel unmasking commits more than one
-token per forward; it is also the text the quality judge (the same AR model) scores. This is
-the data-side half of self-distillation recipes for parallel decoding (dParallel; CLLM, Kou et
-al. 2024): the objective is unchanged (block-wise masked diffusion, MultiTF). Validation stays
-on held-out human text, so the reported validation loss is comparable with the other stages.
-
-The stream is cached under data_cache/<name>-distill/<key>/ (key: parent folder and its weights'
-size and mtime, counts, seed), so a resumed run regenerates nothing.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import sys

@@ -1,24 +1,6 @@
 """`leapfrog train drafter`: distil a DFlash or DSpark drafter from a target model (DFlash;
 DSpark; the DeepSpec reference code for the training details).
-
-1. Regenerate (drafter_data.py): story openings from the training split, continued by the
-   target itself, half greedy and half T=0.7 / top-p 0.9; greedy continuations of held-out
-   openings are the validation set.
-2. Train: each step takes a few sequences; the frozen target runs once over each (dense
-   causal) and yields the features of the tapped layers and its own logits; random anchors in
-   the generated part become blocks [anchor, MASK ...] (models/dflash.py). DFlash: position-
-   decayed cross-entropy. DSpark: 0.1 CE + 0.9 TV + 1.0 BCE(confidence) with the Markov/RNN
-   head teacher-forced (drafter_objectives.py).
-3. Measure: offline τ on the held-out greedy continuations: draft argmax along the drafted path
-   (the Markov head sees its own previous draft, as at inference), count the leading drafts
-   equal to the target's greedy tokens, +1 for the bonus. This is the τ greedy speculative
-   decoding gets, without running the engine.
-4. Calibrate (DSpark): sequential temperature scaling of the confidence head (DSpark §3.2.1) on
-   the same held-out drafted paths; the temperatures go into config.json.
-5. Export (drafter_export.py) in the published layouts (z-lab DFlash / DeepSpec DSpark config
-   keys and weight names, q/k/v and gate/up unpacked), SHA256SUMS, loss.png, training.json,
-   README.md.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

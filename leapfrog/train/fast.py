@@ -1,17 +1,6 @@
 """A lean training forward for the built-in Llama models, over the Hugging Face model's own
 parameters.
-
-``transformers``' Llama forward is written for every use (caches, masks of any shape, output
-records, hooks); a training step needs none of that. ``causal_lm_loss`` computes the same
-function from the same ``nn.Parameter`` objects: the query/key/value and gate/up projections
-as one matrix product each (their weights concatenated on the fly, so autograd splits the
-gradient back), RoPE from a cached table, PyTorch's fused causal attention, and the loss. The
-optimizer, the resumable state and the export keep seeing the unchanged Hugging Face model, so
-nothing else in the loop knows which forward ran.
-
-Written so that ``torch.compile`` captures a step in one graph (static shapes, no data-dependent
-branches); ``dropout`` > 0 drops on the residual branches and the embeddings while training.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import torch

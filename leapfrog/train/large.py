@@ -1,17 +1,5 @@
 """A grown model (leapfrog.checkpoint.build) trained further as a low-rank delta, the form it ships in.
-
-The model of a recipe folder (``build.json``: a base grown wider and deeper) is rebuilt in memory
-from the base's weights, every weight frozen, and each listed projection gets a trainable
-low-rank term: W + B @ A (LoRA, Hu et al. 2022), with B [out, r] and A [r, in]. Growth copies
-every unit k times, and exact copies get identical gradients forever, so B starts as small noise
-instead of zero (Net2Net's symmetry breaking, Chen et al. 2016, section 3): the copies then drift
-apart and the extra width becomes capacity. The term is a parametrization of the weight, so the
-training loop's forward (``train.fast`` or transformers') sees W + B @ A as the weight.
-
-The export is the delta alone, ``<weight name>.lora_A`` / ``.lora_B`` in float16, which the
-recipe's ``"delta"`` names and ``build.apply_delta`` adds on first use; the recipe's
-``SHA256SUMS`` are rewritten for the model it now builds.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import json

@@ -1,18 +1,6 @@
 """One training loop for every built-in model: an objective (next-token cross-entropy, or the
 block-diffusion losses of ``diffusion.py``) on packed token windows.
-
-AdamW, linear warm-up then cosine decay, gradient accumulation and clipping, optional bf16
-autocast, periodic validation, resumable state in a run folder (ignored by git), and a final
-Hugging Face folder written by ``export.save_checkpoint``. The batch of step ``s`` (windows, any
-noise the objective draws, dropout masks) depends only on (seed, s), so a resumed run sees
-exactly the batches an uninterrupted one would have. A run either builds a fresh model from
-``model`` or continues the weights of the checkpoint folder ``init_from`` (with its tokenizer).
-
-``fast`` runs the next-token objective of a dense Llama through ``train.fast`` (the same
-function over the same parameters, leaner), with fused AdamW, and ``compile`` compiles that
-step; the run folder keeps its progress (``progress.json``, ``loss.png``) next to ``state.pt``,
-saved at least every ``ckpt_minutes``.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import json

@@ -1,36 +1,5 @@
 """Two-stream block diffusion: the AR parent for known tokens, a mask stream for masked ones.
-
-A block-diffusion model fine-tuned as a whole (the four `stories-diffusion` stages) no longer
-computes what its parent computes, even when it decodes strictly left to right: its weights
-moved, and inside a block every decided token attends to the masks after it. Its text is then
-measurably more perplexing to the parent than the parent's own.
-
-The two-stream model keeps the parent exactly and adds a second set of layer weights that only
-mask tokens use:
-  - a row whose input token is known (prompt, committed or decided) runs the parent's frozen
-    layers and attends causally, as in the parent;
-  - a row whose input is the mask token runs the mask stream's layers (its own projections and
-    norms, a learned input vector instead of the mask token's embedding, its own final norm)
-    and attends bidirectionally inside its block and to everything before it (block-causal);
-  - both streams share the KV cache, the rotary table and the parent's LM head.
-
-With the token shift (position i predicted from the row at i-1), the leftmost undecided position
-of a block is always predicted by a known row, that is by the parent itself. So threshold 1.0
-decodes exactly the parent's tokens, every step's first token is the parent's, and the mask stream
-only adds the tokens it is confident about. A known row after a mask inside a block reads that
-mask's keys (causally), which is not the parent's computation; decoding recomputes a finished
-block with all its tokens known before its KV is kept, so the cache is always the parent's.
-
-Training (``DiffusionSpec.mask_stream``): the packed views of `train.diffusion` with that rule
-in the attention mask (known rows causal, the clean copy causal), the parent frozen, the mask
-stream trained on the masked targets. The stream starts from a full block-diffusion model's
-layers (the shipped `stories-diffusion`), which learnt to read noisy blocks.
-
-Checkpoint: the parent's folder whose weights also hold ``mask_stream.layers.N.*`` (Llama
-names), ``mask_stream.norm.weight`` and ``mask_stream.mask_embedding``, and whose config.json
-says ``"diffusion_mask_stream": true`` next to the block-diffusion keys. transformers loads such
-a folder as the plain parent (it ignores the extra tensors).
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 from pathlib import Path

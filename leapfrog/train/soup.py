@@ -1,15 +1,6 @@
 """Weight soups: a checkpoint folder whose weights are a weighted mean of several checkpoints of
 one architecture, typically fine-tunes that share a parent.
-
-Averaging the weights of fine-tunes from a common starting point ("model soups", Wortsman et al.
-2022) or of a fine-tune with its own parent (WiSE-FT, Wortsman et al. 2022) often scores better
-than any ingredient: the fine-tunes stay in one basin of the loss, and their individual noise
-partly cancels. The result is an ordinary Hugging Face folder (the last ingredient's tokenizer,
-config and generation config; the weights in its dtype), with training.json, README.md and
-SHA256SUMS rewritten.
-
-    python -m leapfrog.train.soup runs/a/model runs/b/model --weights 0.5 0.5 --out runs/soup/model
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import argparse

@@ -1,19 +1,5 @@
 """SentencePiece tokenizers for the built-in models, exported as Hugging Face tokenizer folders.
-
-Layout (same as Llama's): unk 0, bos 1, eos 2, then the special pieces (<mask>, and <sep> for
-couplets), then the 256 byte-fallback pieces, then the learned pieces. The folder holds
-``tokenizer.model`` (what llama.cpp's convert_hf_to_gguf.py reads), ``tokenizer_config.json``
-naming LlamaTokenizer, and the ``tokenizer.json`` that transformers writes from it.
-
-A spec with ``end_of_prompt`` (couplets: ``<sep>``) makes the tokenizer mark the end of every
-text it encodes with special tokens, as it marks the start with ``<s>``: tokenizer.json's
-TemplateProcessing becomes ``<s> $A <sep>``, so any client that sends the raw prompt (leapfrog,
-``AutoTokenizer``, an OpenAI-style server) hands the model ``<s>prompt<sep>``. Such a folder names
-``PreTrainedTokenizerFast`` and carries no ``add_bos_token``/``add_eos_token``: LlamaTokenizer
-(and those keys) would rebuild the post-processor from bos/eos alone and drop the ``<sep>``.
-Training streams are encoded with ``add_special_tokens=False`` and explicit ids (prepare.py), so
-the suffix never enters them.
-"""
+(What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
 import io
