@@ -416,7 +416,16 @@ def _allowed_methods(app: FastAPI, path: str) -> list[str]:
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     engines = [m.engine for m in state.servers]
 
-    @app.api_route("/health", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
+    def probe(path: str) -> Callable:
+        """GET, and HEAD for probes that read only the status: two routes, so that each operation
+        has its own operationId in the OpenAPI document."""
+        def register(fn: Callable) -> Callable:
+            app.add_api_route(path, fn, methods=["GET"])
+            app.add_api_route(path, fn, methods=["HEAD"], name=f"{fn.__name__}_head")
+            return fn
+        return register
+
+    @probe("/health")
     async def health() -> JSONResponse:
         for m in state.servers:
             e = m.engine
@@ -430,14 +439,14 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": "healthy", "uptime": time.time() - state.started, "ready": ready,
                              "model": state.primary.model_id, "models": [m.model_id for m in state.servers]})
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
+    @probe("/healthz")
     async def healthz() -> JSONResponse:
         """Liveness: the process answers and every engine runs, loads, or is being restarted by
         its supervisor (a restart is recovery in progress, not a reason to kill the process)."""
         ok = all(e.load_error is None for e in engines)
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])     # HEAD: probes that read only the status
+    @probe("/ready")
     async def ready() -> JSONResponse:
         """Readiness: every model loaded and warmed up, and not draining for shutdown."""
         status = ("failed" if any(e.load_error is not None for e in engines) else "draining" if state.draining

@@ -281,3 +281,12 @@ def test_response_format_text_is_accepted_and_json_is_refused_by_name(server, pa
         r = httpx.post(server.url + path, json={**body, "max_tokens": 3, "response_format": {"type": kind}},
                        timeout=30)
         assert "'text'" in assert_error(r, 400, param="response_format.type")["message"]
+
+
+def test_every_operation_has_its_own_id(server):
+    """OpenAPI requires unique operationIds (clients generated from the document name methods by
+    them): the probes' GET and HEAD are two operations."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert {"get", "head"} <= set(doc["paths"]["/healthz"])
