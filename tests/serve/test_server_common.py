@@ -18,6 +18,11 @@ from leapfrog.serve.config import build_config
 from leapfrog.serve.connections import http_protocol
 
 
+def post(server, path: str, body, **kw) -> httpx.Response:
+    """A JSON POST to a running ServerThread."""
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from leapfrog.sampling_params import SamplingParams
-from test_server_common import ServerThread, assert_error, free_port, pace_engine, still_works, wait_ready
+from test_server_common import ServerThread, assert_error, post, free_port, pace_engine, still_works, wait_ready
 
 POISON = 301        # a token id; a prompt containing it makes the injected fault fire
 
@@ -25,10 +25,6 @@ def server(llama_dir):
     s = ServerThread(llama_dir, max_queue_size=4).start()
     yield s
     s.stop()
-
-
-def post(server, path: str, body, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60, **kw)
 
 
 def stream_text(server, body: dict) -> list[dict]:

@@ -14,7 +14,7 @@ import pytest
 
 from leapfrog.serve.openai_api import Limits, render_chat
 from leapfrog.serve.protocol import APIError, ChatRequest
-from test_server_common import ServerThread, assert_error, still_works
+from test_server_common import ServerThread, assert_error, post, still_works
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,6 @@ def server(llama_dir):
     s = ServerThread(llama_dir, header_timeout=0.5).start()
     yield s
     s.stop()
-
-
-def post(server, path: str, body, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60, **kw)
 
 
 def responses(server, status: int) -> float:
