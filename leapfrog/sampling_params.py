@@ -65,6 +65,8 @@ BOUNDS: dict[str, Bound] = {
                                     f"{MAX_SPECULATIVE_TOKENS}", integer=True),
 }
 OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "num_speculative_tokens")   # None: not asked for
+MAX_GRAMMAR_CHARS = 100_000        # of a schema, regex, grammar or the choices together
+MAX_CHOICES = 1024
 
 
 class ParamError(ValueError):
@@ -74,6 +76,62 @@ class ParamError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on a request's output (vLLM's StructuredOutputsParams): exactly one of a JSON
+    Schema (`json`, a dict or its text), any JSON object (`json_object`), a regular expression,
+    a list of `choice` strings, or a `grammar` (Lark, or GBNF when it has `::=` rules). Decoding
+    then only ever samples tokens the constraint allows (sample/grammar.py). `field` is the request
+    field it came from, named by the errors."""
+    json: Any = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ParamError(self.field, f"{self.field}: give exactly one of json, json_object, regex, choice "
+                             f"or grammar (got {', '.join(given) or 'none'})")
+        kind = given[0]
+        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise ParamError(self.field, f"{self.field}: {kind} must be a non-empty string")
+        if kind == "choice":
+            if not self.choice or len(self.choice) > MAX_CHOICES or any(
+                    not isinstance(c, str) or not c for c in self.choice):
+                raise ParamError(self.field, f"{self.field}: choice must be 1 to {MAX_CHOICES} non-empty strings")
+        if kind == "json" and not isinstance(self.json, (str, dict)):
+            raise ParamError(self.field, f"{self.field}: the JSON schema must be an object (or its JSON text)")
+        if self.size() > MAX_GRAMMAR_CHARS:
+            raise ParamError(self.field, f"{self.field}: the {kind} has {self.size()} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are accepted")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+    def size(self) -> int:
+        if self.json is not None:
+            return len(self.json) if isinstance(self.json, str) else len(_json_text(self.json))
+        if self.choice is not None:
+            return sum(len(c) for c in self.choice)
+        return len(self.regex or self.grammar or "")
+
+
+def _json_text(value: Any) -> str:
+    import json
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ParamError("structured_outputs", f"the JSON schema cannot be written as JSON ({exc})") from None
 
 
 SHOWN_CHARS = 60      # of a rejected value, in an error message
@@ -127,6 +185,9 @@ class SamplingParams:
     # drafting off for it (None: the method's own num_speculative_tokens). HTTP: the request's
     # `speculative` object, {"num_speculative_tokens": N}.
     num_speculative_tokens: int | None = None
+    # Constrained decoding: JSON Schema, regex, choice or grammar (HTTP: response_format,
+    # structured_outputs, guided_*). Drafting stays on: drafts are checked against it.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +215,8 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ParamError("structured_outputs", "structured_outputs must be a StructuredOutputs")
         if any(not callable(f) for f in self.logits_processors):
             raise ParamError("logits_processors", "logits_processors must be callables (output_ids, logits) -> logits")
 
@@ -188,7 +251,7 @@ class SamplingParams:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors)
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.structured_outputs is not None)
 
 
 def _is_int(value: object) -> bool:

@@ -61,6 +61,8 @@ class Sequence:
     # A model with coupled positions: the index of the first anchor token (-1: none; None: not
     # looked for yet). Rotary positions past it count from it.
     rotary_anchor: int | None = None
+    # params.structured_outputs: the request's grammar matcher (sample/grammar.py GrammarMatch)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

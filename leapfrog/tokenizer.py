@@ -365,6 +365,12 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------
 
+    def hf_json(self) -> str | None:
+        """The tokenizer as Hugging Face tokenizers' JSON (what grammar engines read), or None for
+        a SentencePiece-only folder."""
+        tok = getattr(self._backend, "tok", None)
+        return tok.to_str() if tok is not None and hasattr(tok, "to_str") else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self._template is None:
             raise ValueError("model has no chat template")

@@ -114,4 +114,4 @@ def eligible(seq: Sequence) -> bool:
     """Whether a sequence's sampling runs inside the loop (else the loop returns logits)."""
     p = seq.params
     return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logits_processors and not p.logit_bias)
+            and not p.logits_processors and not p.logit_bias and p.structured_outputs is None)

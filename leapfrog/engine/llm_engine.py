@@ -28,8 +28,9 @@ from leapfrog.engine.decode_loop import MultiStep
 from leapfrog.engine.output_processor import EngineStats, OutputProcessor
 from leapfrog.outputs import RequestOutput
 from leapfrog.engine.runner import ModelRunner
+from leapfrog.sample.grammar import compiler_for
 from leapfrog.sample.sampler import Sampler
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import ParamError, SamplingParams
 from leapfrog.engine.scheduler import Scheduler, SchedulerConfig
 from leapfrog.sequence import Sequence
 from leapfrog.tokenizer import Tokenizer
@@ -211,6 +212,12 @@ class LLMEngine:
         ids = self.model.prompt_ids(ids)
         if params.logits_processors and not self.method.supports_logits_processors:
             raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
+        grammar = None
+        if params.structured_outputs is not None:
+            field = params.structured_outputs.field
+            if not self.method.supports_logits_processors:
+                raise ParamError(field, f"{field}: the {self.method.name} method cannot constrain its output")
+            grammar = compiler_for(self.tokenizer, self.hf_config["vocab_size"]).matcher(params.structured_outputs)
         if params.prompt_logprobs is not None and not self.method.supports_prompt_logprobs:
             raise ValueError(f"prompt_logprobs: the {self.method.name} method has no next-token "
                              "distribution per prompt token")
@@ -227,6 +234,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, priority=priority,
                        eos_token_ids=tuple(self.scheduler.eos_token_ids))
+        seq.grammar = grammar
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.prompt_logprobs is not None:

@@ -145,7 +145,19 @@ class SpeculativeMethod(Method):
             k = min(k, cap)
         remaining = seq.params.max_tokens - seq.num_output_tokens - 1   # the bonus is always free
         room = self.max_positions - len(seq.token_ids)                  # last query position < max
-        return max(0, min(k, remaining, room))
+        k = max(0, min(k, remaining, room))
+        if k and seq.grammar is not None:
+            k = self._grammar_prefix(seq, prop.token_ids[:k])
+        return k
+
+    @staticmethod
+    def _grammar_prefix(seq: Sequence, drafts: list[int]) -> int:
+        """Drafts worth verifying under the request's constraint: those it allows in a row, and
+        for a sampled request the first one it rejects too (that row's residual draw keeps
+        verification lossless; the target gives that draft probability 0). Greedy requests
+        stop before it: the masked argmax is never that draft."""
+        valid = seq.grammar.num_valid(seq.output_ids, drafts)
+        return valid if seq.params.greedy else min(len(drafts), valid + 1)
 
     def prepare(self, batch: Batch) -> None:
         for s in batch.seqs:

@@ -53,6 +53,7 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
         logits.index_add_(1, ids, torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
                           .expand(rows, -1).contiguous())
     ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+    before_ban = logits.clone() if seq.grammar is not None and ban and seq.num_output_tokens < p.min_tokens else None
     for j in range(rows):
         if seq.num_output_tokens + j < p.min_tokens and ban:
             logits[j, ban] = float("-inf")
@@ -60,6 +61,13 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
             history = seq.output_ids + drafts[:j]
             for process in p.logits_processors:
                 logits[j].copy_(process(history, logits[j]))
+    if seq.grammar is not None:
+        seq.grammar.mask_rows(logits, seq.output_ids, drafts)
+        if before_ban is not None:      # a grammar that allows only the end: it wins over min_tokens
+            dead = torch.isneginf(logits).all(-1)
+            if bool(dead.any()):
+                seq.grammar.mask_rows(before_ban, seq.output_ids, drafts)
+                logits[dead] = before_ban[dead]
     return logits
 
 

@@ -27,10 +27,10 @@ from leapfrog.serve.line import retry_after_s
 from leapfrog.serve.metrics import (CONTENT_TYPE as METRICS_CONTENT_TYPE, CountResponses, HTTPResponses, ServerMetrics,
                                    render_all)
 from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprobs, check_model, check_prompt,
-                                    completion_body, completion_logprobs, detokenize_body, echo_choice,
-                                    encode_prompt, finish_reason, join_logprobs, new_id, now, prepare_chat,
-                                    prepare_completion, prompt_logprobs_body, sampling_params, sse,
-                                    tokenize_body, usage)
+                                    compile_constraint, completion_body, completion_logprobs, detokenize_body,
+                                    echo_choice, encode_prompt, finish_reason, join_logprobs, new_id, now,
+                                    prepare_chat, prepare_completion, prompt_logprobs_body, requested_constraint,
+                                    sampling_params, sse, tokenize_body, usage)
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, FaultRequest,
                                     GenerateRequest, TokenizeRequest, bad_request, parse_body)
 
@@ -546,7 +546,9 @@ def _prepare_generate(req: GenerateRequest, limits: Limits, tok: Any) -> Prepare
     ids = encode_prompt(req.prompt, tok, limits)
     check_prompt(ids, limits)
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_length
-    return Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens))])
+    constraint = requested_constraint(req)
+    compile_constraint(constraint, tok, limits)
+    return Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens, constraint=constraint))])
 
 
 def _parse_and_prepare(raw: bytes, kind: type, prepare: Callable, state: ServerState

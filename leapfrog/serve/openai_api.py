@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamError, SamplingParams, shorten
+from leapfrog.sample.grammar import compiler_for
+from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamError, SamplingParams,
+                                      StructuredOutputs, shorten)
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
 
@@ -72,9 +74,59 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits) -> li
     return list(prompt)
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def requested_constraint(req: SamplingFields) -> StructuredOutputs | None:
+    """The request's output constraint, from whichever one of response_format (OpenAI's),
+    structured_outputs or guided_* (vLLM's) it uses; two of them are a 400."""
+    found: list[tuple[str, dict]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format: type json_schema needs json_schema.schema", "response_format.json_schema",
+                              "missing_field")
+        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    so = req.structured_outputs
+    if so is not None:
+        kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+              "json_object": bool(so.json_object)}
+        found.append(("structured_outputs", kw))
+    for name in GUIDED_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {name.removeprefix("guided_"): value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"{found[1][0]}: only one of response_format, structured_outputs and guided_* may "
+                          f"constrain a request (also given: {found[0][0]})", found[1][0], "invalid_value")
+    field, kw = found[0]
+    try:
+        return StructuredOutputs(**kw, field=field)
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.field, "invalid_value") from None
+
+
+def compile_constraint(spec: StructuredOutputs | None, tokenizer: Any, limits: Limits) -> None:
+    """Compile the constraint now (cached), so a bad schema or grammar is a 400 before anything
+    is queued; the engine copies the compiled matcher."""
+    if spec is None:
+        return
+    try:
+        compiler_for(tokenizer, limits.vocab_size).compile(spec)
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.field, "invalid_grammar") from None
+    except ValueError as exc:           # a model whose tokenizer no grammar engine reads
+        raise bad_request(f"{spec.field}: {exc}", spec.field, "unsupported") from None
+
+
 def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_tokens: int | None,
                     seed_offset: int = 0, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    constraint: StructuredOutputs | None = None) -> SamplingParams:
     room = limits.max_model_len - prompt_len
     explicit = max_tokens is not None
     if not explicit:
@@ -106,6 +158,7 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
         raise bad_request(f"stop_token_ids must be token ids of this model, in [0, {limits.vocab_size})",
                           "stop_token_ids", "invalid_token_id")
     kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
+    kw["structured_outputs"] = constraint
     try:
         params = SamplingParams(**kw)
     except ParamError as exc:
@@ -160,11 +213,13 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     prep = Prepared(ids)
     if req.echo:
         prep.texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts]
+    constraint = requested_constraint(req)
+    compile_constraint(constraint, tokenizer, limits)
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)
         for j in range(req.n):
             prep.requests.append((prompt_ids, sampling_params(req, limits, len(prompt_ids), max_tokens,
-                                                              j, req.logprobs, prompt_k)))
+                                                              j, req.logprobs, prompt_k, constraint)))
     return prep
 
 
@@ -235,10 +290,12 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    constraint = requested_constraint(req)
+    compile_constraint(constraint, tokenizer, limits)
     prep = Prepared([ids])
     for j in range(req.n):
         prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs,
-                                                   req.prompt_logprobs)))
+                                                   req.prompt_logprobs, constraint)))
     return prep
 
 

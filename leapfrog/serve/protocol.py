@@ -9,7 +9,7 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class APIError(Exception):
@@ -61,6 +61,12 @@ class SamplingFields(StrictModel):
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None
     speculative: SpeculativeOptions | None = None   # extension: per-request drafting cap or off
+    # Constrained decoding (vLLM's names; response_format is OpenAI's): at most one of them.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None          # Lark, or GBNF (rules written `name ::= ...`)
 
 
 class SpeculativeOptions(StrictModel):
@@ -73,11 +79,27 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class StructuredOutputsField(StrictModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's response_format.json_schema. The schema is always enforced (`strict` or not)."""
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    """OpenAI's response_format: only plain text, the default, which some clients send
-    explicitly; json_object and json_schema need guided decoding, which leapfrog does not have
-    (a 400 naming the field, not a reply that ignores the schema)."""
-    type: Literal["text"]
+    """OpenAI's response_format: text (the default), any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerateRequest(SamplingFields):
@@ -199,4 +221,4 @@ def _is_type_tag(part: str) -> bool:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ContentPart", "StreamOptions",
-              "SpeculativeOptions"}
+              "SpeculativeOptions", "StructuredOutputsField", "JsonSchemaFormat", "ResponseFormat"}

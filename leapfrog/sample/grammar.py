@@ -1,0 +1,212 @@
+"""Structured outputs: a request's constraint (sampling_params.StructuredOutputs) compiled by
+llguidance into a matcher, which gives before each sampled token the bitmask of the tokens that
+keep the output inside the constraint.
+
+The matcher follows a request's history lazily: `sync` rolls back what it consumed beyond the
+common prefix with the history asked for and consumes the rest, so one matcher serves a plain
+step, a verify step's rows (row j after drafts[:j]) and the next step after some drafts were
+rejected. Compiled grammars are cached per tokenizer (a repeated schema costs a copy)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from leapfrog.sampling_params import ParamError, StructuredOutputs
+
+# JSON is written compactly, with Python's separators: no free whitespace, which a small model
+# may otherwise repeat until max_tokens. A schema's own "x-guidance" options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256                 # compiled grammars kept per tokenizer
+MAX_ERROR_CHARS = 400
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:          # a dependency of the package: only a broken install lacks it
+        raise RuntimeError(f"structured outputs need the llguidance package ({exc})") from None
+    return llguidance
+
+
+def escape_regex(text: str) -> str:
+    """A regex matching `text` literally (only the characters with a meaning outside a class
+    are escaped: the regex engine rejects escapes of others, such as a space)."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint (its compile errors come later, from the matcher)."""
+    llg = _llguidance()
+    lm = llg.LLMatcher
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ParamError(spec.field, f"{spec.field}: the schema is not valid JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise ParamError(spec.field, f"{spec.field}: a JSON schema must be an object, not {type(schema).__name__}")
+        try:
+            return lm.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise ParamError(spec.field, f"{spec.field}: {_short(str(exc))}") from None
+    if spec.regex is not None:         # \d and \w mean ASCII, as in JSON Schema patterns
+        return lm.grammar_from_lark(f"start: /{llg.regex_to_lark(spec.regex, 'dw')}/")
+    if spec.choice is not None:
+        return lm.grammar_from_regex("|".join(f"({escape_regex(c)})" for c in spec.choice))
+    text = spec.grammar
+    if "::=" in text:                  # GBNF (llama.cpp's grammars): llguidance converts it to Lark
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as exc:       # the converter raises plain exceptions on a malformed rule
+            raise ParamError(spec.field, f"{spec.field}: not a valid GBNF grammar ({_short(str(exc))})") from None
+    return lm.grammar_from_lark(text)
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+def _cache_key(spec: StructuredOutputs) -> tuple:
+    if spec.json is not None and not isinstance(spec.json, str):
+        return "json", json.dumps(spec.json, sort_keys=True)
+    return spec.kind, spec.json if spec.json is not None else (spec.regex or spec.grammar or spec.choice)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary width (the model's logits), with an
+    LRU cache of compiled matchers to copy. Thread-safe: the server compiles a request's grammar
+    when it is received (a bad one is a 400 before anything is queued), the engine copies it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        llg = _llguidance()
+        spec = getattr(tokenizer, "hf_json", lambda: None)()
+        if spec is None:
+            raise ValueError("structured outputs need a tokenizer.json (a Hugging Face fast tokenizer); "
+                             "this model has none")
+        eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.vocab_size = max(int(vocab_size), int(tokenizer.vocab_size))
+        self.lltok = llg.LLTokenizer(spec, n_vocab=self.vocab_size, eos_token=eos or None)
+        self.limits = llg.LLParserLimits(verbose_errors=False)
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_seconds: list[float] = []      # of each cache miss, for the benchmark's p50/p99
+        self.num_hits = 0
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """The compiled matcher of `spec` (shared: copy it), or ParamError naming spec.field."""
+        key = _cache_key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.num_hits += 1
+                return hit
+        t0 = time.perf_counter()
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self.lltok, grammar_text(spec), log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise ParamError(spec.field, f"{spec.field}: the {spec.kind} cannot be compiled: "
+                             f"{_short(matcher.get_error())}")
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self.compile_seconds.append(elapsed)
+            del self.compile_seconds[:-4096]
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
+        """A fresh matcher of `spec` for one request."""
+        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size)
+
+
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+    """The tokenizer's GrammarCompiler for logits `vocab_size` wide (made on first use, kept on
+    the tokenizer object, so the server's and the engine's threads share one cache)."""
+    with _COMPILERS_LOCK:
+        table = getattr(tokenizer, "_grammar_compilers", None)
+        if table is None:
+            table = {}
+            tokenizer._grammar_compilers = table
+        if vocab_size not in table:
+            table[vocab_size] = GrammarCompiler(tokenizer, vocab_size)
+        return table[vocab_size]
+
+
+class GrammarMatch:
+    """One request's matcher and the tokens it has consumed (its output, then perhaps drafts)."""
+    __slots__ = ("matcher", "consumed", "vocab_size", "words")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.consumed: list[int] = []
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+
+    def sync(self, history: list[int]) -> bool:
+        """Stand after `history` (the request's output tokens, then drafts); False when some of
+        it breaks the constraint (the matcher then stands after its longest valid prefix)."""
+        n = 0
+        limit = min(len(self.consumed), len(history))
+        while n < limit and self.consumed[n] == history[n]:
+            n += 1
+        if n < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - n)
+            del self.consumed[n:]
+        rest = history[n:]
+        if not rest:
+            return True
+        took = self.matcher.try_consume_tokens(rest)
+        self.consumed.extend(rest[:took])
+        return took == len(rest)
+
+    def num_valid(self, output: list[int], drafts: list[int]) -> int:
+        """How many of `drafts`, after `output`, the constraint allows in a row."""
+        if not drafts or not self.sync(output):
+            return 0
+        return self.matcher.validate_tokens(drafts)
+
+    def fill(self, row: torch.Tensor) -> None:
+        """The allowed tokens of the current state, one bit each, into `row` (int32, contiguous)."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def mask_rows(self, logits: torch.Tensor, output: list[int], drafts: list[int]) -> None:
+        """Row j of `logits` (one request's verify step, or its one row) becomes the constrained
+        distribution after output + drafts[:j], in place. Rows after a draft the constraint
+        rejects are left as they are: verification never reaches them."""
+        rows = logits.shape[0]
+        bits = torch.zeros(rows, self.words, dtype=torch.int32)
+        n = 0
+        for j in range(rows):
+            if not self.sync(output + drafts[:j]):
+                break
+            self.fill(bits[j])
+            n += 1
+        if n:
+            apply_bitmask(logits[:n], bits[:n])
+
+
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in `bits` ([rows, words] int32, bit t % 32 of
+    word t // 32) is 0; columns past the mask are disallowed too."""
+    rows, vocab = logits.shape
+    unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    width = min(vocab, unpacked.shape[1])
+    allowed[:, :width] = torch.from_numpy(unpacked[:, :width]).bool()
+    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))

@@ -1,0 +1,189 @@
+"""Structured outputs (sample/grammar.py): the masks against brute force on a tiny vocabulary,
+constrained `ar`, and drafting under a constraint token for token against `ar` under it (greedy)
+or in distribution (sampled)."""
+from __future__ import annotations
+
+import collections
+import json
+
+import jsonschema
+import pytest
+import regex
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.sample.grammar import GrammarMatch, apply_bitmask, compiler_for, escape_regex
+from leapfrog.sampling_params import ParamError, StructuredOutputs
+from leapfrog.tokenizer import Tokenizer
+from test_speculative import ENGINE, OracleMethod, assert_greedy_match
+
+SO = StructuredOutputs
+SCHEMA = {"type": "object", "properties": {
+    "mood": {"enum": ["happy", "sad", "cross"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"}, "maxItems": 2}},
+    "required": ["mood", "count"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir) -> Tokenizer:
+    return Tokenizer.from_folder(llama_dir)
+
+
+def allowed(match: GrammarMatch, vocab: int) -> set[int]:
+    bits = torch.zeros(1, match.words, dtype=torch.int32)
+    match.fill(bits[0])
+    row = torch.zeros(1, vocab)
+    apply_bitmask(row, bits)
+    return set(torch.nonzero(row[0] == 0).flatten().tolist())
+
+
+def brute_force(tok: Tokenizer, prefix: list[int], language: regex.Pattern, vocab: int) -> set[int]:
+    """Tokens t such that text(prefix + t) can still be completed into the language; the end
+    token where text(prefix) is already in it."""
+    text = tok.decode(prefix)
+    out = set()
+    for t in range(vocab):
+        if t in tok.eos_token_ids:
+            if language.fullmatch(text):
+                out.add(t)
+            continue
+        piece = tok.decode(prefix + [t])
+        if piece == text:           # a special token adds no text: never part of the output
+            continue
+        if language.fullmatch(piece, partial=True):
+            out.add(t)
+    return out
+
+
+@pytest.mark.parametrize("spec,pattern", [
+    (SO(regex=r"[a-c]{2,4}x?"), r"[a-c]{2,4}x?"),
+    (SO(choice=["cat", "catnip", "dog.", "a+b"]), "|".join(regex.escape(c) for c in ["cat", "catnip", "dog.", "a+b"])),
+    (SO(regex=r"\d{2}-\d"), r"[0-9]{2}-[0-9]"),
+])
+def test_masks_equal_brute_force_over_the_whole_vocabulary(tok, llama_dir, spec, pattern):
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    compiler = compiler_for(tok, vocab)
+    language = regex.compile(pattern)
+    match = compiler.matcher(spec)
+    history: list[int] = []
+    # walk one valid path token by token, checking the mask at every step, then roll back
+    for _ in range(8):
+        want = brute_force(tok, history, language, vocab)
+        assert match.sync(history)
+        assert allowed(match, vocab) == want, tok.decode(history)
+        nexts = sorted(want - set(tok.eos_token_ids))
+        if not nexts:
+            break
+        history = history + [nexts[len(history) % len(nexts)]]
+    assert match.sync([])                      # rollback to the start gives the first mask again
+    assert allowed(match, vocab) == brute_force(tok, [], language, vocab)
+
+
+def test_a_draft_path_is_validated_and_rolled_back(tok, llama_dir):
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    match = compiler_for(tok, vocab).matcher(SO(choice=["abc"]))
+    ids = tok.encode("abc", add_special_tokens=False)
+    bad = tok.encode("x", add_special_tokens=False)
+    assert match.num_valid([], ids + bad + ids) == len(ids)
+    assert match.num_valid(ids[:1], ids[1:]) == len(ids) - 1
+    assert not match.sync(bad) and match.consumed == []      # the invalid token was never consumed
+    assert match.sync(ids) and allowed(match, vocab) == set(tok.eos_token_ids)
+
+
+def test_bad_constraints_name_their_field(tok, llama_dir):
+    compiler = compiler_for(tok, 384)
+    for spec, text in [(SO(regex="(unclosed", field="guided_regex"), "guided_regex"),
+                       (SO(grammar="start: nothing_defined", field="guided_grammar"), "guided_grammar"),
+                       (SO(json='{"type": ', field="response_format"), "not valid JSON"),
+                       (SO(json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}), "structured_outputs")]:
+        with pytest.raises(ParamError, match=text) as err:
+            compiler.compile(spec)
+        assert err.value.field == spec.field
+    with pytest.raises(ParamError, match="exactly one"):
+        SO(regex="a", choice=["b"])
+    with pytest.raises(ParamError, match="at most"):
+        SO(grammar="start: " + " | ".join(f'"{i}"' for i in range(20000)))
+    assert escape_regex("a.b (c)") == r"a\.b \(c\)"
+
+
+def test_gbnf_grammars_are_accepted(tok):
+    compiler = compiler_for(tok, 384)
+    match = compiler.matcher(SO(grammar='root ::= "yes" | "no"'))
+    assert match.num_valid([], tok.encode("no", add_special_tokens=False)) == len(tok.encode("no", add_special_tokens=False))
+
+
+# --- the engine ---------------------------------------------------------------------------------
+PROMPTS = ["Once upon a time", "The cat", "A little dog ran"]
+
+
+def _json_ok(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def ar_llm(llama_dir):
+    return LLM(str(llama_dir), **ENGINE)
+
+
+@pytest.mark.parametrize("spec,check", [
+    (SO(json=SCHEMA), _json_ok),
+    (SO(regex=r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."), lambda t: regex.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){0,3}\.", t)),
+    (SO(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+])
+def test_ar_outputs_conform(ar_llm, spec, check):
+    outs = ar_llm.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=0, structured_outputs=spec))
+    outs += ar_llm.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=1.0, seed=1, structured_outputs=spec))
+    for o in outs:
+        assert o.finish_reason == "stop" and check(o.text), o.text
+
+
+def test_constrained_and_free_requests_share_a_batch(ar_llm):
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in ar_llm.generate(PROMPTS, free)]
+    params = [free, SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(json=SCHEMA)), free]
+    outs = ar_llm.generate(PROMPTS, params)
+    assert outs[0].token_ids == want[0] and outs[2].token_ids == want[2]
+    assert _json_ok(outs[1].text)
+
+
+GREEDY_SO = [SO(json=SCHEMA), SO(regex=r"(the|a) [a-z ]{3,30}\.")]
+
+
+@pytest.mark.parametrize("method", ["oracle", "draft", "ngram"])
+def test_greedy_drafting_under_a_constraint_equals_ar_under_it(llama_dir, draft_dir, ar_llm, method, monkeypatch):
+    import leapfrog.engine.llm_engine
+    if method == "oracle":            # drafts the unconstrained argmax: the constraint cuts them
+        monkeypatch.setattr(leapfrog.engine.llm_engine, "method_class", lambda name: OracleMethod)
+        llm = LLM(str(llama_dir), method="oracle", num_speculative_tokens=4, **ENGINE)
+    elif method == "draft":
+        llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=4, **ENGINE)
+    else:
+        llm = LLM(str(llama_dir), method="ngram", prompt_lookup_min=1, verify="fixed", **ENGINE)
+    for spec in GREEDY_SO:
+        params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=spec)
+        want = ar_llm.generate(PROMPTS, params)
+        outs = llm.generate(PROMPTS, params)
+        assert_greedy_match(llm.engine.model, outs, [o.token_ids for o in want])
+    stats = llm.engine.method.stats()
+    assert stats["num_verify_steps"] > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_sampled_drafting_under_a_constraint_keeps_ars_distribution(llama_dir, draft_dir, ar_llm):
+    """Over many seeds, the outputs' distribution with drafting equals ar's (total variation
+    within sampling noise), and every output conforms."""
+    spec = SO(regex="[ab]{3}")
+    n = 400
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, structured_outputs=spec) for s in range(n)]
+    want = collections.Counter(o.text for o in ar_llm.generate(["Once upon"] * n, params))
+    llm = LLM(str(llama_dir), method="draft", draft_model=str(draft_dir), num_speculative_tokens=3, **ENGINE)
+    got = collections.Counter(o.text for o in llm.generate(["Once upon"] * n, params))
+    assert all(regex.fullmatch("[ab]{3}", t) for t in got)
+    tv = sum(abs(got[k] - want[k]) for k in set(got) | set(want)) / (2 * n)
+    assert tv < 0.12, (want, got)
+    assert llm.engine.method.stats()["num_verify_steps"] > 0
