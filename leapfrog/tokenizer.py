@@ -284,6 +284,8 @@ class Tokenizer:
         self._template, self._template_origin = _load_chat_template(folder, config)
         self._compiled = None
         self.has_chat_template: bool = self._template is not None
+        # whether the template writes a `tools` list itself (else serve/tools.py's fallback does)
+        self.template_reads_tools: bool = self._template is not None and "tools" in self._template
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> "Tokenizer":

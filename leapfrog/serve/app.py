@@ -31,6 +31,7 @@ from leapfrog.serve.openai_api import (Limits, Prepared, chat_body, chat_logprob
                                     echo_choice, encode_prompt, finish_reason, join_logprobs, new_id, now,
                                     prepare_chat, prepare_completion, prompt_logprobs_body, requested_constraint,
                                     sampling_params, sse, tokenize_body, usage)
+from leapfrog.serve.tools import ToolStream
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, FaultRequest,
                                     GenerateRequest, TokenizeRequest, bad_request, parse_body)
 
@@ -660,6 +661,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
     n = len(prep.requests)
     sent_lp, counts, started, lasts = [0] * n, [0] * n, [False] * n, [None] * n
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    tools = [ToolStream(prep.tools) for _ in range(n)]
 
     def render(i: int, out: Any) -> dict | None:
         counts[i] = len(out.token_ids)
@@ -668,17 +670,20 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         if req.logprobs and out.logprobs:
             lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok, _context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
-        if not out.delta_text and not out.finished and lp is None:
+        text, calls, called = tools[i].feed(out.delta_text, out.finished and out.finish_reason != "abort")
+        if not text and not calls and not out.finished and lp is None:
             return None
-        delta = {"content": out.delta_text}
+        delta: dict[str, Any] = {"content": text} if text or not calls else {}
+        if calls:
+            delta["tool_calls"] = calls
+        reason = "tool_calls" if called and out.finish_reason == "stop" else finish_reason(out)
         chunk = {**head}
         if not started[i]:          # OpenAI streams announce the role in a choice's first delta
             delta, started[i] = {"role": "assistant", **delta}, True
             if i == 0 and req.prompt_logprobs is not None:     # vLLM's, once for the request
                 chunk["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                                 tok, req.prompt_logprobs)
-        return {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                      "finish_reason": finish_reason(out)}]}
+        return {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
 
     return stream_events(gen, render, usage_tail(req, head, prep, counts, lasts))
 

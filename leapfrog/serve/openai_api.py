@@ -17,6 +17,7 @@ from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamE
                                       StructuredOutputs, shorten)
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
+from leapfrog.serve.tools import ToolPlan, check_history, check_tool_schemas, parse_reply, plan_tools, render_messages
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
@@ -41,6 +42,7 @@ class Prepared:
     prompts: list[list[int]]                    # token ids, one per prompt
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)   # prompt x n
     texts: list[str] = field(default_factory=list)   # /v1/completions with echo: each prompt's text
+    tools: ToolPlan = field(default_factory=ToolPlan)   # a chat request's tools and tool_choice
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -241,18 +243,24 @@ def chat_messages(req: Any) -> list[dict]:
                               "assistant message with tool_calls)", f"messages.{i}.content", "missing_field")
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content if part.type == "text")
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, key, None) is not None:
+                message[key] = getattr(m, key)
+        messages.append(message)
     if not messages:
         raise bad_request("messages must not be empty", "messages", "empty_prompt")
     return messages
 
 
-def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits) -> list[int]:
+def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPlan | None = None) -> list[int]:
     messages = chat_messages(req)
     check_prompt_chars("".join(m["content"] + m["role"] for m in messages), limits, "messages")
-    if getattr(tokenizer, "has_chat_template", False):
+    templated = getattr(tokenizer, "has_chat_template", False)
+    messages, extra = render_messages(messages, tools or ToolPlan(), templated and tokenizer.template_reads_tools)
+    if templated:
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as exc:        # templates raise on e.g. unsupported roles
             raise bad_request(f"chat template failed: {exc}", "messages", "invalid_messages") from None
     else:
@@ -284,15 +292,22 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_n(req.n, limits)
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
-    ids = render_chat(req, tokenizer, limits)
+    plan = plan_tools(req)
+    check_history(req.messages)
+    check_tool_schemas(plan, lambda spec: compile_constraint(spec, tokenizer, limits))
+    constraint = requested_constraint(req)
+    if constraint is not None and plan.constraint() is not None:
+        raise bad_request(f"{constraint.field}: tool_choice {plan.mode} already constrains the reply to tool calls",
+                          constraint.field, "invalid_value")
+    constraint = constraint or plan.constraint()
+    compile_constraint(constraint, tokenizer, limits)
+    ids = render_chat(req, tokenizer, limits, plan)
     check_prompt(ids, limits, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    constraint = requested_constraint(req)
-    compile_constraint(constraint, tokenizer, limits)
-    prep = Prepared([ids])
+    prep = Prepared([ids], tools=plan)
     for j in range(req.n):
         prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs,
                                                    req.prompt_logprobs, constraint)))
@@ -453,8 +468,12 @@ def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared,
     for i in range(len(prep.requests)):
         out = final[i]
         lp = chat_logprobs(out.logprobs or [], tok, out.prompt_token_ids) if req.logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": lp, "finish_reason": finish_reason(out)})
+        content, calls = parse_reply(out.text, prep.tools) if out.finish_reason != "abort" else (out.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else finish_reason(out)})
     n_out = sum(len(o.token_ids) for o in final.values())
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prep, n_out, final.values())}

@@ -147,6 +147,9 @@ class ChatRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = Field(None, max_length=128)     # OpenAI's tool objects (serve/tools.py checks them)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(StrictModel):
