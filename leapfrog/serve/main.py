@@ -1,10 +1,10 @@
 """`leapfrog serve`: the HTTP server (FastAPI + uvicorn) as it runs, the HTTP core (app.py) with
-its guest, the couplet terminal (couplet.py).
+its guests, the chat page (chat_page.py) and the couplet terminal (couplet.py).
 
 The engine runs in one background thread per served model (engine_thread.AsyncEngine); handlers
 validate, queue, and stream. Endpoints: POST /generate, /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize; GET /v1/models, /health, /healthz, /ready, /metrics; the couplet page
-GET /couplet and POST /couplet. Configuration: config.py.
+/tokenize, /detokenize; GET /v1/models, /health, /healthz, /ready, /metrics; the chat page GET /;
+the couplet page GET /couplet and POST /couplet. Configuration: config.py.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from leapfrog.serve import app as http_core
-from leapfrog.serve import couplet
+from leapfrog.serve import chat_page, couplet
 from leapfrog.serve.app import ServerState, model_engine_factory
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.connections import http_protocol
 
 log = logging.getLogger(__name__)
-GUESTS = (couplet.install,)
+GUESTS = (couplet.install, chat_page.install)
 
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
