@@ -19,6 +19,9 @@ Suites:
           tokens, and the collectives' measured cost per step (parallel.py).
   perplexity  a model's perplexity on held-out text, llama-perplexity's way, by leapfrog,
           transformers and llama.cpp's llama-perplexity on the same (GGUF) file (perplexity.py).
+  structured  constrained decoding on a served model (structured.py): JSON Schema conformance with
+          and without the constraint, tool calls under tool_choice required, constrained against
+          free tok/s at 1 and 32 requests per method, schema compile time.
   train   the training loop, before and after its lean compiled forward, on one recipe: tokens/s,
           FLOP/s, loss curves side by side (leapfrog.train.speed, which the `leapfrog` command
           runs for `--suite train`; `leapfrog bench --suite train --help` lists its flags).
@@ -34,7 +37,8 @@ import os
 import sys
 from pathlib import Path
 
-from leapfrog.bench import couplets, diffusion, parallel, peers, perplexity, reliability, soak, speculative
+from leapfrog.bench import (couplets, diffusion, parallel, peers, perplexity, reliability, soak, speculative,
+                            structured)
 from leapfrog.bench.common import log
 from leapfrog.config import DEFAULT_MODEL
 from leapfrog.models.loader import CheckpointError
@@ -44,7 +48,8 @@ COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "num_prompts", "gam
           "candidates", "clients", "fuzz_examples", "burst_factor", "ctx", "chunks")
 
 SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,
-          "reliability": reliability, "soak": soak, "parallel": parallel, "perplexity": perplexity}
+          "reliability": reliability, "soak": soak, "parallel": parallel, "perplexity": perplexity,
+          "structured": structured}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(p)
     parallel.add_arguments(p)
     perplexity.add_arguments(p)
+    structured.add_arguments(p)
     return p
 
 

@@ -206,7 +206,10 @@ def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:
     word t // 32) is 0; columns past the mask are disallowed too."""
     rows, vocab = logits.shape
     unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
-    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
     width = min(vocab, unpacked.shape[1])
-    allowed[:, :width] = torch.from_numpy(unpacked[:, :width]).bool()
-    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    banned = np.ones((rows, vocab), dtype=bool)
+    banned[:, :width] = unpacked[:, :width] == 0
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        np.putmask(logits.numpy(), banned, -np.inf)        # in place, without torch's thread pool
+    else:
+        logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
