@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -181,13 +182,19 @@ class DecodeLoop {
   // it has none yet; past it the rotary position counts from it, and a row that produces the
   // anchor in this call anchors there. Returns {tokens [B, steps], counts [B], logits,
   // captured}; with set_pick_probs(true) and no return_logits, the third is [B, steps]: the
-  // probability (softmax at temperature 1, after bans) of each produced token.
+  // probability (softmax at temperature 1, after bans) of each produced token. Structured
+  // outputs: mask_fn (or None) is called before each step's sampling, with the GIL, as
+  // mask_fn(tokens so far [B, steps], produced [B]); it writes the allowed tokens of the rows
+  // whose mask_rows [B] is set into mask_bits [B, words] (int32, bit t % 32 of word t / 32),
+  // and those rows then sample only among them.
   std::vector<torch::Tensor> run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor tables,
                                  torch::Tensor budgets, int64_t steps, torch::Tensor temps,
                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
                                  torch::Tensor keys, torch::Tensor counters, torch::Tensor stop_ids,
                                  torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits,
-                                 std::vector<int64_t> capture_layers, torch::Tensor anchors) {
+                                 std::vector<int64_t> capture_layers, torch::Tensor anchors,
+                                 torch::Tensor mask_bits, torch::Tensor mask_rows,
+                                 const pybind11::object& mask_fn) {
     const int64_t B = tokens.size(0);
     TORCH_CHECK(anchors.numel() == 0 || (anchors.numel() == B && anchor_tok_ >= 0),
                 "DecodeLoop.run: anchors need one index per row and an anchor token (set_anchor_token)");
@@ -253,11 +260,22 @@ class DecodeLoop {
     st.C = C;
     st.anchor = anchor.empty() ? nullptr : anchor.data();
     st.captured = C ? captured.data_ptr<float>() : nullptr;
+    torch::Tensor bits, rows;
+    if (!mask_fn.is_none()) {
+      TORCH_CHECK(!return_logits && mask_bits.dim() == 2 && mask_bits.size(0) == B &&
+                  mask_bits.scalar_type() == torch::kInt32 && mask_bits.is_contiguous() &&
+                  mask_rows.numel() == B && mask_rows.scalar_type() == torch::kUInt8,
+                  "DecodeLoop.run: mask_bits [B, words] int32 and mask_rows [B] uint8 with a mask_fn");
+      bits = mask_bits; rows = mask_rows.contiguous();
+      st.mask_bits = bits.data_ptr<int32_t>(); st.mask_words = bits.size(1);
+      st.mask_rows = rows.data_ptr<uint8_t>(); st.mask_fn = &mask_fn; st.out_t = out;
+    }
     if (half_) {
       if (kv_half_) loop<at::Half, at::Half>(st); else loop<at::Half, float>(st);
     } else {
       if (kv_half_) loop<float, at::Half>(st); else loop<float, float>(st);
     }
+    if (st.mask_error) std::rethrow_exception(st.mask_error);
     return {out, counts, return_logits ? logits_out : probs_out.defined() ? probs_out : torch::empty({0}), captured};
   }
 
@@ -352,6 +370,12 @@ class DecodeLoop {
     int64_t C = 0;
     float* captured = nullptr;         // [B, steps, C, d]: the residual stream after those layers
     int64_t* anchor = nullptr;         // [B] or null: each row's first anchor token (coupled positions)
+    int32_t* mask_bits = nullptr;      // structured outputs (run): allowed tokens per masked row
+    int64_t mask_words = 0;
+    const uint8_t* mask_rows = nullptr;
+    const pybind11::object* mask_fn = nullptr;
+    torch::Tensor out_t;
+    std::exception_ptr mask_error;
   };
 
   static bool lm_panels_quantized(const torch::Tensor& p) {
@@ -626,6 +650,18 @@ class DecodeLoop {
             std::copy(logits.data() + r * V, logits.data() + (r + 1) * V, st.logits_out + active[r] * V);
           break;
         }
+        if (st.mask_fn) {                    // the grammar masks of this step, from Python
+          if (tid == 0) {
+            try {
+              pybind11::gil_scoped_acquire gil;
+              (*st.mask_fn)(st.out_t, torch::from_blob(produced.data(), {B}, torch::kInt64));
+            } catch (...) {
+              st.mask_error = std::current_exception();
+            }
+          }
+          bar.wait();
+          if (st.mask_error) break;
+        }
         // Sampling and stop checks, rows spread over the threads.
         for (int64_t r = tid; r < T; r += nt) {
           const int64_t b = active[r];
@@ -635,6 +671,13 @@ class DecodeLoop {
               const int64_t t = st.bans[b * st.nban + j];
               if (t >= 0 && t < V) lr[t] = -std::numeric_limits<float>::infinity();
             }
+          if (st.mask_rows && st.mask_rows[b]) {
+            const int32_t* mb = st.mask_bits + b * st.mask_words;
+            const int64_t covered = std::min(V, st.mask_words * 32);
+            for (int64_t t = 0; t < covered; ++t)
+              if (!((static_cast<uint32_t>(mb[t >> 5]) >> (t & 31)) & 1u)) lr[t] = -std::numeric_limits<float>::infinity();
+            for (int64_t t = covered; t < V; ++t) lr[t] = -std::numeric_limits<float>::infinity();
+          }
           RowSampling rs = st.samp[b];
           rs.counter += static_cast<uint64_t>(produced[b]);
           const int64_t t = sample_row(lr, V, rs, scratch);

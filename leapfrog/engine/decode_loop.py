@@ -11,6 +11,7 @@ from leapfrog.engine.block_manager import BlockManager
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.engine.runner import ModelRunner
+from leapfrog.sample.grammar import LoopMasks
 from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
@@ -95,6 +96,8 @@ class MultiStep:
         call.stop_ids, call.ban_ids = _padded(stops, dev), _padded(bans, dev)
         call.min_left = t([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs])
         call.capture_layers = list(self.method.loop_capture_layers(batch))
+        if any(s.grammar is not None for s in seqs):
+            call.masks = LoopMasks(seqs).loop_args()
         out, counts, _, captured = call.run(loop)
         self.num_loop_steps += plan.steps
         commits = []
@@ -114,4 +117,5 @@ def eligible(seq: Sequence) -> bool:
     """Whether a sequence's sampling runs inside the loop (else the loop returns logits)."""
     p = seq.params
     return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logits_processors and not p.logit_bias and p.structured_outputs is None)
+            and not p.logits_processors and not p.logit_bias
+            and (p.structured_outputs is None or p.min_tokens == 0))   # a grammar's mask runs in the loop

@@ -82,6 +82,10 @@ def cpu_kernels():
     return _module
 
 
+_NO_BITS = torch.empty(0, 0, dtype=torch.int32)
+_NO_ROWS = torch.empty(0, dtype=torch.uint8)
+
+
 @dataclass(slots=True)
 class LoopCall:
     """One call of the C++ decode loop (`DecodeLoop.run`, csrc/decode_loop.cpp), by name: B rows,
@@ -100,6 +104,9 @@ class LoopCall:
     return_logits: bool = False                 # one step; the logits back instead of sampling
     capture_layers: list[int] = field(default_factory=list)
     anchors: torch.Tensor | None = None         # [B] long: coupled positions' anchor index
+    # structured outputs: (mask_bits [B, words] int32, mask_rows [B] uint8, mask_fn), mask_fn
+    # called before each step's sampling with (tokens so far, produced) to fill the masked rows
+    masks: tuple | None = None
 
     def run(self, loop) -> list[torch.Tensor]:
         """(tokens [B, steps], counts [B], logits or picked probabilities, captured rows)."""
@@ -112,4 +119,5 @@ class LoopCall:
                         none if self.ban_ids is None else self.ban_ids,
                         zeros if self.min_left is None else self.min_left, self.return_logits,
                         list(self.capture_layers),
-                        torch.empty(0, dtype=torch.long) if self.anchors is None else self.anchors)
+                        torch.empty(0, dtype=torch.long) if self.anchors is None else self.anchors,
+                        *(self.masks or (_NO_BITS, _NO_ROWS, None)))

@@ -201,6 +201,32 @@ class GrammarMatch:
             apply_bitmask(logits[:n], bits[:n])
 
 
+class LoopMasks:
+    """The grammar masks of one C++ decode-loop call (csrc/decode_loop.cpp): called before each
+    step's sampling with the tokens the call has produced so far, it brings each constrained
+    row's matcher up to date and writes that row's allowed tokens into `bits`."""
+
+    def __init__(self, seqs: list[Any]) -> None:
+        self.seqs = seqs
+        self.outputs = [s.output_ids if s.grammar is not None else None for s in seqs]
+        words = next(s.grammar.words for s in seqs if s.grammar is not None)
+        self.bits = torch.full((len(seqs), words), -1, dtype=torch.int32)
+        self.rows = torch.tensor([s.grammar is not None for s in seqs], dtype=torch.uint8)
+
+    def __call__(self, out: torch.Tensor, produced: torch.Tensor) -> None:
+        for b, seq in enumerate(self.seqs):
+            if seq.grammar is None:
+                continue
+            n = int(produced[b])
+            history = self.outputs[b] + out[b, :n].tolist() if n else self.outputs[b]
+            if seq.grammar.sync(history):
+                seq.grammar.fill(self.bits[b])
+
+    def loop_args(self) -> tuple:
+        """LoopCall.masks."""
+        return self.bits, self.rows, self
+
+
 def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:
     """Set to -inf, in place, every logit whose bit in `bits` ([rows, words] int32, bit t % 32 of
     word t // 32) is 0; columns past the mask are disallowed too."""

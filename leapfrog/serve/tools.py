@@ -6,8 +6,8 @@
   </tool_call>, and tool results as <tool_response></tool_response>.
 - `required` and a named function are enforced by constrained decoding (vLLM's way): a named
   function's reply is its arguments object, a `required` reply a JSON array of {"name",
-  "parameters"} objects, each matching its tool's parameters schema. So even a small model
-  returns well-formed calls.
+  "parameters"} objects (MAX_PARALLEL_CALLS bounds them), each matching its tool's parameters
+  schema. So even a small model returns well-formed calls.
 - `auto` parses <tool_call> blocks (or a reply that is exactly one {"name", "arguments"} object)
   out of free text; `none` leaves the reply as text."""
 from __future__ import annotations
@@ -30,6 +30,9 @@ FALLBACK_PROMPT = (
     "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
     "</tool_call>")
 ANY_OBJECT = {"type": "object"}
+# Calls in one `required` reply: twice the tools offered, at most this. Unbounded, a small model
+# greedily repeats its first call until max_tokens cuts the JSON short.
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass
@@ -54,9 +57,8 @@ class ToolPlan:
                                                    "parameters": parameters(t["function"])},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
         item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        array = {"type": "array", "items": item, "minItems": 1}
-        if not self.parallel:
-            array["maxItems"] = 1
+        array = {"type": "array", "items": item, "minItems": 1,
+                 "maxItems": min(MAX_PARALLEL_CALLS, 2 * len(self.tools)) if self.parallel else 1}
         return StructuredOutputs(json=array, field="tools")
 
     def function(self, name: str | None) -> dict:

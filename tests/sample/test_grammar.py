@@ -187,3 +187,24 @@ def test_sampled_drafting_under_a_constraint_keeps_ars_distribution(llama_dir, d
     tv = sum(abs(got[k] - want[k]) for k in set(got) | set(want)) / (2 * n)
     assert tv < 0.12, (want, got)
     assert llm.engine.method.stats()["num_verify_steps"] > 0
+
+
+def test_the_decode_loop_masks_as_the_python_sampler_does(llama_dir, monkeypatch):
+    """Constrained rows sample inside the C++ decode loop (their masks filled by a callback
+    before each step); the tokens equal the one-step path's, greedy and seeded."""
+    import leapfrog.engine.decode_loop as dl
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    if cpu_kernels() is None:
+        pytest.skip("no C++ kernels")
+    llm = LLM(str(llama_dir), **ENGINE)
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=5, structured_outputs=spec)
+              for t in (0, 0.9) for spec in (SO(json=SCHEMA), SO(regex=r"[a-z]{2,6}( [a-z]{2,6}){0,5}\."))]
+    prompts = PROMPTS[:2] * 2
+    calls = []
+    original = dl.LoopMasks.__call__
+    monkeypatch.setattr(dl.LoopMasks, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    looped = llm.generate(prompts, params)
+    assert calls, "the loop never asked for masks"
+    monkeypatch.setattr(dl, "eligible", lambda seq: seq.params.structured_outputs is None)
+    stepped = LLM(str(llama_dir), **ENGINE).generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in stepped]
