@@ -247,6 +247,14 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
+    def loop_samples(self) -> bool:
+        """Whether the C++ decode loop can sample this request's tokens itself (min_tokens bans
+        and grammar masks included); else its steps return logits to the Python sampler."""
+        return (self.logprobs is None and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty and not self.logits_processors and not self.logit_bias
+                and (self.structured_outputs is None or self.min_tokens == 0))
+
+    @property
     def needs_penalties(self) -> bool:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0

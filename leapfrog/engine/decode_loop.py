@@ -115,7 +115,4 @@ def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def eligible(seq: Sequence) -> bool:
     """Whether a sequence's sampling runs inside the loop (else the loop returns logits)."""
-    p = seq.params
-    return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logits_processors and not p.logit_bias
-            and (p.structured_outputs is None or p.min_tokens == 0))   # a grammar's mask runs in the loop
+    return seq.params.loop_samples

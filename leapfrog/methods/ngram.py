@@ -144,6 +144,6 @@ class NgramMethod(SpeculativeMethod):
         n = super().loop_steps(batch)
         if n > 0:
             return n
-        if not all(s.seq.params.greedy and not s.seq.params.needs_penalties for s in batch.seqs):
+        if not all(s.seq.params.greedy and s.seq.params.loop_samples for s in batch.seqs):
             return 0
         return 1 if self._misses < 4 else min(16, self._misses // 2)

@@ -197,7 +197,7 @@ class SpeculativeMethod(Method):
     def loop_steps(self, batch: Batch) -> int:
         """Steps the policy has decided not to draft in run in the C++ decode loop, for greedy
         requests (the loop's sampler draws other random numbers than verification's)."""
-        if not all(s.seq.params.greedy and not s.seq.params.needs_penalties for s in batch.seqs):
+        if not all(s.seq.params.greedy and s.seq.params.loop_samples for s in batch.seqs):
             return 0
         return self.policy.steps_without_drafting(len(batch.seqs))
 
