@@ -11,6 +11,8 @@ Against a `leapfrog serve` process per method (`ar`, and each drafting method as
 - speed: output tokens/s constrained against unconstrained on the same prompts and the same
   number of tokens each, at one request and at 32 concurrent ones, interleaved and repeated (the
   ratio is the target: >= 0.9);
+- the constraint's cost alone, drafting included: a regex allowing any text, so the constrained
+  and the free replies are the same tokens;
 - schema compile time, cold (each schema once, a fresh compiler) at p50 and p99, and a cache hit.
 """
 from __future__ import annotations
@@ -205,11 +207,38 @@ def speed(url: str, model: str, schemas: list[dict], new_tokens: int, conc: int,
             "mean_tokens": sum(lengths or [0]) / max(1, len(lengths or []))}
 
 
+PARTS = ("conformance", "speed", "overhead")
+PERMISSIVE = r"[\s\S]*"        # any text: the constrained reply is the free one, token for token
+
+
+def overhead(url: str, model: str, schemas: list[dict], new_tokens: int, conc: int, repeats: int) -> dict:
+    """The constraint's cost alone, drafting included: a regex that allows any text, so both
+    sides decode the same tokens (and a drafter gets the same drafts accepted); tok/s each, best
+    of interleaved repeats."""
+    num = max(conc, 8)
+    best = {True: 0.0, False: 0.0}
+    same = True
+    for _ in range(repeats):
+        texts = {}
+        for constrained in (True, False):
+            bodies = [{"model": model, "messages": [{"role": "user", "content": f"Tell me about {TOPICS[k % len(TOPICS)]}."}],
+                       "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                       **({"guided_regex": PERMISSIVE} if constrained else {})} for k in range(num)]
+            res, wall = _parallel(url, bodies, conc)
+            texts[constrained] = [r["choices"][0]["message"]["content"] for r in res]
+            best[constrained] = max(best[constrained], sum(r["usage"]["completion_tokens"] for r in res) / wall)
+        same = same and texts[True] == texts[False]
+    return {"free_tok_s": best[False], "constrained_tok_s": best[True], "ratio": best[True] / best[False],
+            "same_text": same}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("structured")
     g.add_argument("--num-schemas", type=int, default=200, help="structured: JSON Schemas in the suite")
     g.add_argument("--structured-methods", nargs="+", default=["ar", "ngram"],
                    help="structured: decoding methods to serve (each with its own server)")
+    g.add_argument("--structured-parts", nargs="+", default=list(PARTS), choices=PARTS,
+                   help="structured: what to measure (overhead alone suits a model with a short context)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -233,11 +262,15 @@ def run(args: argparse.Namespace) -> dict:
         server = Server(flags, out / f"structured-{method}.log")
         try:
             server.wait_ready()
-            row = conformance(server.url, "m", schemas, args.new_tokens, max(concurrency), free=method == "ar")
-            log(f"structured: {method} conformance {row}")
-            row["speed"] = {str(c): speed(server.url, "m", schemas, args.new_tokens, c, args.repeats)
-                            for c in concurrency}
-            log(f"structured: {method} speed {row['speed']}")
+            row: dict = {}
+            if "conformance" in args.structured_parts:
+                row = conformance(server.url, "m", schemas, args.new_tokens, max(concurrency), free=method == "ar")
+                log(f"structured: {method} conformance {row}")
+            for part, fn in (("speed", speed), ("overhead", overhead)):
+                if part in args.structured_parts:
+                    row[part] = {str(c): fn(server.url, "m", schemas, args.new_tokens, c, args.repeats)
+                                 for c in concurrency}
+                    log(f"structured: {method} {part} {row[part]}")
         finally:
             server.stop()
         result["methods"][method] = row
@@ -245,21 +278,39 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _ratio_cells(rows: dict) -> str:
+    return " | ".join(f"{v['free_tok_s']:.0f} → {v['constrained_tok_s']:.0f} ({v['ratio']:.2f}x)" for v in rows.values())
+
+
 def markdown(result: dict) -> str:
     c = result["compile"]
+    methods = result["methods"]
     lines = [f"Structured outputs, {result['model']}, {result['num_schemas']} JSON Schemas, greedy, "
              f"max {result['new_tokens']} tokens. Schema compile (cold): p50 {c['compile_ms_p50']:.2f} ms, "
-             f"p99 {c['compile_ms_p99']:.2f} ms, max {c['compile_ms_max']:.2f} ms; cache hit {c['cache_hit_ms']:.3f} ms.",
-             "", "| method | constrained valid | free valid (whole / first block) | tool calls valid (required) | "
-             + " | ".join(f"tok/s free → constrained @{k} (ratio)" for k in next(iter(result["methods"].values()))["speed"])
-             + " |", "|---|---|---|---|" + "---|" * len(next(iter(result["methods"].values()))["speed"])]
-    for method, r in result["methods"].items():
-        n = r["schemas"]
-        free = (f"{r['free_valid']}/{n} / {r['free_valid_first_block']}/{n}" if "free_valid" in r else "—")
-        speeds = " | ".join(f"{s['free_tok_s']:.0f} → {s['constrained_tok_s']:.0f} ({s['ratio']:.2f}x)"
-                            for s in r["speed"].values())
-        lines.append(f"| {method} | {r['constrained_valid']}/{n} (cut by max_tokens: "
-                     f"{r['constrained_cut_by_max_tokens']}) | {free} | {r['tool_calls_valid']}/{n} | {speeds} |")
+             f"p99 {c['compile_ms_p99']:.2f} ms, max {c['compile_ms_max']:.2f} ms; cache hit {c['cache_hit_ms']:.3f} ms."]
+    with_conf = {m: r for m, r in methods.items() if "schemas" in r}
+    if with_conf:
+        lines += ["", "| method | constrained valid | free valid (whole / first block) | tool calls valid (required) |",
+                  "|---|---|---|---|"]
+        for m, r in with_conf.items():
+            n = r["schemas"]
+            free = f"{r['free_valid']}/{n} / {r['free_valid_first_block']}/{n}" if "free_valid" in r else "—"
+            lines.append(f"| {m} | {r['constrained_valid']}/{n} (cut by max_tokens: "
+                         f"{r['constrained_cut_by_max_tokens']}) | {free} | {r['tool_calls_valid']}/{n} |")
+    for part, title in (("speed", "Constrained (response_format json_schema) against free, the same number of "
+                                  "tokens each:"),
+                        ("overhead", "The constraint's cost alone (a regex allowing any text: the same tokens both "
+                                     "ways):")):
+        rows = {m: r[part] for m, r in methods.items() if part in r}
+        if not rows:
+            continue
+        keys = list(next(iter(rows.values())))
+        extra = " same text |" if part == "overhead" else ""
+        lines += ["", title, "", "| method | " + " | ".join(f"tok/s free → constrained @{k} (ratio)" for k in keys)
+                  + " |" + extra, "|---|" + "---|" * (len(keys) + (part == "overhead"))]
+        for m, r in rows.items():
+            same = f" {all(v['same_text'] for v in r.values())} |" if part == "overhead" else ""
+            lines.append(f"| {m} | {_ratio_cells(r)} |{same}")
     lines.append(f"\nload average {result['load_average_start']:.2f} → {result['load_average_end']:.2f}")
     return "\n".join(lines)
 
@@ -268,18 +319,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    methods = list(result["methods"])
-    concs = list(result["methods"][methods[0]]["speed"])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / max(1, len(methods))
-    for i, m in enumerate(methods):
-        ratios = [result["methods"][m]["speed"][c]["ratio"] for c in concs]
-        ax.bar([j + i * width for j in range(len(concs))], ratios, width, label=m)
+    bars = [(f"{m} {part}", r[part]) for m, r in result["methods"].items() for part in ("speed", "overhead")
+            if part in r]
+    if not bars:
+        return
+    concs = list(bars[0][1])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(bars)
+    for i, (label, rows) in enumerate(bars):
+        ax.bar([j + i * width for j in range(len(concs))], [rows[c]["ratio"] for c in concs], width, label=label)
     ax.axhline(0.9, color="gray", ls="--", lw=1)
-    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(concs))], [f"{c} concurrent" for c in concs])
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(concs))], [f"{c} concurrent" for c in concs])
     ax.set_ylabel("constrained / free tok/s")
     ax.set_title(f"structured outputs, {result['model']}")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
