@@ -213,8 +213,8 @@ PERMISSIVE = r"[\s\S]*"        # any text: the constrained reply is the free one
 
 def overhead(url: str, model: str, schemas: list[dict], new_tokens: int, conc: int, repeats: int) -> dict:
     """The constraint's cost alone, drafting included: a regex that allows any text, so both
-    sides decode the same tokens (and a drafter gets the same drafts accepted); tok/s each, best
-    of interleaved repeats."""
+    sides decode the same tokens (and a drafter gets the same drafts accepted) and end at the
+    same end-of-text; tok/s each, best of interleaved repeats."""
     num = max(conc, 8)
     best = {True: 0.0, False: 0.0}
     same = True
@@ -222,7 +222,7 @@ def overhead(url: str, model: str, schemas: list[dict], new_tokens: int, conc: i
         texts = {}
         for constrained in (True, False):
             bodies = [{"model": model, "messages": [{"role": "user", "content": f"Tell me about {TOPICS[k % len(TOPICS)]}."}],
-                       "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                       "max_tokens": new_tokens, "temperature": 0,
                        **({"guided_regex": PERMISSIVE} if constrained else {})} for k in range(num)]
             res, wall = _parallel(url, bodies, conc)
             texts[constrained] = [r["choices"][0]["message"]["content"] for r in res]
