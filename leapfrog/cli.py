@@ -1,4 +1,4 @@
-"""`leapfrog` console script: serve, generate, bench, train, eval, info, couplet.
+"""`leapfrog` console script: serve, run-batch, generate, bench, train, eval, info, couplet.
 
 Each subcommand owns its argument parser in its own module; this file only dispatches, so
 `leapfrog --help` stays fast (no torch import).
@@ -17,6 +17,7 @@ COMMANDS = {
     "train": ("leapfrog.train.cli", "train a built-in model or drafter from a recipe"),
     "eval": ("leapfrog.eval.evaluate", "quality metrics for a model and decoding method"),
     "info": ("leapfrog.models.info", "total and active parameters of a model, from its config.json"),
+    "run-batch": ("leapfrog.serve.run_batch", "run a file of OpenAI requests offline (vLLM's run-batch format), resumable"),
     "couplet": ("leapfrog.couplet.cli", "write a Spring Festival couplet (春联) for a few keywords"),
 }
 

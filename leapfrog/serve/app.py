@@ -140,6 +140,7 @@ class ServerState:
         self.model_card_fields: list[Callable[[ModelServer], dict]] = []
         self.generate_variants: dict[str, Callable[..., Awaitable[Any]]] = {}
         self.schema_extensions: list[server_schema.Extension] = []
+        self.background: list[Callable[[], Awaitable[None]]] = []   # guests' tasks while the server runs
 
     @property
     def engine(self) -> AsyncEngine:
@@ -364,6 +365,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
         for m in state.servers:
             m.engine.start(asyncio.get_running_loop())
         supervisors = [asyncio.create_task(m.engine.supervise()) for m in state.servers]
+        supervisors += [asyncio.create_task(work()) for work in state.background]
         yield
         state.draining = True     # uvicorn has already waited for in-flight requests
         for task in supervisors:

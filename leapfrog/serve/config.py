@@ -91,6 +91,11 @@ class ServerConfig:
     jwt_secret: str | None = None              # HS256 bearer tokens
     cors_allow_origins: list = field(default_factory=list)   # [] = no CORS headers (browsers: same origin only)
     fault_injection: bool = False              # POST /admin/fault: crash an engine on purpose (chaos tests)
+    # batch jobs (serve/batches.py): files and batches in SQLite under data_dir
+    data_dir: str | None = None                # None: $XDG_CACHE_HOME/leapfrog/batches (~/.cache/...)
+    max_file_bytes: int = 64 << 20             # largest batch input file; larger gets 413
+    max_files: int = 100                       # files one API key may keep
+    max_batch_lines: int = 50_000              # lines in one batch input file
     # lifecycle
     warmup_requests: int = 3
     shutdown_timeout: float = 30.0             # seconds to finish in-flight requests
@@ -153,6 +158,11 @@ HELP = {
                           "default none: no CORS headers",
     "fault_injection": "add POST /admin/fault, which crashes an engine on purpose so that recovery can be "
                        "measured (leapfrog bench --suite reliability); never in production (default off)",
+    "data_dir": "folder of the batch jobs' SQLite store (files, batches and each line's result); default "
+                "~/.cache/leapfrog/batches",
+    "max_file_bytes": "largest file POST /v1/files accepts, in bytes (default 64 MiB; larger gets 413)",
+    "max_files": "files one API key may keep on the server (default 100)",
+    "max_batch_lines": "most lines in one batch's input file (default 50000)",
     "warmup_requests": "warm-up requests (different lengths) before /ready turns true (default 3)",
     "shutdown_timeout": "seconds to finish in-flight requests on SIGTERM (default 30)",
     "max_batch_size": "most sequences in one step (guide names BATCH_SIZE, batch_size)",
@@ -386,7 +396,7 @@ def _validate(cfg: ServerConfig) -> None:
           "expected critical, error, warning, info, debug or trace")
     check("default_max_tokens", SAMPLING_BOUNDS["max_tokens"].holds(cfg.default_max_tokens),
           SAMPLING_BOUNDS["max_tokens"].text)
-    for key in ("max_n", "max_body_bytes", "max_couplets_in_flight"):
+    for key in ("max_n", "max_body_bytes", "max_couplets_in_flight", "max_file_bytes", "max_files", "max_batch_lines"):
         check(key, getattr(cfg, key) >= 1, "must be >= 1")
     for key in ("max_queue_size", "rate_limit_burst", "warmup_requests"):
         check(key, getattr(cfg, key) >= 0, "must be >= 0")

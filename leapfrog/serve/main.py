@@ -19,13 +19,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from leapfrog.serve import app as http_core
-from leapfrog.serve import chat_page, couplet
+from leapfrog.serve import batches, chat_page, couplet
 from leapfrog.serve.app import ServerState, model_engine_factory
 from leapfrog.serve.config import ConfigError, ServerConfig, add_arguments, build_config, flags_from_args
 from leapfrog.serve.connections import http_protocol
 
 log = logging.getLogger(__name__)
-GUESTS = (couplet.install, chat_page.install)
+GUESTS = (couplet.install, chat_page.install, batches.install)
 
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
