@@ -1,7 +1,7 @@
 """Batch jobs: OpenAI's Batch API on the server and `leapfrog run-batch`, stored in SQLite.
 
 - Files (`POST /v1/files`, purpose `batch`) and batches (`POST /v1/batches`) live in one SQLite
-  database (WAL) under `data_dir`, with every input line and, once it finishes, its result,
+  database (WAL) under `batch_dir`, with every input line and, once it finishes, its result,
   written in the transaction that marks it done. A crash or `kill -9` loses nothing finished;
   lines in flight are redone once after the restart; the output file is written at the end from
   the table, one line per input line, in input order, so none is duplicated.
@@ -417,9 +417,51 @@ class BatchRunner:
 
 
 # --- the HTTP API (a guest of the server) ---------------------------------------------------------
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+_WHY = {400: "invalid request: the error names the field", 401: "authentication required or invalid",
+        404: "no such file or batch for this API key", 413: "file larger than max_file_bytes",
+        415: "body is not JSON"}
+_FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"],
+         "properties": {"id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
+                        "created_at": {"type": "integer"}, "filename": {"type": "string"},
+                        "purpose": {"type": "string"}}}
+_BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
+                                         "created_at", "request_counts"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "batch"}, "status": {"enum": [
+              "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"]},
+              "request_counts": {"type": "object", "required": ["total", "completed", "failed"]}}}
+
+
+def _list_of(item: dict) -> dict:
+    return {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": item}}}
+
+
+def _doc(ok: dict | None, errors: tuple[int, ...], media: str = "application/json") -> dict:
+    """FastAPI `responses=` for a route: its 200 body and its errors in the OpenAI shape."""
+    out: dict = {code: {"description": _WHY[code], "content": _ERROR_REF} for code in errors}
+    if ok is not None:
+        out[200] = {"description": "OK", "content": {media: {"schema": ok}}}
+    return out
+
+
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "purpose": {"enum": ["batch"]}}}}}}}
+_CREATE = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input_file_id", "endpoint"], "additionalProperties": False, "properties": {
+        "input_file_id": {"type": "string"}, "endpoint": {"enum": list(ENDPOINTS)},
+        "completion_window": {"enum": [WINDOW]},
+        "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                     "additionalProperties": {"type": "string", "maxLength": 512}}}}}}}}
+_LIST_PARAMS = {"parameters": [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1, "maximum": 100}}]}
+
+
 def install(app: FastAPI, state: Any) -> None:
     cfg = state.cfg
-    store = BatchStore(Path(cfg.data_dir or default_data_dir()) / "batches.sqlite3")
+    store = BatchStore(Path(cfg.batch_dir or default_data_dir()) / "batches.sqlite3")
     runner = BatchRunner(state, store)
     state.primary.guests["batches"] = (store, runner)
     state.background.append(runner.serve_forever)
@@ -430,7 +472,7 @@ def install(app: FastAPI, state: Any) -> None:
     def not_found(what: str, oid: str) -> APIError:
         return APIError(404, f"no {what} {oid!r}", "invalid_request_error", None, "not_found")
 
-    @app.post("/v1/files")
+    @app.post("/v1/files", responses=_doc(_FILE, (400, 401, 413)), openapi_extra=_UPLOAD)
     async def upload(request: Request) -> JSONResponse:
         who = owner(request)
         size = request.headers.get("content-length")
@@ -455,31 +497,31 @@ def install(app: FastAPI, state: Any) -> None:
                               "file", "too_many_files")
         return JSONResponse(store.add_file(who, "batch", upload_file.filename or "upload.jsonl", content))
 
-    @app.get("/v1/files")
+    @app.get("/v1/files", responses=_doc(_list_of(_FILE), (401,)))
     async def list_files(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": store.files(owner(request)), "has_more": False})
 
-    @app.get("/v1/files/{fid}")
+    @app.get("/v1/files/{fid}", responses=_doc(_FILE, (401, 404)))
     async def get_file(fid: str, request: Request) -> JSONResponse:
         found = store.file(owner(request), fid)
         if found is None:
             raise not_found("file", fid)
         return JSONResponse(found[0])
 
-    @app.get("/v1/files/{fid}/content")
+    @app.get("/v1/files/{fid}/content", responses=_doc({"type": "string"}, (401, 404), "application/jsonl"))
     async def file_content(fid: str, request: Request) -> Response:
         found = store.file(owner(request), fid, content=True)
         if found is None:
             raise not_found("file", fid)
         return Response(found[1], media_type="application/jsonl")
 
-    @app.delete("/v1/files/{fid}")
+    @app.delete("/v1/files/{fid}", responses=_doc({"type": "object"}, (401, 404)))
     async def delete_file(fid: str, request: Request) -> JSONResponse:
         if not store.delete_file(owner(request), fid):
             raise not_found("file", fid)
         return JSONResponse({"id": fid, "object": "file", "deleted": True})
 
-    @app.post("/v1/batches")
+    @app.post("/v1/batches", responses=_doc(_BATCH, (400, 401, 404, 413, 415)), openapi_extra=_CREATE)
     async def create_batch(request: Request) -> JSONResponse:
         who = owner(request)
         from leapfrog.serve.app import read_body
@@ -518,21 +560,24 @@ def install(app: FastAPI, state: Any) -> None:
         runner.wake.set()
         return JSONResponse(obj)
 
-    @app.get("/v1/batches")
-    async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> JSONResponse:
-        limit = max(1, min(100, limit))
+    @app.get("/v1/batches", responses=_doc(_list_of(_BATCH), (400, 401)), openapi_extra=_LIST_PARAMS)
+    async def list_batches(request: Request) -> JSONResponse:
+        after, limit = request.query_params.get("after"), request.query_params.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+            raise bad_request(f"limit must be an integer in [1, 100] (got {limit[:20]!r})", "limit", "invalid_value")
+        limit = int(limit)
         data = store.batches(owner(request), after, limit + 1)
         return JSONResponse({"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
                              "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit})
 
-    @app.get("/v1/batches/{bid}")
+    @app.get("/v1/batches/{bid}", responses=_doc(_BATCH, (401, 404)))
     async def get_batch(bid: str, request: Request) -> JSONResponse:
         obj = store.batch(owner(request), bid)
         if obj is None:
             raise not_found("batch", bid)
         return JSONResponse(obj)
 
-    @app.post("/v1/batches/{bid}/cancel")
+    @app.post("/v1/batches/{bid}/cancel", responses=_doc(_BATCH, (401, 404)))
     async def cancel_batch(bid: str, request: Request) -> JSONResponse:
         who = owner(request)
         obj = store.batch(who, bid)

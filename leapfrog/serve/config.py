@@ -91,8 +91,9 @@ class ServerConfig:
     jwt_secret: str | None = None              # HS256 bearer tokens
     cors_allow_origins: list = field(default_factory=list)   # [] = no CORS headers (browsers: same origin only)
     fault_injection: bool = False              # POST /admin/fault: crash an engine on purpose (chaos tests)
-    # batch jobs (serve/batches.py): files and batches in SQLite under data_dir
-    data_dir: str | None = None                # None: $XDG_CACHE_HOME/leapfrog/batches (~/.cache/...)
+    # batch jobs (serve/batches.py): files and batches in SQLite under batch_dir (not "data_dir":
+    # LEAPFROG_DATA_DIR already names the training data's folder)
+    batch_dir: str | None = None               # None: $XDG_CACHE_HOME/leapfrog/batches (~/.cache/...)
     max_file_bytes: int = 64 << 20             # largest batch input file; larger gets 413
     max_files: int = 100                       # files one API key may keep
     max_batch_lines: int = 50_000              # lines in one batch input file
@@ -158,7 +159,7 @@ HELP = {
                           "default none: no CORS headers",
     "fault_injection": "add POST /admin/fault, which crashes an engine on purpose so that recovery can be "
                        "measured (leapfrog bench --suite reliability); never in production (default off)",
-    "data_dir": "folder of the batch jobs' SQLite store (files, batches and each line's result); default "
+    "batch_dir": "folder of the batch jobs' SQLite store (files, batches and each line's result); default "
                 "~/.cache/leapfrog/batches",
     "max_file_bytes": "largest file POST /v1/files accepts, in bytes (default 64 MiB; larger gets 413)",
     "max_files": "files one API key may keep on the server (default 100)",

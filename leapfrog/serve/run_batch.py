@@ -2,7 +2,7 @@
 offline, in vLLM's run-batch format (one OpenAI request per line: custom_id, method, url, body).
 
 The engine is the server's (the same flags as `leapfrog serve`, the same answers as its
-endpoints and its Batch API), with no HTTP. Progress is kept in SQLite under --data-dir: run
+endpoints and its Batch API), with no HTTP. Progress is kept in SQLite under --batch-dir: run
 again after a crash, it does only the lines not yet done. The output has exactly one line per
 input line, in input order: the response, or the line's error."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ async def run(cfg, inp: Path, out: Path) -> int:
     from leapfrog.serve.app import ServerState
     from leapfrog.serve.batches import BatchRunner, BatchStore, default_data_dir, parse_lines, progress_db
     data = inp.read_bytes()
-    store = BatchStore(progress_db(Path(cfg.data_dir or default_data_dir()), inp, out))
+    store = BatchStore(progress_db(Path(cfg.batch_dir or default_data_dir()), inp, out))
     bid = "batch_run_" + hashlib.sha256(data).hexdigest()[:24]      # another input: another batch
     if store.batch(None, bid) is None:
         try:

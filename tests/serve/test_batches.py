@@ -60,7 +60,7 @@ def test_lines_are_parsed_and_malformed_ones_carry_their_error():
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    srv = ServerThread(llama_dir, data_dir=str(tmp_path_factory.mktemp("batches")), api_key=["k1", "k2"],
+    srv = ServerThread(llama_dir, batch_dir=str(tmp_path_factory.mktemp("batches")), api_key=["k1", "k2"],
                        max_file_bytes=200_000).start()
     yield srv
     srv.stop()
@@ -158,7 +158,7 @@ def test_bad_batch_requests(server):
 # --- crashes ---------------------------------------------------------------------------------------
 def serve(llama_dir: Path, data_dir: Path, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "leapfrog", "serve", "--model", str(llama_dir), "--served-model-name", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--warmup-requests", "0",
+           "--host", "127.0.0.1", "--port", str(port), "--batch-dir", str(data_dir), "--warmup-requests", "0",
            "--max-batch-size", "16", "--log-level", "warning"]
     return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
@@ -227,11 +227,11 @@ def test_a_batch_survives_three_sigkills(llama_dir, tmp_path):
 
 
 def test_run_batch_resumes_after_a_kill_and_agrees_with_the_server(llama_dir, tmp_path, server):
-    rows = request_lines(120, 5)
+    rows = request_lines(400, 8)
     (tmp_path / "in.jsonl").write_bytes(jsonl(rows + ["{broken"]))
     cmd = [sys.executable, "-m", "leapfrog", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
            str(tmp_path / "out.jsonl"), "--model", str(llama_dir), "--served-model-name", "tiny",
-           "--data-dir", str(tmp_path / "data"), "--max-batch-size", "8"]
+           "--batch-dir", str(tmp_path / "data"), "--max-batch-size", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db = next(iter((tmp_path / "data").glob("run-batch-*.sqlite3")), None)
     deadline = time.time() + 120
@@ -242,14 +242,14 @@ def test_run_batch_resumes_after_a_kill_and_agrees_with_the_server(llama_dir, tm
                 done = con.execute("SELECT COUNT(*) FROM lines WHERE state = 'done'").fetchone()[0]
             if done > 40:
                 break
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "out.jsonl").exists()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(out) == 121 and [r["custom_id"] for r in out[:120]] == [r["custom_id"] for r in rows]
-    assert out[120]["error"]["code"] == "invalid_json"
+    assert len(out) == 401 and [r["custom_id"] for r in out[:400]] == [r["custom_id"] for r in rows]
+    assert out[400]["error"]["code"] == "invalid_json"
     # the same answers as the server's Batch API for the same seeds
     h = {"Authorization": "Bearer k1"}
     fid = httpx.post(server.url + "/v1/files", headers=h, files={"file": ("in.jsonl", jsonl(rows[:20:2]))},

@@ -6,6 +6,7 @@ import contextlib
 import re
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ class ServerThread:
     def __init__(self, model_dir: Path, **options: object) -> None:
         flags = {"model": str(model_dir), "host": "127.0.0.1", "port": free_port(), "warmup_requests": 1,
                  "max_batch_size": 8, "served_model_name": "tiny", "log_level": "warning",
-                 "shutdown_timeout": 10.0, **options}
+                 "shutdown_timeout": 10.0, "batch_dir": tempfile.mkdtemp(prefix="leapfrog-batches-"), **options}
         self.cfg = build_config(flags, environ={})
         self.app = create_app(self.cfg)
         self.state = self.app.state.leapfrog
