@@ -18,10 +18,11 @@ from pathlib import Path
 
 import httpx
 
+from leapfrog.bench import batch_jobs
 from leapfrog.bench.common import load_average, log
 from leapfrog.layers.parallel import free_port
 
-PARTS = ("fuzz", "overload", "recovery")
+PARTS = ("fuzz", "overload", "recovery", "batch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -318,6 +319,9 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"load_average_start": load_average(), "cpus": os.cpu_count()}
     for part in args.parts:
         log(f"reliability: {part}")
+        if part == "batch":
+            result[part] = batch_jobs.run(Server, args, out)
+            continue
         result[part] = {"fuzz": fuzz, "overload": overload, "recovery": recovery}[part](args, out)
     result["load_average_end"] = load_average()
     return result
@@ -342,6 +346,8 @@ def markdown(result: dict) -> str:
                      f"{o['capacity_alone_s']:.2f} s that {o['capacity']} requests take alone); RSS "
                      f"{o['rss_before_mb']:.0f} -> {o['rss_after_mb']:.0f} MB; KV blocks after: "
                      f"{o['kv_used_after']:.0f}; {o['server_5xx']} x 5xx |")
+    if "batch" in result:
+        lines += batch_jobs.markdown_rows(result["batch"])
     if "recovery" in result:
         r = result["recovery"]
         ends: dict[str, int] = {}

@@ -67,6 +67,9 @@ class ModelServer:
         self.capacity = places + cfg.max_queue_size
         self.sampling_defaults = request_defaults(cfg)
         self.guests: dict[str, Any] = {}    # what each guest app keeps for this model, by guest
+        # requests in flight that yield to live ones (batch lines: aborted when live work comes),
+        # so they never count against a live request's admission
+        self.num_background = 0
         self.warmup_hooks: list[Callable[[], None]] = []   # the guests' preparations before /ready
 
     def limits(self) -> Limits:
@@ -85,7 +88,7 @@ class ModelServer:
         """Expected seconds before the last of `num` new requests would start running: 0 while
         the batch has room, else its place in the engine's queue over the measured drain rate
         (None while that is unknown)."""
-        queued = self.engine.num_in_flight + num - self.engine.places
+        queued = self.num_live + num - self.engine.places
         return 0.0 if queued <= 0 else self.engine.drain.wait_s(queued)
 
     def open(self, prep: Prepared, priority: int, arrival: float, stream: bool, bounded: bool = True) -> Generation:
@@ -97,8 +100,8 @@ class ModelServer:
                               f"server holds at most {self.capacity} at once (max_batch_size + max_queue_size)",
                               "n", "too_many_generations")
         wait = self.queue_wait_s(num)
-        if self.engine.num_in_flight + num > self.capacity:
-            why = f"the queue is full ({self.engine.num_in_flight} requests in flight, max_queue_size)"
+        if self.num_live + num > self.capacity:
+            why = f"the queue is full ({self.num_live} requests in flight, max_queue_size)"
         elif bounded and wait is not None and wait > self.cfg.max_queue_wait_s:
             why = (f"the queue would hold this request about {wait:.0f} s, more than max_queue_wait_s "
                    f"({self.cfg.max_queue_wait_s:g} s)")
@@ -108,6 +111,10 @@ class ModelServer:
         retry = retry_after_s(wait)
         raise APIError(429, f"server is busy: {why}; retry in {retry} s", "rate_limit_error", None, "queue_full",
                        {"Retry-After": str(retry)})
+
+    @property
+    def num_live(self) -> int:
+        return self.engine.num_in_flight - self.num_background
 
     def _after_warmup(self) -> None:
         """In the engine thread after its warm-up, before /ready: the guests' preparations."""
@@ -178,7 +185,7 @@ class ServerState:
         if self.draining:
             raise APIError(503, "server is shutting down", "server_error", None, "shutting_down",
                            {"Retry-After": "5", "Connection": "close"})
-        if all(m.engine.num_in_flight >= m.capacity for m in self.servers):
+        if all(m.num_live >= m.capacity for m in self.servers):
             # Every model is full: no body this request could send would be admitted. Answer
             # before reading and tokenizing it, so that a burst is turned away at once and
             # the admitted requests keep the CPU.

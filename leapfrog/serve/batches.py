@@ -311,7 +311,12 @@ async def execute(state: Any, url: str, body: dict, priority: int = BATCH_PRIORI
     try:
         req, server, prep = _parse_and_prepare(json.dumps(body).encode(), kind, prepare, state)
         gen = Generation(server.engine, prep.requests, priority, time.perf_counter(), stream=False)
-        final = await run_to_end(gen, None)
+        background = priority >= BATCH_PRIORITY       # yields to live requests: not counted as live
+        server.num_background += gen.num_requests if background else 0
+        try:
+            final = await run_to_end(gen, None)
+        finally:
+            server.num_background -= gen.num_requests if background else 0
         return 200, render(final, req, prep, server.engine.tokenizer, response_id(prefix), now(), server.model_id)
     except APIError as exc:
         if exc.status == 503:              # loading, restarting or draining: not the line's fault
@@ -332,15 +337,16 @@ class BatchRunner:
         self.store = store
         self.wake = asyncio.Event()
         self.on_line = on_line
-        self.mine: dict[int, int] = {}          # id(ModelServer) -> batch lines in flight there
         self.num_aborted = 0                    # lines aborted for live traffic (redone later)
+        self.num_running = 0                    # lines in flight
 
     def _server(self, body: dict) -> Any:
         server = self.state.primary if body.get("model") is None else self.state.models.get(body.get("model"))
         return server if server is not None else self.state.primary
 
-    def _live(self, server: Any) -> bool:
-        return server.engine.num_in_flight - self.mine.get(id(server), 0) > 0
+    @staticmethod
+    def _live(server: Any) -> bool:
+        return server.num_live > 0
 
     async def serve_forever(self) -> None:
         while True:
@@ -380,7 +386,7 @@ class BatchRunner:
                     await asyncio.sleep(LIVE_POLL_S)
                 for t in done:
                     idx, cid, req, server = tasks.pop(t)
-                    self.mine[id(server)] -= 1
+                    self.num_running -= 1
                     try:
                         status_code, body = t.result()
                     except (asyncio.CancelledError, NotReady):
@@ -405,7 +411,7 @@ class BatchRunner:
                 continue
             task = asyncio.ensure_future(execute(self.state, req["url"], req["body"]))
             tasks[task] = (idx, cid, req, server)
-            self.mine[id(server)] = self.mine.get(id(server), 0) + 1
+            self.num_running += 1
         return left
 
     def _yield_to_live(self, tasks: dict, todo: list) -> None:

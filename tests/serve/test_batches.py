@@ -279,7 +279,7 @@ def test_batch_lines_yield_to_live_requests(server):
     bid = httpx.post(server.url + "/v1/batches", headers=h, json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                                   "completion_window": "24h"}).json()["id"]
     deadline = time.time() + 30
-    while runner.mine.get(id(server.state.primary), 0) == 0 and time.time() < deadline:
+    while runner.num_running == 0 and time.time() < deadline:
         time.sleep(0.005)
     texts = [httpx.post(server.url + "/v1/completions", headers=h, json=live, timeout=60).json()["choices"][0]["text"]
              for _ in range(3)]

@@ -1,0 +1,180 @@
+"""The batch part of `leapfrog bench --suite reliability` (`--parts batch`), against `leapfrog serve`
+processes of the bench's model:
+
+- crash: a 1,000-line batch; the server is killed with SIGKILL three times at random points and
+  restarted each time; counted: results, duplicates, lines finished before a kill whose result
+  changed, seconds;
+- live: live clients (streamed completions, one after another each) for a while alone, then the
+  same while a batch runs: TTFT and TPOT p50 of the live requests both ways, and the batch's
+  lines a second against the batch alone.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from leapfrog.bench.common import log
+
+
+def _lines(n: int, max_tokens: int, offset: int = 0) -> bytes:
+    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"Once upon a time {i + offset}", "max_tokens": max_tokens, "temperature": 0.8,
+                      "seed": i + offset}} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def _submit(url: str, data: bytes) -> str:
+    fid = httpx.post(url + "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"},
+                     timeout=120).json()["id"]
+    return httpx.post(url + "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}, timeout=120).json()["id"]
+
+
+def _done(db: Path, bid: str) -> dict[int, str]:
+    with sqlite3.connect(db) as con:
+        return dict(con.execute("SELECT idx, result FROM lines WHERE batch_id = ? AND state = 'done'", (bid,)))
+
+
+def crash(server_cls, flags: list[str], out: Path, n: int = 1000, kills: int = 3, seed: int = 0) -> dict:
+    data_dir = out / "batch-crash"
+    db = data_dir / "batches.sqlite3"
+    flags = [*flags, "--batch-dir", str(data_dir), "--warmup-requests", "0"]
+    server = server_cls(flags, out / "batch-crash.log")
+    server.wait_ready()
+    t0 = time.perf_counter()
+    bid = _submit(server.url, _lines(n, 8))
+    rng = random.Random(seed)
+    seen: dict[int, str] = {}
+    changed, killed_at = 0, []
+    for k in range(kills):
+        target = (k + 1) * n // (kills + 1) + rng.randint(-n // 20, n // 20)
+        deadline = time.time() + 600
+        while len(_done(db, bid)) < target and time.time() < deadline:
+            time.sleep(0.01)
+        server.proc.kill()
+        server.proc.wait()
+        server.log.close()
+        now = _done(db, bid)
+        changed += sum(now.get(i) != r for i, r in seen.items())
+        killed_at.append(len(now))
+        seen = now
+        server = server_cls(flags, out / f"batch-crash-{k + 1}.log")
+        server.wait_ready()
+    deadline = time.time() + 1800
+    while (b := httpx.get(server.url + f"/v1/batches/{bid}", timeout=30).json())["status"] != "completed":
+        if time.time() > deadline:
+            break
+        time.sleep(0.2)
+    seconds = time.perf_counter() - t0
+    lines = httpx.get(server.url + f"/v1/files/{b['output_file_id']}/content", timeout=60).text.splitlines() \
+        if b.get("output_file_id") else []
+    ids = [json.loads(x)["custom_id"] for x in lines]
+    final = _done(db, bid)
+    changed += sum(final.get(i) != r for i, r in seen.items())
+    server.stop()
+    return {"lines": n, "kills": kills, "killed_at": killed_at, "status": b["status"], "results": len(lines),
+            "duplicates": len(ids) - len(set(ids)), "in_order": ids == [f"req-{i}" for i in range(n)],
+            "finished_lines_changed": changed, "seconds": seconds}
+
+
+def _live_client(url: str, stop: float, out: list, new_tokens: int, k: int) -> None:
+    i = 0
+    while time.perf_counter() < stop:
+        body = {"prompt": f"The little dog {k} {i}", "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0, first, last, tokens = time.perf_counter(), None, None, 0
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                out.append((None, r.status_code))
+                i += 1
+                continue
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    first = first or now
+                    last = now
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        if first is not None and tokens > 1:
+            out.append((first - t0, (last - first) / (tokens - 1)))
+        i += 1
+
+
+def _live(url: str, clients: int, seconds: float, new_tokens: int) -> list[tuple[float, float]]:
+    out: list = []
+    stop = time.perf_counter() + seconds
+    threads = [threading.Thread(target=_live_client, args=(url, stop, out, new_tokens, k)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: float = 30.0,
+         new_tokens: int = 32) -> dict:
+    data_dir = out / "batch-live"
+    db = data_dir / "batches.sqlite3"
+    server = server_cls([*flags, "--batch-dir", str(data_dir)], out / "batch-live.log")
+    server.wait_ready()
+    alone = _live(server.url, clients, seconds, new_tokens)
+    bid = _submit(server.url, _lines(5000, 32))          # more than the phases can finish
+    time.sleep(2.0)
+    before = len(_done(db, bid))
+    t0 = time.perf_counter()
+    mixed = _live(server.url, clients, seconds, new_tokens)
+    batch_with_live = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
+    before, t0 = len(_done(db, bid)), time.perf_counter()
+    time.sleep(seconds)
+    batch_alone = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
+    httpx.post(server.url + f"/v1/batches/{bid}/cancel", timeout=30)
+    server.stop()
+
+    errors = {"alone": [r[1] for r in alone if r[0] is None], "with_batch": [r[1] for r in mixed if r[0] is None]}
+    alone, mixed = [r for r in alone if r[0] is not None], [r for r in mixed if r[0] is not None]
+
+    def p50(rows: list, j: int) -> float:
+        return statistics.median(r[j] for r in rows) if rows else float("nan")
+    res = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "live_requests_alone": len(alone),
+           "live_requests_with_batch": len(mixed), "live_errors": errors,
+           "ttft_p50_alone_s": p50(alone, 0), "ttft_p50_with_batch_s": p50(mixed, 0),
+           "tpot_p50_alone_s": p50(alone, 1), "tpot_p50_with_batch_s": p50(mixed, 1),
+           "batch_lines_per_s_alone": batch_alone, "batch_lines_per_s_with_live": batch_with_live}
+    res["ttft_ratio"] = res["ttft_p50_with_batch_s"] / res["ttft_p50_alone_s"]
+    res["tpot_ratio"] = res["tpot_p50_with_batch_s"] / res["tpot_p50_alone_s"]
+    log(f"reliability: batch live {res}")
+    return res
+
+
+def run(server_cls, args, out: Path) -> dict:
+    flags = ["--model", args.model]
+    log("reliability: batch crash (1,000 lines, 3 x SIGKILL)")
+    result = {"crash": crash(server_cls, flags, out)}
+    log(f"reliability: batch crash {result['crash']}")
+    result["live"] = live(server_cls, flags, out)
+    return result
+
+
+def markdown_rows(r: dict) -> list[str]:
+    c, lv = r["crash"], r["live"]
+    return [f"| batch crash | a {c['lines']}-line batch, the server killed with SIGKILL {c['kills']} times (at "
+            f"{', '.join(map(str, c['killed_at']))} lines done) and restarted | {c['status']}: {c['results']} results, "
+            f"{c['duplicates']} duplicates, in input order: {c['in_order']}, {c['finished_lines_changed']} finished "
+            f"lines changed; {c['seconds']:.0f} s |",
+            f"| batch beside live traffic | {lv['clients']} live clients (streamed, {lv['new_tokens']} tokens) for "
+            f"{lv['seconds']:.0f} s alone, then while a batch runs | TTFT p50 {lv['ttft_p50_alone_s'] * 1000:.0f} → "
+            f"{lv['ttft_p50_with_batch_s'] * 1000:.0f} ms ({lv['ttft_ratio']:.2f}x), TPOT p50 "
+            f"{lv['tpot_p50_alone_s'] * 1000:.1f} → {lv['tpot_p50_with_batch_s'] * 1000:.1f} ms "
+            f"({lv['tpot_ratio']:.2f}x); {lv['live_requests_alone']} / {lv['live_requests_with_batch']} live requests "
+            f"answered, errors {len(lv['live_errors']['alone'])} / {len(lv['live_errors']['with_batch'])}; batch "
+            f"{lv['batch_lines_per_s_with_live']:.1f} lines/s beside live, {lv['batch_lines_per_s_alone']:.1f} alone |"]
