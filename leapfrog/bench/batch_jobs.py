@@ -84,9 +84,14 @@ def crash(server_cls, flags: list[str], out: Path, n: int = 1000, kills: int = 3
             "finished_lines_changed": changed, "seconds": seconds}
 
 
-def _live_client(url: str, stop: float, out: list, new_tokens: int, k: int) -> None:
+THINK_S = 0.5          # each live client's pause between its requests: the idle stretches a batch may use
+
+
+def _live_client(url: str, stop: float, out: list, new_tokens: int, k: int, spans: list) -> None:
     i = 0
     while time.perf_counter() < stop:
+        if i:
+            time.sleep(THINK_S)
         body = {"prompt": f"The little dog {k} {i}", "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         t0, first, last, tokens = time.perf_counter(), None, None, 0
@@ -107,18 +112,28 @@ def _live_client(url: str, stop: float, out: list, new_tokens: int, k: int) -> N
                     tokens = chunk["usage"]["completion_tokens"]
         if first is not None and tokens > 1:
             out.append((first - t0, (last - first) / (tokens - 1)))
+        spans.append((t0, time.perf_counter()))
         i += 1
 
 
-def _live(url: str, clients: int, seconds: float, new_tokens: int) -> list[tuple[float, float]]:
+def _live(url: str, clients: int, seconds: float, new_tokens: int) -> tuple[list, float]:
+    """(per live request (TTFT, TPOT) or (None, status), seconds with no live request in flight)."""
     out: list = []
-    stop = time.perf_counter() + seconds
-    threads = [threading.Thread(target=_live_client, args=(url, stop, out, new_tokens, k)) for k in range(clients)]
+    spans: list = []
+    start = time.perf_counter()
+    stop = start + seconds
+    threads = [threading.Thread(target=_live_client, args=(url, stop, out, new_tokens, k, spans))
+               for k in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out
+    busy, end = 0.0, start
+    for a, b in sorted(spans):
+        a = max(a, end)
+        if b > a:
+            busy, end = busy + b - a, b
+    return out, time.perf_counter() - start - busy
 
 
 def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: float = 30.0,
@@ -127,13 +142,14 @@ def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: flo
     db = data_dir / "batches.sqlite3"
     server = server_cls([*flags, "--batch-dir", str(data_dir)], out / "batch-live.log")
     server.wait_ready()
-    alone = _live(server.url, clients, seconds, new_tokens)
-    bid = _submit(server.url, _lines(5000, 32))          # more than the phases can finish
+    alone, _ = _live(server.url, clients, seconds, new_tokens)
+    bid = _submit(server.url, _lines(20000, 32))         # more than the phases can finish
     time.sleep(2.0)
     before = len(_done(db, bid))
     t0 = time.perf_counter()
-    mixed = _live(server.url, clients, seconds, new_tokens)
+    mixed, idle = _live(server.url, clients, seconds, new_tokens)
     batch_with_live = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
+    batch_idle = (len(_done(db, bid)) - before) / max(idle, 1e-9)
     before, t0 = len(_done(db, bid)), time.perf_counter()
     time.sleep(seconds)
     batch_alone = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
@@ -149,7 +165,8 @@ def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: flo
            "live_requests_with_batch": len(mixed), "live_errors": errors,
            "ttft_p50_alone_s": p50(alone, 0), "ttft_p50_with_batch_s": p50(mixed, 0),
            "tpot_p50_alone_s": p50(alone, 1), "tpot_p50_with_batch_s": p50(mixed, 1),
-           "batch_lines_per_s_alone": batch_alone, "batch_lines_per_s_with_live": batch_with_live}
+           "batch_lines_per_s_alone": batch_alone, "batch_lines_per_s_with_live": batch_with_live,
+           "idle_s": idle, "batch_lines_per_idle_s": batch_idle, "think_s": THINK_S}
     res["ttft_ratio"] = res["ttft_p50_with_batch_s"] / res["ttft_p50_alone_s"]
     res["tpot_ratio"] = res["tpot_p50_with_batch_s"] / res["tpot_p50_alone_s"]
     log(f"reliability: batch live {res}")
@@ -171,10 +188,12 @@ def markdown_rows(r: dict) -> list[str]:
             f"{', '.join(map(str, c['killed_at']))} lines done) and restarted | {c['status']}: {c['results']} results, "
             f"{c['duplicates']} duplicates, in input order: {c['in_order']}, {c['finished_lines_changed']} finished "
             f"lines changed; {c['seconds']:.0f} s |",
-            f"| batch beside live traffic | {lv['clients']} live clients (streamed, {lv['new_tokens']} tokens) for "
+            f"| batch beside live traffic | {lv['clients']} live clients (streamed, {lv['new_tokens']} tokens, "
+            f"{lv['think_s']:g} s between requests) for "
             f"{lv['seconds']:.0f} s alone, then while a batch runs | TTFT p50 {lv['ttft_p50_alone_s'] * 1000:.0f} → "
             f"{lv['ttft_p50_with_batch_s'] * 1000:.0f} ms ({lv['ttft_ratio']:.2f}x), TPOT p50 "
             f"{lv['tpot_p50_alone_s'] * 1000:.1f} → {lv['tpot_p50_with_batch_s'] * 1000:.1f} ms "
             f"({lv['tpot_ratio']:.2f}x); {lv['live_requests_alone']} / {lv['live_requests_with_batch']} live requests "
             f"answered, errors {len(lv['live_errors']['alone'])} / {len(lv['live_errors']['with_batch'])}; batch "
-            f"{lv['batch_lines_per_s_with_live']:.1f} lines/s beside live, {lv['batch_lines_per_s_alone']:.1f} alone |"]
+            f"{lv['batch_lines_per_s_with_live']:.1f} lines/s beside live ({lv['batch_lines_per_idle_s']:.1f} per second "
+            f"of the {lv['idle_s']:.1f} s without a live request), {lv['batch_lines_per_s_alone']:.1f} alone |"]

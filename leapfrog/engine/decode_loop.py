@@ -18,6 +18,11 @@ from leapfrog.sequence import Sequence
 
 # LEAPFROG_DECODE_LOOP=0 keeps every step on the layer-by-layer path (comparisons, debugging).
 ENABLED = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
+# Requests at this priority or lower (larger numbers) are background work (batch jobs): a loop
+# call of only such rows runs at most BACKGROUND_STEPS steps, so that a live request arriving
+# meanwhile waits for at most that many steps before its own.
+BACKGROUND_PRIORITY = 1 << 30
+BACKGROUND_STEPS = 2
 
 
 @dataclass(slots=True)
@@ -59,6 +64,8 @@ class MultiStep:
         if not all(eligible(s.seq) for s in batch.seqs):
             return LoopPlan([1] * len(batch.seqs), 1, True) if self.method.decode_loop else None
         steps = min(allowed, self.max_steps if num_waiting == 0 else 1)
+        if all(s.seq.priority >= BACKGROUND_PRIORITY for s in batch.seqs):
+            steps = min(steps, BACKGROUND_STEPS)
         budgets = []
         for s in batch.seqs:
             seq = s.seq

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from leapfrog.engine.decode_loop import BACKGROUND_PRIORITY
 from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 WINDOW = "24h"                           # OpenAI's only completion window
 WINDOW_S = 24 * 3600
-BATCH_PRIORITY = 1 << 30                 # after every live request (lower runs first)
+BATCH_PRIORITY = BACKGROUND_PRIORITY     # after every live request (lower runs first); short loop calls
 LIVE_POLL_S = 0.01
+LIVE_QUIET_S = 0.1          # batch lines start on a model only after this long without live requests
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 SCHEMA = """
@@ -339,14 +341,20 @@ class BatchRunner:
         self.on_line = on_line
         self.num_aborted = 0                    # lines aborted for live traffic (redone later)
         self.num_running = 0                    # lines in flight
+        self.live_seen: dict[int, float] = {}   # id(ModelServer) -> when live work was last seen there
 
     def _server(self, body: dict) -> Any:
         server = self.state.primary if body.get("model") is None else self.state.models.get(body.get("model"))
         return server if server is not None else self.state.primary
 
-    @staticmethod
-    def _live(server: Any) -> bool:
-        return server.num_live > 0
+    def _live(self, server: Any) -> bool:
+        """Whether live requests are in flight on `server`, or were within LIVE_QUIET_S (a client
+        sending one request after another leaves gaps a batch line must not fill)."""
+        now = time.monotonic()
+        if server.num_live > 0:
+            self.live_seen[id(server)] = now
+            return True
+        return now - self.live_seen.get(id(server), -1e9) < LIVE_QUIET_S
 
     async def serve_forever(self) -> None:
         while True:
@@ -400,15 +408,25 @@ class BatchRunner:
         return self.store.finalize(bid, "completed")
 
     def _start(self, bid: str, todo: list, tasks: dict) -> list:
-        """Start lines while their model has room and no live traffic; the rest stay in `todo`."""
+        """Start lines while their model has room and no live traffic; the rest stay in `todo`
+        (scanned only as far as some model can take a line: the scan runs every poll)."""
+        room: dict[int, int] = {}
+        for server in self.state.servers:
+            ok = server.engine.ready.is_set() and not self._live(server)
+            room[id(server)] = max(1, server.engine.places - 1) if ok else 0     # a place kept for live work
+        for _, _, _, server in tasks.values():
+            room[id(server)] = room.get(id(server), 0) - 1
         left = []
-        for item in todo:
+        for k, item in enumerate(todo):
+            if all(v <= 0 for v in room.values()):
+                left.extend(todo[k:])
+                break
             idx, cid, req = item
             server = self._server(req["body"])
-            if not server.engine.ready.is_set() or self._live(server) or \
-                    server.engine.num_in_flight >= server.engine.places:
+            if room.get(id(server), 0) <= 0:
                 left.append(item)
                 continue
+            room[id(server)] -= 1
             task = asyncio.ensure_future(execute(self.state, req["url"], req["body"]))
             tasks[task] = (idx, cid, req, server)
             self.num_running += 1
@@ -417,7 +435,8 @@ class BatchRunner:
     def _yield_to_live(self, tasks: dict, todo: list) -> None:
         """Abort the lines in flight on a model that live requests now use (they are redone)."""
         for task, (_, _, _, server) in list(tasks.items()):
-            if self._live(server) and not task.done():
+            if server.num_live > 0 and not task.done():
+                self.live_seen[id(server)] = time.monotonic()
                 task.cancel()
                 self.num_aborted += 1
 

@@ -238,8 +238,11 @@ def test_run_batch_resumes_after_a_kill_and_agrees_with_the_server(llama_dir, tm
     while time.time() < deadline:
         db = next(iter((tmp_path / "data").glob("run-batch-*.sqlite3")), None)
         if db is not None:
-            with sqlite3.connect(db) as con:
-                done = con.execute("SELECT COUNT(*) FROM lines WHERE state = 'done'").fetchone()[0]
+            try:
+                with sqlite3.connect(db) as con:
+                    done = con.execute("SELECT COUNT(*) FROM lines WHERE state = 'done'").fetchone()[0]
+            except sqlite3.OperationalError:       # the file made, its tables not yet
+                done = 0
             if done > 40:
                 break
         time.sleep(0.01)
@@ -272,7 +275,7 @@ def test_batch_lines_yield_to_live_requests(server):
     rows = request_lines(40, 48, chat=False)
     fid = httpx.post(server.url + "/v1/files", headers=h, files={"file": ("in.jsonl", jsonl(rows))},
                      data={"purpose": "batch"}).json()["id"]
-    live = {"model": "tiny", "prompt": "The cat", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    live = {"model": "tiny", "prompt": "The cat", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     alone = httpx.post(server.url + "/v1/completions", headers=h, json=live, timeout=60).json()["choices"][0]["text"]
     runner = server.state.primary.guests["batches"][1]
     aborted = runner.num_aborted
