@@ -561,7 +561,7 @@ def _prepare_generate(req: GenerateRequest, limits: Limits, tok: Any) -> Prepare
     return Prepared([ids], [(ids, sampling_params(req, limits, len(ids), max_tokens, constraint=constraint))])
 
 
-def _parse_and_prepare(raw: bytes, kind: type, prepare: Callable, state: ServerState
+def parse_and_prepare(raw: bytes, kind: type, prepare: Callable, state: ServerState
                        ) -> tuple[Any, ModelServer, Prepared]:
     """Parse the body, route it to the model it names, tokenize and check it there."""
     req = parse_body(raw, kind)
@@ -577,7 +577,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         state.admit(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
-        req, server, prep = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, prepare, state)
+        req, server, prep = await off_loop_if_big(len(raw), parse_and_prepare, raw, kind, prepare, state)
         tok = server.engine.tokenizer
         gen = server.open(prep, req.priority, arrival, req.stream)
         rid, created, model = new_id(id_prefix), now(), server.model_id
@@ -599,7 +599,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenizer_call(request: Request, kind: type, body: Callable) -> Any:
         state.authenticate(request)
         raw = await read_body(request, state.cfg.max_body_bytes)
-        _, _, out = await off_loop_if_big(len(raw), _parse_and_prepare, raw, kind, body, state)
+        _, _, out = await off_loop_if_big(len(raw), parse_and_prepare, raw, kind, body, state)
         return out
 
     @app.post("/tokenize")

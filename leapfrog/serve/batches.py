@@ -303,7 +303,7 @@ def file_object(fid: str, purpose: str, filename: str, size: int, created: int) 
 # --- running lines -----------------------------------------------------------------------------
 async def execute(state: Any, url: str, body: dict, priority: int = BATCH_PRIORITY) -> tuple[int, dict]:
     """One line, answered as its endpoint answers a request: (HTTP status, body)."""
-    from leapfrog.serve.app import _parse_and_prepare, run_to_end
+    from leapfrog.serve.app import parse_and_prepare, run_to_end
     from leapfrog.serve.engine_thread import Generation
     from leapfrog.serve.openai_api import chat_body, completion_body, new_id as response_id, now, prepare_chat, \
         prepare_completion
@@ -311,7 +311,7 @@ async def execute(state: Any, url: str, body: dict, priority: int = BATCH_PRIORI
         "/v1/chat/completions": (ChatRequest, prepare_chat, chat_body, "chatcmpl"),
         "/v1/completions": (CompletionRequest, prepare_completion, completion_body, "cmpl")}[url]
     try:
-        req, server, prep = _parse_and_prepare(json.dumps(body).encode(), kind, prepare, state)
+        req, server, prep = parse_and_prepare(json.dumps(body).encode(), kind, prepare, state)
         gen = Generation(server.engine, prep.requests, priority, time.perf_counter(), stream=False)
         background = priority >= BATCH_PRIORITY       # yields to live requests: not counted as live
         server.num_background += gen.num_requests if background else 0
