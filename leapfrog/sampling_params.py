@@ -19,6 +19,9 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)      # what torch.Generator.manual_seed
 INT64_MAX = (1 << 63) - 1
 # Requests that name no max_tokens, from every entry point (Python, HTTP, the CLI).
 DEFAULT_MAX_TOKENS = 256
+# Request priorities (lower runs first) at or past this are background work (batch jobs): the
+# scheduler runs them only in steps without live requests (engine/scheduler.py).
+BACKGROUND_PRIORITY = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)

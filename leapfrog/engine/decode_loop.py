@@ -12,16 +12,15 @@ from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.engine.runner import ModelRunner
 from leapfrog.sample.grammar import LoopMasks
+from leapfrog.sampling_params import BACKGROUND_PRIORITY
 from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
 
 # LEAPFROG_DECODE_LOOP=0 keeps every step on the layer-by-layer path (comparisons, debugging).
 ENABLED = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
-# Requests at this priority or lower (larger numbers) are background work (batch jobs): a loop
-# call of only such rows runs at most BACKGROUND_STEPS steps, so that a live request arriving
-# meanwhile waits for at most that many steps before its own.
-BACKGROUND_PRIORITY = 1 << 30
+# A loop call of only background rows (sampling_params.BACKGROUND_PRIORITY) runs at most this
+# many steps, so that a live request arriving meanwhile waits for at most that many.
 BACKGROUND_STEPS = 2
 
 

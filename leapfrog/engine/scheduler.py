@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from leapfrog.engine.block_manager import BlockManager
+from leapfrog.sampling_params import BACKGROUND_PRIORITY
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq
 from leapfrog.sequence import Sequence, SequenceStatus
 
@@ -22,6 +23,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     chunked_prefill: bool = True
+
+
+def background(seq: Sequence) -> bool:
+    """Background work (batch jobs): it runs only in steps without live requests."""
+    return seq.priority >= BACKGROUND_PRIORITY
 
 
 class Scheduler:
@@ -35,6 +41,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.finished_outside_step: list[Sequence] = []   # aborted / failed, not via apply()
         self.num_preemptions = 0
+        self.num_background_paused = 0      # background rows left out of a step for live work
 
     # --- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -57,8 +64,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         self.running.sort(key=lambda s: s.sort_key)
+        live = any(not background(s) for s in self.running) or any(not background(s) for s in self.waiting)
         for seq in list(self.running):
             if seq not in self.running:          # preempted to make room for another
+                continue
+            if live and background(seq):         # paused while live requests run (kept in the cache)
+                self.num_background_paused += 1
                 continue
             if self._share(seq, budget) is None:
                 continue                         # no token budget left for it this step
@@ -114,8 +125,17 @@ class Scheduler:
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         self.waiting.sort(key=lambda s: s.sort_key)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+        live = any(not background(s) for s in self.running) or any(not background(s) for s in self.waiting)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if live and background(seq):         # background work waits while live work exists
+                break
+            if len(self.running) >= self.config.max_batch_size:
+                idle = [s for s in self.running if background(s) and not background(seq)]
+                if not idle:
+                    break
+                self._preempt(max(idle, key=lambda s: s.sort_key))   # a paused background row makes room
+                continue
             if not self._fits_at_all(seq):       # would preempt itself forever: give up
                 self.waiting.pop(0)
                 self._finish(seq, "error:kv_cache_too_small")
@@ -124,6 +144,12 @@ class Scheduler:
                 seq.num_computed = self.bm.match_prefix(seq)
                 seq.metrics.num_cached_prompt_tokens = seq.num_computed
             item = self._fit(seq, budget)
+            idle = [s for s in self.running if background(s)] if item is None and not background(seq) else []
+            if item is None and idle:            # paused background rows hold the cache: one makes room
+                self.bm.free_seq(seq)
+                seq.num_computed = 0
+                self._preempt(max(idle, key=lambda s: s.sort_key))
+                continue
             if item is None:
                 self.bm.free_seq(seq)            # give back prefix hits; retry next step
                 seq.num_computed = 0

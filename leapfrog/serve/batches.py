@@ -9,9 +9,10 @@
   `url` (`/v1/chat/completions` or `/v1/completions`) and `body`, answered exactly as the
   endpoint would answer it. A malformed line, an unknown url or a request the endpoint refuses
   is that line's error; the batch goes on.
-- Batch work yields to live traffic: its lines run at the lowest priority, only while no live
-  request is in flight on their model; when one arrives the lines in flight are aborted and
-  redone later, so live requests never share a step with batch lines.
+- Batch work yields to live traffic: its lines run at background priority, which the scheduler
+  leaves out of every step while a live request is running or waiting (paused in the cache, or
+  preempted when a live request needs the place), and new lines start only after LIVE_QUIET_S
+  without live requests.
 - Files and batches belong to the API key that made them: another key gets 404.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from leapfrog.engine.decode_loop import BACKGROUND_PRIORITY
+from leapfrog.sampling_params import BACKGROUND_PRIORITY
 from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request
 
 log = logging.getLogger(__name__)
@@ -339,7 +340,6 @@ class BatchRunner:
         self.store = store
         self.wake = asyncio.Event()
         self.on_line = on_line
-        self.num_aborted = 0                    # lines aborted for live traffic (redone later)
         self.num_running = 0                    # lines in flight
         self.live_seen: dict[int, float] = {}   # id(ModelServer) -> when live work was last seen there
 
@@ -403,7 +403,6 @@ class BatchRunner:
                     self.store.finish_line(bid, idx, result_line(cid, status_code, body), status_code != 200)
                     if self.on_line:
                         self.on_line()
-                self._yield_to_live(tasks, todo)
             self.store.update(bid, status="finalizing", finalizing_at=int(time.time()))
         return self.store.finalize(bid, "completed")
 
@@ -431,14 +430,6 @@ class BatchRunner:
             tasks[task] = (idx, cid, req, server)
             self.num_running += 1
         return left
-
-    def _yield_to_live(self, tasks: dict, todo: list) -> None:
-        """Abort the lines in flight on a model that live requests now use (they are redone)."""
-        for task, (_, _, _, server) in list(tasks.items()):
-            if server.num_live > 0 and not task.done():
-                self.live_seen[id(server)] = time.monotonic()
-                task.cancel()
-                self.num_aborted += 1
 
 
 # --- the HTTP API (a guest of the server) ---------------------------------------------------------

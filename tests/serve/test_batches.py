@@ -269,8 +269,9 @@ def test_run_batch_resumes_after_a_kill_and_agrees_with_the_server(llama_dir, tm
 
 
 def test_batch_lines_yield_to_live_requests(server):
-    """While a live request is in flight the batch's lines are aborted and wait; the live
-    answer is the one it gets alone, and the batch still ends with every line answered once."""
+    """While a live request is in flight the batch's lines are left out of the engine's steps;
+    the live answer is the one it gets alone, and the batch still ends with every line answered
+    once."""
     h = {"Authorization": "Bearer k1"}
     n = 200
     rows = request_lines(n, 48, chat=False)
@@ -279,20 +280,47 @@ def test_batch_lines_yield_to_live_requests(server):
     live = {"model": "tiny", "prompt": "The cat", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     alone = httpx.post(server.url + "/v1/completions", headers=h, json=live, timeout=60).json()["choices"][0]["text"]
     runner = server.state.primary.guests["batches"][1]
-    aborted = runner.num_aborted
+    scheduler = server.state.primary.engine.engine.scheduler
+    paused = scheduler.num_background_paused
     bid = httpx.post(server.url + "/v1/batches", headers=h, json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                                   "completion_window": "24h"}).json()["id"]
     texts = []
     deadline = time.time() + 60
-    while runner.num_aborted == aborted and time.time() < deadline:
+    while scheduler.num_background_paused == paused and time.time() < deadline:
         while runner.num_running == 0 and time.time() < deadline:      # batch lines in flight first
             time.sleep(0.002)
         texts.append(httpx.post(server.url + "/v1/completions", headers=h, json=live,
                                 timeout=60).json()["choices"][0]["text"])
     assert texts and texts == [alone] * len(texts)
-    assert runner.num_aborted > aborted
+    assert scheduler.num_background_paused > paused
     deadline = time.time() + 120
     while (b := httpx.get(server.url + f"/v1/batches/{bid}", headers=h).json())["status"] != "completed":
         assert time.time() < deadline
         time.sleep(0.1)
     assert b["request_counts"] == {"total": n, "completed": n, "failed": 0}
+
+
+def test_the_scheduler_runs_background_work_only_without_live_work(llama_dir):
+    """Background rows (batch priority) sit out every step while a live request runs or waits,
+    and give up their place (preempted) when the batch is full; all finish with the tokens they
+    get alone."""
+    from leapfrog import LLM, SamplingParams
+    from leapfrog.sampling_params import BACKGROUND_PRIORITY
+    llm = LLM(str(llama_dir), max_batch_size=2)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = {p: llm.generate([p], greedy)[0].token_ids for p in ("The cat", "A dog", "Once upon")}
+    eng = llm.engine
+    bg = [eng.add_request(p, greedy, priority=BACKGROUND_PRIORITY) for p in ("The cat", "A dog")]
+    for _ in range(3):
+        eng.step()
+    live = eng.add_request("Once upon", greedy)
+    outs, order = {}, []
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+                order.append(out.request_id)
+    assert order[0] == live                               # the live request finished first
+    assert outs[live] == alone["Once upon"]
+    assert [outs[r] for r in bg] == [alone["The cat"], alone["A dog"]]
+    assert eng.scheduler.num_background_paused > 0 and eng.scheduler.num_preemptions > 0
