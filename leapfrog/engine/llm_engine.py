@@ -281,7 +281,7 @@ class LLMEngine:
         Nothing was applied when it raised (KV slots past num_computed are rewritten next time),
         so a retried half starts from the same state."""
         try:
-            plan = self.decode_loop.plan(batch, len(self.scheduler.waiting))
+            plan = self.decode_loop.plan(batch, self.scheduler.num_admissible)
             if plan is not None:
                 commits = self.decode_loop.run(batch, plan)
             else:

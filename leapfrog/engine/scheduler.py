@@ -56,6 +56,14 @@ class Scheduler:
         self._finish(seq, reason)
 
     @property
+    def num_admissible(self) -> int:
+        """Waiting sequences a next step could admit: background ones wait while live work runs
+        (the decode loop cuts its call short only for these)."""
+        if any(not background(s) for s in self.running):
+            return sum(not background(s) for s in self.waiting)
+        return len(self.waiting)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
