@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import BACKGROUND_PRIORITY, SamplingParams
 
 _ids = itertools.count()
 
@@ -69,6 +69,11 @@ class Sequence:
             self.num_prompt_tokens = len(self.token_ids)
         if not self.metrics.arrival_time:
             self.metrics.arrival_time = time.perf_counter()
+
+    @property
+    def background(self) -> bool:
+        """Background work (batch jobs): the scheduler runs it only in steps without live requests."""
+        return self.priority >= BACKGROUND_PRIORITY
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,7 +12,6 @@ from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.engine.runner import ModelRunner
 from leapfrog.sample.grammar import LoopMasks
-from leapfrog.sampling_params import BACKGROUND_PRIORITY
 from leapfrog.sample.sampler import Sampler
 from leapfrog.sequence import Sequence
 
@@ -63,7 +62,7 @@ class MultiStep:
         if not all(eligible(s.seq) for s in batch.seqs):
             return LoopPlan([1] * len(batch.seqs), 1, True) if self.method.decode_loop else None
         steps = min(allowed, self.max_steps if num_waiting == 0 else 1)
-        if all(s.seq.priority >= BACKGROUND_PRIORITY for s in batch.seqs):
+        if all(s.seq.background for s in batch.seqs):
             steps = min(steps, BACKGROUND_STEPS)
         budgets = []
         for s in batch.seqs:

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 from leapfrog.engine.block_manager import BlockManager
-from leapfrog.sampling_params import BACKGROUND_PRIORITY
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq
 from leapfrog.sequence import Sequence, SequenceStatus
 
@@ -23,11 +22,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     chunked_prefill: bool = True
-
-
-def background(seq: Sequence) -> bool:
-    """Background work (batch jobs): it runs only in steps without live requests."""
-    return seq.priority >= BACKGROUND_PRIORITY
 
 
 class Scheduler:
@@ -55,12 +49,15 @@ class Scheduler:
             self.running.remove(seq)
         self._finish(seq, reason)
 
+    def _has_live(self) -> bool:
+        return any(not s.background for s in self.running) or any(not s.background for s in self.waiting)
+
     @property
     def num_admissible(self) -> int:
         """Waiting sequences a next step could admit: background ones wait while live work runs
         (the decode loop cuts its call short only for these)."""
-        if any(not background(s) for s in self.running):
-            return sum(not background(s) for s in self.waiting)
+        if any(not s.background for s in self.running):
+            return sum(not s.background for s in self.waiting)
         return len(self.waiting)
 
     @property
@@ -72,11 +69,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         self.running.sort(key=lambda s: s.sort_key)
-        live = any(not background(s) for s in self.running) or any(not background(s) for s in self.waiting)
+        live = self._has_live()
         for seq in list(self.running):
             if seq not in self.running:          # preempted to make room for another
                 continue
-            if live and background(seq):         # paused while live requests run (kept in the cache)
+            if live and seq.background:         # paused while live requests run (kept in the cache)
                 self.num_background_paused += 1
                 continue
             if self._share(seq, budget) is None:
@@ -133,13 +130,13 @@ class Scheduler:
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         self.waiting.sort(key=lambda s: s.sort_key)
-        live = any(not background(s) for s in self.running) or any(not background(s) for s in self.waiting)
+        live = self._has_live()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if live and background(seq):         # background work waits while live work exists
+            if live and seq.background:         # background work waits while live work exists
                 break
             if len(self.running) >= self.config.max_batch_size:
-                idle = [s for s in self.running if background(s) and not background(seq)]
+                idle = [s for s in self.running if s.background and not seq.background]
                 if not idle:
                     break
                 self._preempt(max(idle, key=lambda s: s.sort_key))   # a paused background row makes room
@@ -152,7 +149,7 @@ class Scheduler:
                 seq.num_computed = self.bm.match_prefix(seq)
                 seq.metrics.num_cached_prompt_tokens = seq.num_computed
             item = self._fit(seq, budget)
-            idle = [s for s in self.running if background(s)] if item is None and not background(seq) else []
+            idle = [s for s in self.running if s.background] if item is None and not seq.background else []
             if item is None and idle:            # paused background rows hold the cache: one makes room
                 self.bm.free_seq(seq)
                 seq.num_computed = 0

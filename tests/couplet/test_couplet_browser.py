@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from leapfrog.couplet import rules
-from test_server_common import ServerThread, couplet_places_taken, on_loop, wait_until
+from test_server_common import BROWSER, ServerThread, chromium, couplet_places_taken, on_loop, wait_until
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
-
-BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome",
-                                               "google-chrome-stable"))), None)
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
 if BROWSER is None:
     pytest.skip("no Chromium found (chromium, chromium-browser or google-chrome on PATH)", allow_module_level=True)
 
@@ -45,15 +41,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
-    pw = sync_api.sync_playwright().start()
-    try:
-        b = pw.chromium.launch(executable_path=BROWSER, headless=True)
-    except Exception as e:
-        pw.stop()
-        pytest.fail(f"{BROWSER} is there but Playwright could not start it: {e}")
-    yield b
-    b.close()
-    pw.stop()
+    yield from chromium()
 
 
 def open_page(browser, server, **context):

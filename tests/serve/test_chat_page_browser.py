@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 
-from test_server_common import ServerThread, pace_engine, wait_until
+from test_server_common import ServerThread, chromium, pace_engine, wait_until
 
-BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome",
-                                               "google-chrome-stable"))), None)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCREENSHOTS = os.environ.get("LEAPFROG_SCREENSHOTS") == "1"
 DESKTOP = {"viewport": {"width": 1280, "height": 800}}
@@ -37,18 +34,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
-    if BROWSER is None:
-        pytest.skip("no Chromium found (chromium, chromium-browser or google-chrome on PATH)")
-    pw = sync_api.sync_playwright().start()
-    try:
-        b = pw.chromium.launch(executable_path=BROWSER, headless=True)
-    except Exception as e:
-        pw.stop()
-        pytest.fail(f"{BROWSER} is there but Playwright could not start it: {e}")
-    yield b
-    b.close()
-    pw.stop()
+    yield from chromium()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import shutil
 import socket
 import ssl
 import tempfile
@@ -22,6 +23,28 @@ from leapfrog.serve.connections import http_protocol
 def post(server, path: str, body, **kw) -> httpx.Response:
     """A JSON POST to a running ServerThread."""
     return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome",
+                                               "google-chrome-stable"))), None)
+
+
+def chromium():
+    """A headless system Chromium under Playwright (its own browser download is not needed), for
+    a module-scoped fixture to `yield from`; skips when Playwright or a Chromium is missing."""
+    import pytest
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
+    if BROWSER is None:
+        pytest.skip("no Chromium found (chromium, chromium-browser or google-chrome on PATH)")
+    pw = sync_api.sync_playwright().start()
+    try:
+        b = pw.chromium.launch(executable_path=BROWSER, headless=True)
+    except Exception as e:
+        pw.stop()
+        pytest.fail(f"{BROWSER} is there but Playwright could not start it: {e}")
+    yield b
+    b.close()
+    pw.stop()
 
 
 def free_port() -> int:
