@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from leapfrog.checkpoint.build import materialize
+from leapfrog.checkpoint.build import cache_root, materialize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_DIRS = [Path(os.environ.get("LEAPFROG_CHECKPOINTS", REPO_ROOT / "checkpoints"))]
@@ -135,7 +136,6 @@ def packaged_drafters(name: str) -> dict[str, str]:
 def packaged_gguf(name: str) -> tuple[Path, dict] | None:
     """The GGUF file of a packaged built-in model, found without importing its package (whose
     own imports may be missing: only the file is needed)."""
-    import importlib.util
     if name not in PACKAGED_MODELS:
         return None
     package, filename, generation = PACKAGED_MODELS[name]
@@ -151,7 +151,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
     """A checkpoint folder, a GGUF file, or the name of a built-in model (under checkpoints/, or
     packaged). A folder holding a build recipe (build.json) resolves to the model it builds, made
     on first use (checkpoint/build.py); a GGUF file to a folder made from its metadata (checkpoint/gguf.py)."""
-    from leapfrog.checkpoint.build import cache_root
+    # deferred: checkpoint.gguf loads only when a model is resolved
     from leapfrog.checkpoint.gguf import is_gguf, materialize_gguf
     path = Path(model)
     if path.is_dir():

@@ -6,6 +6,7 @@ import sys
 import time
 
 from leapfrog.options import add_engine_args, add_sampling_args, engine_kwargs, sampling_from_args
+from leapfrog.sampling_params import defaults_for_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,15 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     if prompt is None:
         piped = sys.stdin.read() if not sys.stdin.isatty() else ""
         prompt = piped if piped.strip() else "Once upon a time"   # nothing piped: the default
-    from leapfrog.sampling_params import defaults_for_model
     defaults = defaults_for_model(args.model, lambda msg: print(f"warning: {msg}", file=sys.stderr))
     try:
         params = sampling_from_args(args, defaults)
     except ValueError as e:
         p.error(str(e))
+    # deferred: the engine loads only after the arguments parse
     from leapfrog.engine.llm_engine import LLMEngine
     try:
         kwargs = engine_kwargs(args)       # reads the model folder's leapfrog.json (default method)
+        # deferred: engine.distributed loads only after the arguments parse
         from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(kwargs) > 1:
             engine = start(args.model, kwargs)

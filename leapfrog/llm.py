@@ -19,6 +19,7 @@ class LLM:
 
     def __init__(self, model: str = "stories", method: str = "ar", draft_model: str | None = None,
                  **engine_options: object) -> None:
+        # deferred: engine.distributed loads only when an LLM is built
         from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(engine_options) > 1:
             self.engine = start(model, dict(method=method, draft_model=draft_model, **engine_options))

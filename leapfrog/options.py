@@ -3,6 +3,7 @@ engine and sampling flags, and KEY=VALUE method options."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from leapfrog.config import DEFAULT_MODEL
 from leapfrog.sampling_params import BOUNDS, DEFAULT_MAX_TOKENS, SamplingParams
@@ -50,7 +51,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_options(pairs: list[str]) -> dict:
-    import json
     out = {}
     for pair in pairs:
         if "=" not in pair:
@@ -80,6 +80,7 @@ def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = N
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    # deferred: methods loads only when engine options are built
     from leapfrog.methods import default_method
     kw = dict(method=args.method or default_method(args.model), draft_model=args.draft_model,
               device=args.device, dtype=args.dtype, **parse_options(args.option))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -130,7 +131,7 @@ class StructuredOutputs:
 
 
 def _json_text(value: Any) -> str:
-    import json
+    import json  # deferred: `import leapfrog` does not load json
     try:
         return json.dumps(value, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -283,8 +284,7 @@ def model_sampling_defaults(folder) -> dict:
     (temperature 0, as in transformers); otherwise temperature, top_p, top_k, min_p and
     repetition_penalty where given. No file: {}. A malformed file or value raises ValueError
     naming the file and the key."""
-    import json
-    from pathlib import Path
+    import json  # deferred: `import leapfrog` does not load json
 
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
@@ -317,6 +317,7 @@ def defaults_for_model(model, warn) -> dict:
     """model_sampling_defaults for a built-in name or folder: {} when the model cannot be found
     (whoever loads it reports that), and {} after ``warn(message)`` for a malformed
     generation_config.json, so a bad file never stops serving."""
+    # deferred: config loads torch, which `import leapfrog` must not
     from leapfrog.config import resolve_model
     try:
         return model_sampling_defaults(resolve_model(model))

@@ -68,6 +68,7 @@ class _HFBackend:
     """tokenizer.json through the `tokenizers` library."""
 
     def __init__(self, path: Path) -> None:
+        # deferred: tokenizers loads only for a tokenizer.json
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
@@ -93,6 +94,7 @@ class _HFBackend:
     def mark_special(self, contents: list[str]) -> None:
         # transformers registers the config's special tokens as special added tokens at load time,
         # so they are split out of text and skipped on decode; do the same for tokens in the vocab.
+        # deferred: tokenizers loads only for a tokenizer.json
         from tokenizers import AddedToken
 
         known = [c for c in contents if self.tok.token_to_id(c) is not None]
@@ -101,6 +103,7 @@ class _HFBackend:
 
 
 def _sp_processor(proto: Any, dummy_prefix: bool) -> Any:
+    # deferred: sentencepiece loads only for a tokenizer.model
     import sentencepiece as spm
 
     proto.normalizer_spec.add_dummy_prefix = dummy_prefix
@@ -111,6 +114,7 @@ class _SPBackend:
     """tokenizer.model through `sentencepiece`, made to behave like transformers' conversion."""
 
     def __init__(self, path: Path, config: dict) -> None:
+        # deferred: sentencepiece loads only for a tokenizer.model
         from sentencepiece import sentencepiece_model_pb2 as pb2
 
         proto = pb2.ModelProto()
@@ -243,6 +247,7 @@ def _load_chat_template(folder: Path, config: dict) -> tuple[str | None, Path | 
 
 
 def _compile_template(source: str, origin: Path | None):
+    # deferred: jinja2 loads only when a chat template is compiled
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--serve" in argv:          # load against a running server: serve.py
+        # deferred: bench.serve loads only for --serve runs
         from leapfrog.bench import serve
         return serve.main(argv)
     parser = build_parser()

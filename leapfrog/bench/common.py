@@ -13,6 +13,7 @@ def log(msg: str) -> None:
 def story_prompts(num: int, tokenizer, max_prompt_tokens: int = 32) -> list[list[int]]:
     """Openings of held-out stories (our own split); synthetic text if the data is absent."""
     try:
+        # deferred: data.corpus (numpy) loads only when story prompts are built
         from leapfrog.data.corpus import heldout
         texts = heldout("stories")
     except (FileNotFoundError, ImportError):
@@ -34,6 +35,7 @@ def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> 
     """Bytes/s of reading a 1 GiB float32 tensor with `threads` threads, best of `repeats`:
     the ceiling for single-request decode of a model too big for the caches, which reads every
     weight once per token."""
+    # deferred: torch is heavy and only the bandwidth measurement needs it here
     import torch
     torch.set_num_threads(threads)
     x = torch.ones(num_bytes // 4)
@@ -50,8 +52,7 @@ def matmul_precision(args, model_dir) -> str:
     default (its leapfrog.json), else float32. bfloat16 or int8 on a CPU without AVX512-BF16 or
     AVX512-VNNI is float32, as the engine runs it (it falls back), so the tables name the products
     that ran."""
-    import sys
-
+    # deferred: the layers and the model loader (torch) load only when a run sets its precision
     from leapfrog.layers import linear
     from leapfrog.models.loader import model_engine_options
     precision = getattr(args, "matmul_precision", None) or \

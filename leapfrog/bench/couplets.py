@@ -14,6 +14,7 @@ WAYS = ("free", "constrained")
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: torch, the engine and the couplet app load only when this suite runs
     import torch
 
     from leapfrog.config import DEFAULT_MODEL, resolve_model
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _row(name: str, results: list[dict], lines: list[str]) -> dict:
+    # deferred: the couplet app loads only when this suite runs
     from leapfrog.couplet import quality
     out = {"way": name, **quality.summarise(results)}
     out["distinct_1"] = quality.distinct_n(lines, 1)
@@ -66,6 +68,7 @@ def _row(name: str, results: list[dict], lines: list[str]) -> dict:
 
 
 def markdown(result: dict) -> str:
+    # deferred: the couplet app loads only when this suite runs
     from leapfrog.couplet.rules import LABELS, RULES
     head = ["", "n"] + [LABELS[r] for r in RULES] + ["all rules", "POS parallelism", "distinct-1", "distinct-2",
                                                      "s / couplet"]
@@ -79,6 +82,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib and the couplet rules load only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from leapfrog import SamplingParams
 from leapfrog.bench.common import log
 from leapfrog.bench.speculative import Contender
 from leapfrog.config import DEFAULT_MODEL, resolve_model
@@ -41,6 +42,7 @@ def configs(args: argparse.Namespace) -> list[Contender]:
 
 
 def opening_prompts(num: int) -> list[str]:
+    # deferred: the story data loads only when prompts are built
     from leapfrog.data.stories import story_opening
     from leapfrog.data.corpus import heldout
     return [story_opening(s) for s in heldout("stories")[:num]]
@@ -48,7 +50,6 @@ def opening_prompts(num: int) -> list[str]:
 
 def run_latency(engines: list, prompts: list[str], new_tokens: int) -> tuple[list[list], list[float]]:
     """Batch 1, configs taking turns prompt by prompt: (outputs per config, wall per config)."""
-    from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
     outs: list[list] = [[] for _ in engines]
     wall = [0.0] * len(engines)
@@ -63,7 +64,6 @@ def run_latency(engines: list, prompts: list[str], new_tokens: int) -> tuple[lis
 
 def run_batched(engines: list, prompts: list[str], new_tokens: int, repeats: int) -> list[float]:
     """All prompts as one batch: best output tokens/s of interleaved runs, per config."""
-    from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
     best = [0.0] * len(engines)
     for rep in range(repeats):
@@ -77,6 +77,7 @@ def run_batched(engines: list, prompts: list[str], new_tokens: int, repeats: int
 
 def quality(texts: list[list[str]], prompts: list[str], judge: str, device) -> list[dict]:
     """Judge ppl, rep-4 and coherence of each config's texts (`leapfrog eval`'s functions)."""
+    # deferred: the eval modules load only when quality is judged
     from leapfrog.eval import metrics as mt
     from leapfrog.eval.evaluate import judge_perplexity, load_scorer
     log(f"quality: perplexity under {judge}, rep-4, coherence (all-MiniLM-L6-v2)")
@@ -118,7 +119,8 @@ def check_targets(rows: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from leapfrog import LLM, SamplingParams
+    # deferred: the engine and the eval modules load only when this suite runs
+    from leapfrog import LLM
     from leapfrog.eval.evaluate import continuation_text
     from leapfrog.methods.diffusion import DiffusionCounters
 
@@ -193,6 +195,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -228,6 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ar-model", default="stories", help="the ar baseline and the perplexity judge (default stories)")
     g.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])
     g.add_argument("--num-blocks", type=int, nargs="+", default=[1, 2, 3, 4], help="N; 1 is single-block")
+    # deferred: the method code loads only when the parser is built
     from leapfrog.methods.diffusion import FLOORS
     g.add_argument("--floors", nargs="+", choices=FLOORS, default=None,
                    help="the progress floor's rule(s): which position a step forces when none clears "

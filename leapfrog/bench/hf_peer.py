@@ -15,6 +15,7 @@ sys.path.pop(0)       # this file's folder holds modules named like stdlib and t
 
 def generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
     """Left-padded static batch through `generate`; returns wall seconds."""
+    # deferred: torch loads only when the peer runs (this file is run by path)
     import torch
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
@@ -27,6 +28,7 @@ def generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> f
 
 
 def main() -> None:
+    # deferred: torch and transformers load only when the peer runs (this file is run by path)
     import torch
     import transformers
     job = json.loads(sys.stdin.read())

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from leapfrog.bench.common import log
@@ -71,8 +72,8 @@ def llama_server_decode(exe: str, gguf: Path, prompts: list[list[int]], new_toke
     ngram-simple` for its own speculative decoding) decoding `prompts` (token ids) one at a time,
     greedy, up to `new_tokens` each: output tokens over the wall-clock of the requests (prompt
     included, as leapfrog's rows), its own decode-only rate, and its drafts' counts."""
+    # deferred: the HTTP client modules load only when llama-server is measured
     import socket
-    import time
     import urllib.request
 
     with socket.socket() as s:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from leapfrog.bench.common import load_average, log, story_prompts
 
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _collective_worker(rank: int, size: int, port: int, hidden: int, vocab: int, rows: list[int],
                        repeats: int, out: str, stages: int) -> None:
+    # deferred: layers.parallel loads only in the collectives' worker processes
     from leapfrog.layers import parallel as tp
     torch.set_num_threads(1)
     tp.init(rank, size, f"tcp://127.0.0.1:{port}", pipeline_size=stages)
@@ -71,7 +73,7 @@ def _collective_worker(rank: int, size: int, port: int, hidden: int, vocab: int,
 
 def collectives(hidden: int, vocab: int, size: int, rows: list[int], out: Path, repeats: int = 200,
                 stages: int = 1) -> dict:
-    import torch.multiprocessing as mp
+    # deferred: layers.parallel loads only when collectives are measured
     from leapfrog.layers.parallel import free_port
     mp.start_processes(_collective_worker, args=(size, free_port(), hidden, vocab, rows, repeats, str(out), stages),
                        nprocs=size, join=True, start_method="spawn")
@@ -79,6 +81,7 @@ def collectives(hidden: int, vocab: int, size: int, rows: list[int], out: Path, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: torch and the engine load only when this suite runs
     from leapfrog import LLM, SamplingParams
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +163,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from leapfrog import SamplingParams
 from leapfrog.config import resolve_model
 from leapfrog.checkpoint.gguf import source_of
 
@@ -27,7 +30,6 @@ from leapfrog.bench.random_model import random_llama, weight_bytes_per_token
 
 # --- leapfrog -------------------------------------------------------------------------------
 def leapfrog_run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
-    from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -124,7 +126,6 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
 
 def gguf_kind(path: Path) -> str:
     """The name of a GGUF file's weight type in the table ("Q4_1 file")."""
-    import re
     found = re.search(r"(Q\d_K(_[SML])?|Q\d_\d|F16|BF16|F32)", path.name, re.I)
     return f"{found.group(1).upper() if found else 'gguf'} file"
 
@@ -132,8 +133,7 @@ def gguf_kind(path: Path) -> str:
 def kernel_bytes(model) -> int:
     """Bytes of weights a one-row decode step of `model` reads on a CPU: each linear's packed
     panels (quantized, float16, bfloat16 or float32) or the weight the few-row kernel reads."""
-    from torch import nn
-
+    # deferred: layers.linear loads only when kernel bytes are counted
     from leapfrog.layers.linear import kernel_panels, kernel_weight
     total = 0
     for m in model.modules():
@@ -173,6 +173,7 @@ def concurrency_table(rows: dict[int, dict]) -> list[dict]:
 def run_peers(args: argparse.Namespace) -> dict:
     """leapfrog runs in this process, which never imports transformers (importing it slowed
     leapfrog's decoding measurably); every peer runs in a clean process of its own."""
+    # deferred: the engine loads only when this suite runs
     from leapfrog import LLM
     torch.set_num_threads(args.threads)
     folder = model_folder(args)
@@ -230,6 +231,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

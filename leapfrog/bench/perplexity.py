@@ -11,6 +11,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
+
+from leapfrog import SamplingParams
 from leapfrog.bench import llama_cpp
 from leapfrog.bench.common import load_average, log, matmul_precision
 from leapfrog.config import resolve_model
@@ -21,6 +24,7 @@ PREFILL_ROWS = 128
 
 
 def heldout_text(limit_chars: int) -> str:
+    # deferred: data.corpus loads only when held-out text is read
     from leapfrog.data.corpus import heldout
     texts = heldout("stories")
     if not texts:
@@ -50,7 +54,6 @@ def scored(ctx: int) -> range:
 
 
 def leapfrog_nll(llm, parts: list[list[int]], ctx: int) -> tuple[float, int]:
-    from leapfrog import SamplingParams
     outs = llm.generate(parts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     total, count = 0.0, 0
     for out in outs:
@@ -61,7 +64,7 @@ def leapfrog_nll(llm, parts: list[list[int]], ctx: int) -> tuple[float, int]:
 
 
 def transformers_nll(folder: Path, parts: list[list[int]], ctx: int) -> tuple[float, int]:
-    import torch
+    # deferred: transformers is heavy and only this reference needs it
     import transformers
     gguf = source_of(folder)
     if gguf is not None:
@@ -94,6 +97,7 @@ def llama_perplexity(exe: str, gguf: Path, text_file: Path, ctx: int, num: int, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the engine loads only when this suite runs
     from leapfrog import LLM
     folder = resolve_model(args.model)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else heldout_text(args.ctx * args.chunks * 8)
@@ -161,6 +165,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 64, 2560
@@ -38,8 +39,8 @@ def shape_for(num_params: int, vocab_size: int) -> dict:
 def random_llama(size: str, tokenizer_from: Path, out: Path, seed: int = 0) -> Path:
     """The checkpoint folder `out/random-<size>`, built once (in a child process, so that the
     benchmark's own process never imports transformers) and reused."""
+    # deferred: subprocess loads only when a checkpoint must be built
     import subprocess
-    import sys
     folder = out / f"random-{size.lower()}"
     if not (folder / "model.safetensors").is_file():
         code = ("import sys; from pathlib import Path; from leapfrog.bench.random_model import build; "
@@ -49,6 +50,7 @@ def random_llama(size: str, tokenizer_from: Path, out: Path, seed: int = 0) -> P
 
 
 def build(size: str, tokenizer_from: Path, folder: Path, seed: int) -> None:
+    # deferred: torch and transformers load only in the child process that builds the model
     import torch
     import transformers
     vocab = transformers.AutoConfig.from_pretrained(tokenizer_from).vocab_size
@@ -65,6 +67,7 @@ def build(size: str, tokenizer_from: Path, folder: Path, seed: int) -> None:
 def weight_bytes_per_token(folder: Path, bytes_per_param: int) -> int:
     """Bytes of weights one decode step reads: every matrix once and one row of the input
     embedding (a tied embedding is read once, whole, as the LM head)."""
+    # deferred: json and models.info (torch) load only when weight bytes are counted
     import json
 
     from leapfrog.models.info import param_report

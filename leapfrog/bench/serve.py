@@ -69,6 +69,7 @@ class RequestResult:
 def prompts(num: int, max_words: int, seed: int) -> list[str]:
     """Openings of held-out stories (our own split); synthetic sentences without the data."""
     try:
+        # deferred: data.corpus (numpy) loads only when story prompts are built
         from leapfrog.data.corpus import heldout
         texts = heldout("stories")
     except Exception:
@@ -83,6 +84,7 @@ def prompts(num: int, max_words: int, seed: int) -> list[str]:
 def chat_texts(kind: str, num: int, seed: int) -> list[str]:
     """`num` chat requests of a prompt set (leapfrog/data/chat_prompts.py): "grounded" (the
     input is in the prompt: rewrite, correct, quote, edit code) or "open", in a seeded order."""
+    # deferred: the chat prompt sets load only when chat requests are built
     from leapfrog.data.chat_prompts import grounded_prompts, open_prompts
     texts = grounded_prompts(max(num, 16)) if kind == "grounded" else open_prompts(max(num, 40))
     if not texts:
@@ -204,6 +206,7 @@ class HealthProbe:
     """GET /healthz from another process while a crowd is served: its answer times."""
 
     def __init__(self, base: str) -> None:
+        # deferred: multiprocessing loads only when health is probed
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
@@ -414,6 +417,7 @@ def couplet_markdown(result: dict) -> str:
 def plot_crowd(result: dict, path: Path, baseline: dict | None = None, baseline_name: str = "before") -> None:
     """The share of each crowd with its couplet against the time from the press; a baseline
     result (another build's, --compare) dashed in the same colours."""
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -488,6 +492,7 @@ def _ms(stats: dict, keys: tuple[str, ...] = ("mean", "p50", "p99")) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -558,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
 def offline_reference(args: argparse.Namespace) -> dict:
     """TPOT of the offline engine on the first level's prompts, one request at a time, with the
     same settings, measured as the client measures it: (end - first token) / (tokens - 1)."""
+    # deferred: torch and the engine load only for the offline reference
     from leapfrog import LLM, SamplingParams
     llm = LLM(args.offline_model, num_threads=args.offline_threads)
     texts = prompts(max(8, args.num_prompts or 8), args.prompt_words, args.seed)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.bench.common import log
+from leapfrog import SamplingParams
+from leapfrog.bench.common import log, matmul_precision, story_prompts
 from leapfrog.config import resolve_model
 
 
@@ -92,6 +93,7 @@ def draft_model_contenders(draft_models: list[str] | None, gammas: list[int | No
 
 def _engine(model_dir: Path, c: Contender, max_batch: int, engine_options: dict | None = None):
     """The contender's engine, with the run's engine options under its own."""
+    # deferred: the engine loads only when this suite runs
     from leapfrog import LLM
     opts = {**(engine_options or {}), **c.options}
     draft = opts.pop("draft_model", None)
@@ -99,6 +101,7 @@ def _engine(model_dir: Path, c: Contender, max_batch: int, engine_options: dict 
 
 
 def _reset_counters(llm) -> None:
+    # deferred: the method code loads only when counters are reset
     from leapfrog.methods.speculative import SpecCounters
     if hasattr(llm.engine.method, "counters"):
         llm.engine.method.counters = SpecCounters()
@@ -111,7 +114,6 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
     """engine_options apply to every row (`ar` first, the baseline). With bfloat16 products, a
     second `ar` row with float32 products shows what the precision costs or gains and how often
     its text is float32's. `ngram`: the prompt-lookup rows too."""
-    from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     contenders = latency_contenders(model_dir, gamma, drafters, draft_models)
     if ngram:
@@ -183,7 +185,6 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
     1.01x), a ratio within a round shares the round's machine. τ and the share of
     request-steps that verified drafts count every round. The control row, a second `ar`
     engine, shows what the ratios can resolve."""
-    from leapfrog import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
     # A second `ar` engine, the control: identical engines in one process measured up to 17%
     # apart on `stories` (where each engine's weights sit in its own part of the L3 cache), so
@@ -235,7 +236,7 @@ def prompt_set(name: str, num: int, tokenizer) -> list[list[int]]:
     "grounded" (input-grounded chat tasks: rewrite, correct, summarise, quote, edit code) or
     "open" (open-ended chat requests), the chat ones rendered by the model's template
     (data/chat_prompts.py)."""
-    from leapfrog.bench.common import story_prompts
+    # deferred: the chat prompt sets load only for chat prompt sets
     from leapfrog.data.chat_prompts import grounded_prompts, open_prompts
     if name == "stories":
         return story_prompts(num, tokenizer)
@@ -247,8 +248,8 @@ def prompt_set(name: str, num: int, tokenizer) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the engine loads only when this suite runs
     from leapfrog import LLM
-    from leapfrog.bench.common import matmul_precision
 
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)
@@ -290,6 +291,7 @@ def run(args: argparse.Namespace) -> dict:
 def llama_cpp_row(model_dir: Path, args: argparse.Namespace) -> dict | None:
     """llama.cpp's single-request decode of the model's float16 GGUF (best of 3 llama-bench
     repetitions), or None without a llama.cpp build or when its converter refuses the model."""
+    # deferred: the llama.cpp helpers and GGUF code load only when llama.cpp is compared
     from leapfrog.bench import llama_cpp
     from leapfrog.checkpoint.gguf import source_of
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
@@ -312,6 +314,7 @@ def llama_server_rows(model_dir: Path, args: argparse.Namespace, prompts: dict[s
     converter's f16 GGUF) without and with `--spec-type <args.llama_server_spec>`, on each prompt
     set one request at a time, greedy; tok/s over the requests' wall-clock as leapfrog's rows.
     Empty without a llama.cpp build."""
+    # deferred: the llama.cpp helpers and GGUF code load only when llama.cpp is compared
     from leapfrog.bench import llama_cpp
     from leapfrog.checkpoint.gguf import source_of
     exe = llama_cpp.find_binary("llama-server", args.llama_cpp_dir)
@@ -376,6 +379,7 @@ def _x(v: float | None) -> str:
 def plot(result: dict, path: Path) -> None:
     """Left: each row's speed-up over `ar` at batch 1 (horizontal bars, τ beside them); right:
     each engine's throughput over `ar`'s at every concurrency."""
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

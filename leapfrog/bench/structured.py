@@ -30,6 +30,7 @@ import httpx
 
 from leapfrog.bench.common import load_average, log
 from leapfrog.bench.reliability import Server
+from leapfrog.sampling_params import StructuredOutputs
 
 WORDS = ("name city country color animal fruit title author genre team planet river language tool "
          "food brand street season mood hobby").split()
@@ -84,6 +85,7 @@ def prompt_for(schema: dict, k: int) -> str:
 
 
 def valid(text: str, schema: dict) -> bool:
+    # deferred: jsonschema is not a declared dependency; only the validity counts need it
     import jsonschema
     try:
         jsonschema.validate(json.loads(text), schema)
@@ -103,8 +105,8 @@ def first_json_block(text: str) -> str:
 
 def compile_times(tokenizer_folder: Path, vocab: int, schemas: list[dict]) -> dict:
     """Cold compile of each schema (a fresh compiler, so no cache), then one cache hit."""
+    # deferred: the grammar compiler and tokenizer load only when compile times are measured
     from leapfrog.sample.grammar import GrammarCompiler
-    from leapfrog.sampling_params import StructuredOutputs
     from leapfrog.tokenizer import Tokenizer
     tok = Tokenizer.from_folder(tokenizer_folder)
     compiler = GrammarCompiler(tok, vocab)
@@ -242,6 +244,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # deferred: the model code loads only when this suite runs
     from leapfrog.config import resolve_model
     from leapfrog.models.loader import read_config
     model_dir = Path(resolve_model(args.model))
@@ -316,6 +319,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

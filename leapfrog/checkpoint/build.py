@@ -2,11 +2,13 @@
 (What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -228,7 +230,6 @@ def write_sums(recipe_dir: Path) -> Path:
     """Rebuild a recipe folder's model from the current base checkpoints and write its SHA256SUMS
     (the built weights and configs, the model's then each drafter's): after a base model or a
     drafter it grows from was retrained."""
-    import tempfile
     recipe = json.loads((recipe_dir / BUILD_FILE).read_text())
     with tempfile.TemporaryDirectory(prefix="leapfrog-build-") as scratch:
         out = build(recipe_dir, Path(scratch) / "model", recipe_dir.parent, check=False)
@@ -261,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m leapfrog.checkpoint.build``: refresh recipe folders' SHA256SUMS after what they grow from
     changed (--write-sums), ship a drafter trained for the built model (--ship-drafter), or print
     the built model's folder, building it if needed (--path)."""
-    import argparse
     p = argparse.ArgumentParser(prog="python -m leapfrog.checkpoint.build", description=main.__doc__)
     p.add_argument("--write-sums", nargs="+", default=[], metavar="FOLDER",
                    help="recipe folders (with build.json) whose SHA256SUMS to rewrite")

@@ -55,6 +55,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 def _reader(path: Path) -> Any:
+    # deferred: the gguf package loads only when a GGUF file is read
     from gguf import GGUFReader
     try:
         return GGUFReader(str(path))
@@ -100,6 +101,7 @@ def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dic
             eos.append(int(eot))
         _write_json(tmp / "generation_config.json", {"bos_token_id": config.get("bos_token_id"),
                                                      "eos_token_id": eos, **(extra_generation or {})})
+        # deferred: the gguf package loads only when a GGUF file is read
         from gguf import GGMLQuantizationType
         kinds = {GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
         meta: dict = {}
@@ -185,6 +187,7 @@ def tokenizer_files(reader: Any, path: Path, out: Path) -> None:
     """tokenizer.json and tokenizer_config.json from the metadata (transformers' GGUF tokenizer
     builders, plus llama.cpp's pre-tokenizer rules they lack), with BOS/EOS added as the file's
     add_bos_token / add_eos_token say."""
+    # deferred: tokenizers and transformers (heavy) load only when a GGUF tokenizer is converted
     from tokenizers import pre_tokenizers, processors
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
     try:
@@ -222,6 +225,7 @@ def read_tensors(path: Path, config: dict, blocks: dict | None = None) -> Iterat
     """(Hugging Face name, float32 torch tensor) for every tensor of the file, dequantized. With
     `blocks`, the quantized 2-D tensors' raw blocks are kept there too, by name: (type, [rows,
     row bytes] uint8), rows in the order of the dequantized tensor's."""
+    # deferred: torch and the gguf package load only when tensors are read
     import torch
     from gguf import GGMLQuantizationType, dequantize
     reader = _reader(path)

@@ -21,12 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # deferred: the app loads only after the arguments parse, so --help stays fast
     from leapfrog.couplet.rules import LABELS, split_keywords
     try:
         keywords = split_keywords(" ".join(args.keywords))
     except ValueError as exc:
         print(f"leapfrog couplet: {exc}", file=sys.stderr)
         return 2
+    # deferred: torch and the engine load only once the keywords are valid
     from leapfrog.couplet.writer import CoupletWriter, write
     from leapfrog.llm import LLM
     try:

@@ -17,6 +17,7 @@ def _cut():
     global _posseg
     with _jieba_lock:
         if _posseg is None:
+            # deferred: jieba loads only when a line is first tagged
             import jieba
             import jieba.posseg
             jieba.setLogLevel(logging.WARNING)

@@ -39,6 +39,7 @@ def _tone_of(syllable: str) -> int | None:
 
 @lru_cache(maxsize=None)
 def _default_tone(char: str) -> int | None:
+    # deferred: pypinyin loads only when tones are read
     from pypinyin import Style, lazy_pinyin
     return _tone_of(lazy_pinyin(char, style=Style.TONE3, neutral_tone_with_five=True)[0])
 
@@ -48,6 +49,7 @@ def tones(line: str) -> list[int | None]:
     ``line``, punctuation included): 1-4, 5 for the neutral tone, None for a non-CJK character or
     one pypinyin has no reading for. Each run of CJK characters is read as a whole, so pypinyin's
     phrase dictionary chooses among a heteronym's readings (长城 chang2, 生长 zhang3)."""
+    # deferred: pypinyin loads only when tones are read
     from pypinyin import Style, lazy_pinyin
     out: list[int | None] = [None] * len(line)
     for run in re.finditer(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f]+", line):

@@ -58,6 +58,7 @@ def humaneval(split: str) -> list[str]:
 def stories(split: str, data_dir: str | None = None, max_chars: int = 1200) -> list[str]:
     """Stories of `split` ("heldout" or "train") short enough to quote in a prompt; [] without
     the data folder."""
+    # deferred: data.corpus (numpy) loads only when stories are quoted
     from leapfrog.data.corpus import heldout, train_items
     try:
         texts = heldout("stories", data_dir) if split == "heldout" else train_items("stories", data_dir)["stories"]
@@ -95,6 +96,7 @@ def training_prompts(n: int, split: str = "train", data_dir: str | None = None) 
     """n user messages for distilling a drafter from an instruction model (its own answers are
     the training text): input-grounded tasks (two in five), story continuations, HumanEval
     functions to complete, and open-ended requests, in turn. `split`: "train" or "heldout"."""
+    # deferred: data.stories loads only for training prompts
     from leapfrog.data.stories import story_opening
     grounded = grounded_prompts(n, split, data_dir)
     openings = [story_opening(s) for s in stories(split, data_dir)]

@@ -93,6 +93,7 @@ def train_items(name: str, data_dir: str | None = None, truecase: bool = False) 
         kept = [s for s in _story_pool(root) if not is_heldout(s, name)]
         table = None
         if truecase:
+            # deferred: the casing table loads only for truecased items
             from leapfrog.data.truecase import CasingTable
             table = CasingTable.learn(kept)
         for fname in STORY_TRAIN_ONLY_FILES:

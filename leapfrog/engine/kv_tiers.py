@@ -118,6 +118,7 @@ class RedisKVTier:
                  client: Any = None, retry_after: float = 5.0, timeout: float = 0.25,
                  max_pending: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         try:
+            # deferred: redis is an optional extra, needed only with kv_remote_url
             import redis
         except ImportError:
             raise ValueError("kv_remote_url needs the redis client: pip install redis") from None

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from leapfrog.sampling_params import SamplingParams
+
 STORY_METRICS = ("val_loss", "val_ppl", "val_tokens", "rep_2", "rep_4", "rep_4_tokens",
                  "distinct_1", "distinct_2", "coherence", "coherence_human", "coherence_unrelated",
                  "coherence_normalised", "rep_4_human", "judge_ppl", "mean_output_words")
@@ -72,6 +74,7 @@ def sequence_nll(model, sequences: list[tuple[list[int], int]], device, batch_si
     position earlier. Rows are right-padded: with causal attention padding after a token never
     changes its logits, so batches need no attention mask.
     """
+    # deferred: torch loads only when texts are scored
     import torch
     import torch.nn.functional as F
 
@@ -94,6 +97,7 @@ def sequence_nll(model, sequences: list[tuple[list[int], int]], device, batch_si
 
 def load_scorer(name: str, device):
     """(model with forward_dense in fp32, leapfrog tokenizer, context length) for `name`."""
+    # deferred: torch and the model code load only when a scorer is loaded
     import torch
 
     from leapfrog.config import resolve_model
@@ -166,7 +170,6 @@ def continuation_text(tok, out) -> str:
 
 
 def sampling(args: argparse.Namespace, index: int, max_tokens: int):
-    from leapfrog.sampling_params import SamplingParams
     # One seed per prompt: the text does not depend on batching, so methods compare fairly.
     return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed + index)
@@ -176,6 +179,7 @@ def sampling(args: argparse.Namespace, index: int, max_tokens: int):
 
 
 def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
+    # deferred: the metrics and the story data load only for a stories evaluation
     from leapfrog.eval import metrics as mt
     from leapfrog.data.stories import story_opening
     from leapfrog.data.corpus import heldout
@@ -229,6 +233,7 @@ def eval_stories(args: argparse.Namespace, llm, res: EvalResult) -> None:
 def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[str], device,
                     own_scorer) -> float | None:
     """Judge perplexity; the evaluated model's scorer is reused when it is also the judge."""
+    # deferred: config (torch) loads only when the judge is resolved
     from leapfrog.config import resolve_model
     if not args.judge:
         return None
@@ -244,6 +249,7 @@ def story_judge_ppl(args: argparse.Namespace, prompts: list[str], texts: list[st
 
 
 def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
+    # deferred: the metrics and the couplet data load only for a couplets evaluation
     from leapfrog.eval import metrics as mt
     from leapfrog.data.couplets import pair_text
     from leapfrog.data.corpus import heldout
@@ -280,6 +286,7 @@ def eval_couplets(args: argparse.Namespace, llm, res: EvalResult) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # deferred: options (config, torch) loads only when the parser is built
     from leapfrog.options import add_engine_args
     p = argparse.ArgumentParser(prog="leapfrog eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fill_defaults(args: argparse.Namespace) -> None:
+    # deferred: config (torch) and the corpus load only when defaults are filled
     from leapfrog.config import resolve_model
     from leapfrog.data.corpus import heldout
     if args.task is None:
@@ -321,6 +329,7 @@ def fill_defaults(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> EvalResult:
+    # deferred: torch and the engine load only when an evaluation runs
     from leapfrog import LLM
     from leapfrog.options import engine_kwargs
     fill_defaults(args)

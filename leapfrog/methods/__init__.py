@@ -6,6 +6,7 @@ loading torch or any method."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 METHODS: dict[str, tuple[str, str]] = {
     "ar": ("leapfrog.methods.autoregressive", "AutoregressiveMethod"),
@@ -28,8 +29,9 @@ def default_method(model: str) -> str:
     """The best lossless method a model supports out of the box: a model folder that ships a
     drafter (a `drafter/` subfolder or `leapfrog.json` naming one) gets its speculative
     method; every other model decodes with `ar`."""
+    # deferred, here and below: json, and config and the model code (torch), which
+    # `import leapfrog.methods` does without
     import json
-    from pathlib import Path
 
     from leapfrog.config import resolve_model
     try:

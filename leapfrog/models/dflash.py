@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
-from leapfrog.layers.linear import Linear
+from leapfrog.layers.linear import Linear, kernel_bias, kernel_weight, skinny_rows_max
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
+from leapfrog.models import llama
 from leapfrog.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -198,6 +199,7 @@ class DFlashDraftModel(nn.Module):
         self.markov_head: nn.Module | None = None
         self.confidence_head: nn.Module | None = None
         if self.drafter.kind == "dspark":
+            # deferred: dflash_heads loads only for DSpark drafters
             from leapfrog.models.dflash_heads import build_heads
             self.markov_head, self.confidence_head = build_heads(self.drafter, d, cfg["vocab_size"])
 
@@ -262,7 +264,6 @@ class DFlashDraftModel(nn.Module):
     def _fused_context_kv(self, feats: torch.Tensor, rope: tuple) -> list[torch.Tensor] | None:
         """Context K/V of a few rows as one C++ call (CPU float32 inference, the few-row kernel's
         sizes): [k_0, v_0, k_1, v_1, ...]; None where it does not apply."""
-        from leapfrog.layers.linear import kernel_bias, kernel_weight, skinny_rows_max
         if feats.dim() != 2 or feats.shape[0] > skinny_rows_max() or not _fused_ok(feats, self.layers):
             return None
         attn = [layer.self_attn for layer in self.layers]
@@ -337,7 +338,6 @@ def _fused_ok(x: torch.Tensor, layers) -> bool:
     """Blocks on a CPU without autograd (neither the input nor the drafter's weights need it:
     training runs the torch path), dense SwiGLU layers: the layers may run as single C++ calls
     (models/llama.py's fused path, for the drafter)."""
-    from leapfrog.models import llama
     return (llama._FUSED_LAYERS and cpu_inference(x, layers[0].self_attn.qkv_proj.weight)
             and cpu_kernels() is not None and all(layer.fusable for layer in layers))
 

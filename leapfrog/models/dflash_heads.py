@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 from leapfrog.layers.linear import Linear
 
 
@@ -82,7 +83,6 @@ class MarkovHead(nn.Module):
         """The whole argmax stage of the vanilla head as one C++ call (CPU float32 inference):
         logits [B, γ, V] float32 corrected in place, drafts [B, γ] returned; None where the
         kernel does not apply (other heads, devices, dtypes, autograd)."""
-        from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
         w1 = self.markov_w1.weight
         if (self.kind != "vanilla" or not logits.is_contiguous() or not cpu_inference(logits, w1)
                 or torch.is_grad_enabled() and self.markov_w2.weight.requires_grad):

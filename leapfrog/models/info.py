@@ -71,6 +71,7 @@ def _moe(h: int, spec: MoESpec) -> tuple[int, int]:
 def param_report(cfg: dict) -> ParamReport:
     """Parameter counts of the model that `cfg` (a parsed config.json) describes."""
     if cfg.get("architectures", [""])[0] == "LLaDA2MoeModelLM":
+        # deferred: the LLaDA2 model code loads only for its configs
         from leapfrog.models.llada2_moe import decoder_config
         cfg = decoder_config(cfg)
     h, v, num_layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
@@ -104,6 +105,7 @@ def read_model_config(model: str) -> tuple[Path, dict]:
     path = Path(model)
     if not path.is_file():
         if not path.is_dir():
+            # deferred: config loads only when a name must be resolved
             from leapfrog.config import resolve_model
             path = resolve_model(model)
         path = path / "config.json"

@@ -19,6 +19,7 @@ from torch import nn
 from leapfrog.config import resolve_model
 from leapfrog.checkpoint.gguf import CheckpointError, source_of
 from leapfrog.checkpoint.gguf import read_tensors as read_gguf_tensors
+from leapfrog.layers import parallel as tp
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.layers.moe import expert_target
 from leapfrog.models import model_class
@@ -126,6 +127,7 @@ def load_weights(model: nn.Module, files: list[Path], config: dict | None = None
         loaded.add(f"{target}:{shard}")
     check_complete(model, packed, loaded, files)
     if blocks and next(iter(params.values())).dtype == torch.float32:
+        # deferred: layers.quant loads only for GGUF blocks
         from leapfrog.layers.quant import attach_embedding_panels, attach_quant_panels
         attach_quant_panels(model, blocks)
         attach_embedding_panels(model, blocks)
@@ -220,7 +222,6 @@ def ban_tokens(model: nn.Module, ids: list[int]) -> None:
     head = getattr(model, "lm_head", None)
     if not ids or head is None:
         return
-    from leapfrog.layers import parallel as tp
     dtype = head.weight.dtype
     ban = torch.zeros(head.out_features * tp.tp_size(), dtype=dtype)
     ban[ids] = -min(1e9, torch.finfo(dtype).max / 2)       # finite: no inf * 0 downstream
@@ -241,6 +242,7 @@ def coupled_anchor(folder: Path) -> tuple[int, int] | None:
     name = model_meta(folder).get("coupled_positions")
     if not name:
         return None
+    # deferred: the tokenizer loads only for coupled-position models
     from leapfrog.tokenizer import Tokenizer
     tok = Tokenizer.from_folder(folder)
     anchor = tok.token_to_id(name)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from leapfrog.layers import parallel as tp
+from leapfrog.layers.cpu_kernels import cpu_kernels
 from leapfrog.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -97,7 +98,6 @@ def forward(model, emb: torch.Tensor, positions: torch.Tensor, meta: "AttnMetada
 def _fused_layers(model, x: torch.Tensor, cos_sin, meta: "AttnMetadata", perm: torch.Tensor,
                   k: int) -> torch.Tensor:
     """Every layer as one C++ call (cpu_kernels.two_stream_layer) on the regrouped rows."""
-    from leapfrog.layers.cpu_kernels import cpu_kernels
     g, t = meta.groups[0], x.shape[0]
     cos, sin = cos_sin[0].reshape(t, -1), cos_sin[1].reshape(t, -1)
     slots, tables, lens = meta.slot_mapping[perm], g.block_tables[perm], g.ctx_lens[perm]

@@ -29,6 +29,7 @@ _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
 
 def _llguidance() -> Any:
     try:
+        # deferred: llguidance loads only for structured outputs
         import llguidance
     except ImportError as exc:          # a dependency of the package: only a broken install lacks it
         raise RuntimeError(f"structured outputs need the llguidance package ({exc})") from None
@@ -64,6 +65,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
         return lm.grammar_from_regex("|".join(f"({escape_regex(c)})" for c in spec.choice))
     text = spec.grammar
     if "::=" in text:                  # GBNF (llama.cpp's grammars): llguidance converts it to Lark
+        # deferred: llguidance loads only for structured outputs
         from llguidance.gbnf_to_lark import gbnf_to_lark
         try:
             text = gbnf_to_lark(text)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from leapfrog.config import DEFAULT_MODEL, EngineConfig
+from leapfrog.config import DEFAULT_MODEL, EngineConfig, packaged_gguf
 from leapfrog.sampling_params import BOUNDS as SAMPLING_BOUNDS
 from leapfrog.sampling_params import DEFAULT_MAX_TOKENS
 
@@ -45,7 +45,6 @@ DEFAULT_SERVED = (DEFAULT_MODEL, "couplets", "smollm2")
 
 def default_served() -> list[str]:
     """DEFAULT_SERVED, less a packaged model whose package is not installed."""
-    from leapfrog.config import packaged_gguf
     served = []
     for name in DEFAULT_SERVED:
         try:
@@ -102,6 +101,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0             # seconds to finish in-flight requests
 
     def engine_kwargs(self) -> dict:
+        # deferred: methods loads only when engine options are built
         from leapfrog.methods import default_method
         return dict(method=self.method or default_method(self.model), draft_model=self.draft_model,
                     **self.engine, **self.method_options)
@@ -312,6 +312,7 @@ def read_file(path: str | os.PathLike) -> dict:
         if p.suffix.lower() == ".json":
             data = json.loads(text)
         else:
+            # deferred: yaml loads only for a YAML config file
             import yaml
             data = yaml.safe_load(text) or {}
     except Exception as exc:
@@ -438,6 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def flags_from_args(args: argparse.Namespace) -> dict:
+    # deferred: options loads only when flags are read
     from leapfrog.options import parse_options
     flags = {k: v for k, v in vars(args).items() if k in KEYS or k == "config"}
     models = flags.pop("model", None)

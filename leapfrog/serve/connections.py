@@ -14,6 +14,7 @@ from typing import Any
 
 
 def _base_protocol() -> type:
+    # deferred: uvicorn's protocols load only when the server is set up; httptools is optional
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
         return HttpToolsProtocol

@@ -9,7 +9,9 @@ the couplet page GET /couplet and POST /couplet. Configuration: config.py.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,6 +20,8 @@ from typing import Any, Callable
 import uvicorn
 from fastapi import FastAPI
 
+from leapfrog.config import resolve_model
+from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.serve import app as http_core
 from leapfrog.serve import batches, chat_page, couplet
 from leapfrog.serve.app import ServerState, model_engine_factory
@@ -52,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper() if cfg.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from leapfrog.config import resolve_model
     try:
         for view in cfg.views():      # fail before binding the port, not in the background
             resolve_model(view.model)
@@ -84,11 +87,10 @@ def torchrun_role(cfg: ServerConfig) -> int | None:
     """Under torchrun (one replica over several nodes), None on rank 0, which serves HTTP; on
     any other rank, the exit code after following rank 0's engine until it stops. Errors: a
     group of another size than tensor_parallel_size x pipeline_parallel_size, several models."""
-    import os
-    from leapfrog.engine.distributed import num_ranks
-    from leapfrog.layers.parallel import launched_by_torchrun
     if not launched_by_torchrun():
         return None
+    # deferred: engine.distributed loads only under torchrun
+    from leapfrog.engine.distributed import num_ranks
     world = int(os.environ["WORLD_SIZE"])
     if num_ranks(cfg.engine) != world:
         print(f"leapfrog serve: torchrun started {world} processes, but tensor_parallel_size x "
@@ -110,7 +112,6 @@ def torchrun_role(cfg: ServerConfig) -> int | None:
 def startup_warnings(cfg: ServerConfig, auth_enabled: bool) -> list[str]:
     """What an operator must hear about at start: an open server on a network address, fault
     injection left on."""
-    import ipaddress
     out = []
     try:
         loopback = ipaddress.ip_address(cfg.host).is_loopback

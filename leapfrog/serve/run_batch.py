@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from leapfrog.serve.config import ConfigError, add_arguments, build_config, flags_from_args
 
 
@@ -45,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def run(cfg, inp: Path, out: Path) -> int:
-    from tqdm import tqdm
-
+    # deferred: the HTTP core and FastAPI load only when a batch runs
     from leapfrog.serve.app import ServerState
     from leapfrog.serve.batches import BatchRunner, BatchStore, default_data_dir, parse_lines, progress_db
     data = inp.read_bytes()

@@ -25,6 +25,7 @@ class CheckResult:
 
 
 def load(folder: str):
+    # deferred: transformers is heavy and loads only when a checkpoint is checked
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -55,6 +56,7 @@ def generate(model, tok, prompts: list[str], batch_size: int = 16, **kwargs) -> 
 def _coupled_greedy(model, tok, prompt: str, max_new_tokens: int = 64, do_sample: bool = False) -> list[int]:
     """Greedy decoding of a model trained with coupled positions (leapfrog.json), one prompt at a
     time with transformers' cache and explicit position ids (leapfrog.layers.rotary)."""
+    # deferred: layers.rotary loads only for coupled-position models
     from leapfrog.layers.rotary import coupled_positions
     if do_sample:
         raise ValueError("a model with coupled positions is checked greedily")
@@ -180,11 +182,13 @@ def is_diffusion_folder(folder: str) -> bool:
 
 def check_stories_diffusion(folder: str, num: int = 16, max_new_tokens: int = 128,
                             threshold: float = 0.9, data_dir: str | None = None) -> CheckResult:
+    # deferred: the diffusion trainer code loads only for diffusion checks
     from leapfrog.train.diffusion import reference_decode
 
     model, tok = load(folder)
     cfg = json.loads((Path(folder) / "config.json").read_text())
     if cfg.get("diffusion_mask_stream"):       # transformers reads only the parent: add the stream
+        # deferred: mask_stream loads only for two-stream checkpoints
         from leapfrog.train.mask_stream import from_folder
         model = from_folder(folder)
     prompts = [story_opening(s) for s in heldout("stories", data_dir)[:num]]

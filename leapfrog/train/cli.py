@@ -8,6 +8,7 @@ import math
 import shlex
 import sys
 
+from leapfrog.train.loop import train
 from leapfrog.train.precision import TRAIN_DTYPES
 from leapfrog.train.recipes import RECIPES, describe
 
@@ -136,10 +137,10 @@ def config_for(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "drafter":      # drafters have their own recipe and loop
+        # deferred: the drafter trainer loads only for `train drafter`
         from leapfrog.train.drafter import main as drafter_main
         return drafter_main(argv[1:])
     cfg, args = config_for(argv)
-    from leapfrog.train.loop import train
 
     try:
         summary = train(cfg, resume=args.resume)
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.no_readme and cfg.lora is None:      # a delta's recipe folder keeps its own README
+        # deferred: the README writer and its checks load only when a README is written
         from leapfrog.train.readme import finish_folder
 
         finish_folder(cfg, summary)

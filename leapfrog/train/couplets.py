@@ -88,6 +88,7 @@ def rare_char_pairs(pairs: list[tuple[str, str]], count: int, rng: random.Random
 def with_rare_chars(prep, name: str, count: int, seed: int, data_dir: str | None):
     """`prep` with ``count`` `rare_char_pairs` examples (pair mode, <s>上联<sep>下联</s>, from
     the training pairs) appended to its training stream. Cached under data_cache/."""
+    # deferred: transformers (heavy) and distill load only when rare-character pairs are added
     from transformers import AutoTokenizer
 
     from leapfrog.data import corpus as data

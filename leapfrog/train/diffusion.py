@@ -174,6 +174,7 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
     A model with a mask stream (train.mask_stream) runs its two-stream forward (``mask_id``)."""
     with autocast(dtype):
         if getattr(model, "mask_stream", None) is not None:
+            # deferred: mask_stream loads only for two-stream models
             from leapfrog.train import mask_stream
             hidden = mask_stream.hidden_states(model, batch.input_ids, batch.position_ids,
                                                batch.attn_mask, mask_id)
@@ -247,6 +248,7 @@ def reference_decode(model, prompt_ids: list[int], cfg: dict, max_new_tokens: in
         while mask_id in ids[start:]:
             x = torch.tensor([ids])
             if getattr(model, "mask_stream", None) is not None:     # two-stream (train.mask_stream)
+                # deferred: mask_stream loads only for two-stream models
                 from leapfrog.train import mask_stream
                 hidden = mask_stream.hidden_states(model, x, torch.arange(len(ids))[None],
                                                    mask_stream.block_rule_mask(x, bs, mask_id), mask_id)

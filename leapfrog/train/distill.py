@@ -27,6 +27,7 @@ def _stamp(folder: Path) -> list[tuple[str, int, int]]:
 
 def _parent(folder: str, prep, name: str) -> Path:
     """The model folder that writes the text; it must share the stream's tokenizer."""
+    # deferred: transformers is heavy and loads only to check a parent's tokenizer
     from transformers import AutoTokenizer
 
     parent = Path(folder)
@@ -48,6 +49,7 @@ def extended(prep, path: Path, make_docs):
 
 def prompts_for(name: str, spec: DistillSpec, seed: int, data_dir: str | None) -> list[str]:
     """Openings of `num_sequences` distinct training stories, chosen by `seed`."""
+    # deferred: data.stories loads only when prompts are chosen
     from leapfrog.data.stories import story_opening
 
     stories = data.train_items(name, data_dir)["stories"]

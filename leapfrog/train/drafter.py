@@ -27,6 +27,7 @@ def init_drafter(cfg: dict, seed: int, target=None):
     """A fresh drafter: Linear weights N(0, 0.02), norms 1, Markov tables small; the final norm
     starts as the target's, so the shared LM head sees hidden states of the scale it knows
     (with a unit norm the initial logits are so peaked that the CE starts near 40 nats)."""
+    # deferred: the drafter model code loads only when a drafter is built
     from leapfrog.models.dflash import DFlashDraftModel
 
     torch.manual_seed(seed)
@@ -55,6 +56,7 @@ def saved_taps(folder: str) -> list[int] | None:
 
 def _drafts_from_masks(folder: str) -> bool:
     """A saved DSpark drafter on DFlash's block (`draft_from_anchor: false`)."""
+    # deferred: the drafter model code loads only when a saved drafter is read
     from leapfrog.models.dflash import DrafterConfig
     d = DrafterConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
     return d.kind == "dspark" and not d.draft_from_anchor
@@ -77,6 +79,7 @@ def _continue_from(drafter, folder: str, heads_from: str | None = None) -> None:
     have the same shape: a longer run continues a shipped one instead of starting over. With
     `heads_from`, the DSpark heads (Markov, confidence) come from that drafter instead: a DSpark
     drafter on DFlash's block starts from a DFlash drafter's backbone and a DSpark drafter's heads."""
+    # deferred: the drafter loader loads only when a run continues a drafter
     from leapfrog.methods.drafters import load_drafter
 
     saved = load_drafter(folder).state_dict()
@@ -110,6 +113,7 @@ class Distiller:
     """Target + drafter + the per-sequence loss and the offline τ measurement."""
 
     def __init__(self, r: DrafterRecipe, target, drafter) -> None:
+        # deferred: drafter_objectives (the model code) loads only when training
         from leapfrog.train.drafter_objectives import position_weights
 
         self.r, self.target, self.drafter = r, target, drafter
@@ -132,6 +136,7 @@ class Distiller:
         return feats, self.target.compute_logits(hidden[0])
 
     def loss(self, seq: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        # deferred: drafter_objectives (the model code) loads only when training
         from leapfrog.train.drafter_objectives import (
             block_labels,
             dflash_loss,
@@ -162,6 +167,7 @@ class Distiller:
         """For anchors every `stride` tokens of the generated part of greedy sequences: the number
         of leading drafts equal to the target's greedy tokens [N], and the confidence logits
         along the drafted path [N, γ] (empty when the drafter has no confidence head)."""
+        # deferred: drafter_objectives (the model code) loads only when training
         from leapfrog.train.drafter_objectives import forward_blocks
 
         accepted, conf_rows = [], []
@@ -220,6 +226,7 @@ def acceptance_by_position(accepted: torch.Tensor, gamma: int) -> list[float]:
 
 def calibrate(distiller: Distiller, seqs: list[dict]) -> dict:
     """Fit STS temperatures on held-out drafted paths; ECE of the survival product before/after."""
+    # deferred: drafter_objectives (the model code) loads only when training
     from leapfrog.train.drafter_objectives import (
         expected_calibration_error,
         fit_sequential_temperatures,
@@ -257,6 +264,7 @@ def _val_loss(d: Distiller, val: list[dict]) -> float:
 def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
     """Distil the drafter `r` describes, write its folder (drafter_export.export) and return the
     summary saved as its training.json."""
+    # deferred: config and the model loader load only when a drafter is trained
     from leapfrog.config import resolve_model
     from leapfrog.models.loader import load_model, read_config
 
@@ -294,6 +302,7 @@ def train_drafter(r: DrafterRecipe, resume: bool = False) -> dict:
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
         print(f"resumed {run / 'state.pt'} at step {step}", file=sys.stderr)
+    # deferred: checkpoint.build and train.loop load only when a drafter is trained
     from leapfrog.checkpoint.build import weights_digest
     from leapfrog.train.loop import same_parent
     same_parent(history, "target", weights_digest(target_dir), str(target_dir), run / "state.pt")

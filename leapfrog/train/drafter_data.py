@@ -23,6 +23,7 @@ def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_ev
                ) -> list[dict]:
     """Continue each prompt with the target: every `sampled_every`-th one at T=0.7 / top-p 0.9
     (0: all greedy). Returns {"ids": prompt + completion, "start": first generated index, "greedy"}."""
+    # deferred: the engine loads only when sequences are regenerated
     from leapfrog import LLM, SamplingParams
 
     llm = LLM(str(target_dir), method="ar")
@@ -40,6 +41,7 @@ def regenerate(target_dir: Path, prompts: list[str], num_tokens: int, sampled_ev
 def load_data(r: DrafterRecipe, target_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train, val) regenerated sequences, cached per target (its weights' digest: a retrained
     target regenerates) and size."""
+    # deferred: checkpoint.build and the data modules load only when data is loaded
     from leapfrog.checkpoint.build import weights_digest
     from leapfrog.data.corpus import fingerprint, heldout, train_items
     from leapfrog.data.stories import story_opening
@@ -73,6 +75,7 @@ def chat_prompts(target_dir: Path, r: DrafterRecipe) -> tuple[list[str], list[st
     """Training and validation prompts for an instruction model: chat requests (training ones
     from the training stories and HumanEval problems, validation ones from the held-out ones)
     rendered by the target's chat template."""
+    # deferred: the chat prompts and the tokenizer load only for instruction targets
     from leapfrog.data.chat_prompts import training_prompts
     from leapfrog.tokenizer import Tokenizer
 

@@ -71,6 +71,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def mask_token_id(target_dir: Path) -> int:
+    # deferred: the tokenizer loads only when the mask token is looked up
     from leapfrog.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(target_dir)
@@ -87,6 +88,7 @@ MASK_TOKENS = ("<mask>", "<|mask|>", "<empty_output>")
 
 
 def export(r: DrafterRecipe, drafter: nn.Module, tcfg: dict, mask_id: int, history: dict, summary: dict) -> Path:
+    # deferred: safetensors and train.export load only when a drafter is exported
     from safetensors.torch import save_file
 
     from leapfrog.train.export import plot_loss, write_sha256sums

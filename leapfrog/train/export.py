@@ -54,6 +54,7 @@ def save_checkpoint(model, tok, prep, cfg, history: dict) -> dict:
         tok.save_pretrained(out)
         shutil.copy(Path(prep.tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
     if cfg.name == "couplets":
+        # deferred: the couplet data loads only for the couplets recipe
         from leapfrog.data.couplets import CHAT_TEMPLATE
         (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     decoding = {}
@@ -102,6 +103,7 @@ def _init_summary(folder: str | None) -> dict | None:
     path = Path(folder) / "training.json"
     past = json.loads(path.read_text()) if path.is_file() else {}
     keep = ("recipe", "steps", "tokens_seen", "wall_s", "val_loss", "val_parts")
+    # deferred: data.corpus loads only when a summary is started
     from leapfrog.data.corpus import REPO_ROOT
     try:
         folder = str(Path(folder).resolve().relative_to(REPO_ROOT))
@@ -111,6 +113,7 @@ def _init_summary(folder: str | None) -> dict | None:
 
 
 def plot_loss(history: dict, path: Path, title: str) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")  # headless: no display on build machines
     import matplotlib.pyplot as plt

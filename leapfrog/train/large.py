@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DELTA_FILE = "delta.safetensors"
@@ -36,6 +37,7 @@ class LowRank(nn.Module):
 
 def base_folder(spec: LoraSpec) -> Path:
     """The model folder the recipe grows from."""
+    # deferred: checkpoint.build loads only when the base folder is looked up
     from leapfrog.checkpoint.build import BUILD_FILE
     folder = Path(spec.recipe)
     return folder.parent / json.loads((folder / BUILD_FILE).read_text())["base"]
@@ -43,6 +45,7 @@ def base_folder(spec: LoraSpec) -> Path:
 
 def grown_model(spec: LoraSpec):
     """(model, base folder): the recipe's grown model in float32 (no delta), on the CPU."""
+    # deferred: transformers (heavy), safetensors and checkpoint.build load only when a model is grown
     from transformers import LlamaConfig, LlamaForCausalLM
     from safetensors.torch import load_file
 
@@ -72,8 +75,6 @@ def grown_model(spec: LoraSpec):
 def add_low_rank(model, spec: LoraSpec, seed: int) -> list[str]:
     """Freeze ``model`` and give each targeted projection its low-rank term; returns the weight
     names that got one."""
-    from torch.nn.utils import parametrize
-
     for p in model.parameters():
         p.requires_grad_(False)
     gen_state = torch.random.get_rng_state()
@@ -111,6 +112,7 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 def export_delta(model, cfg, history: dict, prep) -> dict:
     """Write the delta into the recipe folder, point build.json at it, refresh SHA256SUMS, and
     record the run (training.json, loss.png); returns the summary."""
+    # deferred: safetensors, checkpoint.build and train.export load only when a delta is exported
     from safetensors.torch import save_file
 
     from leapfrog.checkpoint.build import BUILD_FILE, write_sums

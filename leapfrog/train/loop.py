@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from leapfrog.train.diffusion import DiffusionSpec
-from leapfrog.train.distill import DistillSpec
-from leapfrog.train.large import LoraSpec
+from leapfrog.train import large
+from leapfrog.train.diffusion import DiffusionObjective, DiffusionSpec, contract
+from leapfrog.train.distill import DistillSpec, distilled
+from leapfrog.train.large import LoraSpec, export_delta, trainable_state
 from leapfrog.train.precision import autocast
 from leapfrog.train.tokenizer import TokenizerSpec
 
@@ -139,6 +140,7 @@ def get_batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.
 
 
 def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int = 2):
+    # deferred: transformers is heavy and loads only when a model is built
     import transformers
 
     common = dict(
@@ -160,6 +162,7 @@ def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int
 
 def load_pretrained(folder: str):
     """An HF Llama folder as an fp32 transformers model, and its shape as a ModelShape."""
+    # deferred: transformers is heavy and loads only when a folder is loaded
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
@@ -208,6 +211,7 @@ class FastNextToken(NextToken):
     """NextToken through ``train.fast`` (optionally compiled): the same loss, less overhead."""
 
     def __init__(self, model, cfg: TrainConfig, tok=None) -> None:
+        # deferred: train.fast loads only for the fast objective
         from leapfrog.train import fast
         self.cos, self.sin = fast.rope_table(model, cfg.model.max_position)
         self.dropout, self.ul = cfg.dropout, cfg.unlikelihood
@@ -221,6 +225,7 @@ class FastNextToken(NextToken):
         self.fn_ul = build(fast.causal_lm_loss_ul) if self.ul > 0 else None
 
     def loss(self, model, batch, dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
+        # deferred: layers.rotary loads only when a loss is computed
         from leapfrog.layers.rotary import coupled_positions
         positions = coupled_positions(batch[0], *self.anchor) if self.anchor is not None else None
         with autocast(dtype):
@@ -232,6 +237,7 @@ class FastNextToken(NextToken):
 
 def make_objective(cfg: TrainConfig, tok, model=None):
     if cfg.diffusion is None:
+        # deferred: train.fast loads only for the fast objective
         from leapfrog.train import fast
         if cfg.fast and model is not None and fast.supported(model):
             return FastNextToken(model, cfg, tok)
@@ -239,7 +245,6 @@ def make_objective(cfg: TrainConfig, tok, model=None):
             raise ValueError("dropout, compile, unlikelihood and coupled positions need the fast forward "
                              "(fast=True, a dense Llama)")
         return NextToken()
-    from leapfrog.train.diffusion import DiffusionObjective
     return DiffusionObjective(cfg.diffusion, tok.convert_tokens_to_ids("<mask>"))
 
 
@@ -292,7 +297,6 @@ def weights_to_save(model) -> dict[str, torch.Tensor]:
     run: 600 MB frozen against a few MB trained) only the trained ones."""
     if all(p.requires_grad for p in model.parameters()):
         return model.state_dict()
-    from leapfrog.train.large import trainable_state
     return trainable_state(model)
 
 
@@ -343,13 +347,13 @@ def same_parent(history: dict, key: str, digest: str | None, folder: str, state_
 def _parent(cfg: TrainConfig) -> str | None:
     """The folder whose weights this run starts from: init_from, or a low-rank run's base."""
     if cfg.lora is not None:
-        from leapfrog.train import large
         return str(large.base_folder(cfg.lora))
     return cfg.init_from
 
 
 def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
     """Train per cfg and write the checkpoint folder; returns the summary written to its README."""
+    # deferred: train.export loads only when a run trains
     from leapfrog.train import export
 
     torch.set_num_threads(cfg.threads)  # leave the other cores to whoever shares the machine
@@ -368,6 +372,7 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         print(f"resumed from {run_dir / 'state.pt'} at step {step}", flush=True)
     parent = _parent(cfg)
     if parent is not None:
+        # deferred: checkpoint.build loads only for runs with a parent
         from leapfrog.checkpoint.build import weights_digest
         same_parent(history, "parent", weights_digest(parent), parent, run_dir / "state.pt")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +384,6 @@ def train(cfg: TrainConfig, resume: bool = False, prepared=None) -> dict:
         _load_weights(model, best["model"])
         history["exported"] = {"step": best["step"], "val": best["val"]}
     if cfg.lora is not None:             # the delta into the recipe folder, not a model folder
-        from leapfrog.train.large import export_delta
         return export_delta(model, cfg, history, prep)
     summary = export.save_checkpoint(model, tok, prep, cfg, history)
     export.write_sha256sums(cfg.out_dir)
@@ -390,14 +394,15 @@ def training_data(cfg: TrainConfig):
     """The tokenizer and token streams of cfg's dataset (train.prepare), with the training
     stream replaced by a parent's text (``distill``) or extended by rare-character pairs
     (``rare_chars``) where the recipe asks."""
+    # deferred: train.prepare loads only when data is prepared
     from leapfrog.train.prepare import prepare
 
     prep = prepare(cfg.name, cfg.tokenizer, cfg.data_dir, cfg.seed, cfg.model.max_position,
                    cfg.long_repeats, tuple(source for source, _ in cfg.mix), cfg.truecase)
     if cfg.distill is not None:
-        from leapfrog.train.distill import distilled
         prep = distilled(prep, cfg.name, cfg.distill, cfg.seed, cfg.data_dir)
     if cfg.rare_chars:
+        # deferred: train.couplets loads only for rare-character pairs
         from leapfrog.train.couplets import with_rare_chars
         prep = with_rare_chars(prep, cfg.name, cfg.rare_chars, cfg.seed, cfg.data_dir)
     return prep
@@ -405,9 +410,9 @@ def training_data(cfg: TrainConfig):
 
 def _model_and_tokenizer(cfg: TrainConfig, prep):
     """A fresh model for the data's tokenizer, or the init_from folder's weights and tokenizer."""
+    # deferred: transformers is heavy and loads only when a model is made
     from transformers import AutoTokenizer
     if cfg.lora is not None:
-        from leapfrog.train import large
         model, base = large.grown_model(cfg.lora)
         tok = AutoTokenizer.from_pretrained(base)
         _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), str(base))
@@ -426,9 +431,9 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
         tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
         model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)
     if cfg.diffusion is not None:        # the decoder's contract, saved with config.json
-        from leapfrog.train.diffusion import contract
         model.config.update(contract(cfg.diffusion, tok.convert_tokens_to_ids("<mask>")))
         if cfg.diffusion.mask_stream:
+            # deferred: mask_stream loads only for two-stream models
             from leapfrog.train.mask_stream import attach
             source = load_pretrained(cfg.mask_stream_from)[0] if cfg.mask_stream_from else None
             attach(model, source, tok.convert_tokens_to_ids("<mask>"))
@@ -541,6 +546,7 @@ def _save_atomic(obj, path: Path) -> None:
 def write_progress(run_dir: Path, cfg: TrainConfig, step: int, history: dict) -> None:
     """The run's progress beside its state: progress.json (step, tokens, rate, last losses) and
     loss.png, so a run that spans sessions shows where it is without loading anything."""
+    # deferred: train.export loads only when progress is written
     from leapfrog.train.export import plot_loss
     recent = [loss for _, loss in history["train"][-50:]]
     progress = {

@@ -20,6 +20,7 @@ class MaskStream(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
+        # deferred: transformers is heavy and loads only when a stream is built
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -99,6 +100,7 @@ def state(model) -> dict[str, torch.Tensor]:
 def from_folder(folder) -> "torch.nn.Module":
     """A two-stream checkpoint as a transformers Llama with its mask stream attached (the
     reference for the engine's forward, and a run's starting point)."""
+    # deferred: safetensors and transformers load only when a checkpoint is read
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -77,6 +77,7 @@ def prepare(name: str, spec: TokenizerSpec, data_dir: str | None = None, seed: i
     for source in extra:
         path = root / f"extra-{source}.bin"
         if not path.exists():
+            # deferred: transformers is heavy and loads only to tokenize extra sources
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(tok_dir)
             texts = data.extra_items(name, source, data_dir)

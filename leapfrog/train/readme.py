@@ -10,6 +10,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from leapfrog.data.corpus import REPO_ROOT
 from leapfrog.train.check import CheckResult, run_check
 from leapfrog.train.export import write_sha256sums
 
@@ -184,6 +187,7 @@ def _coupled_section(anchor: str) -> list[str]:
 
 
 def _diffusion_section(summary: dict, folder: Path) -> list[str]:
+    # deferred: the diffusion code loads only for diffusion summaries
     from leapfrog.train.diffusion import DiffusionSpec, notes
 
     spec = DiffusionSpec(**summary["config"]["diffusion"])
@@ -218,7 +222,6 @@ def _diffusion_section(summary: dict, folder: Path) -> list[str]:
 
 
 def _repo_relative(path: str) -> str:
-    from leapfrog.data.corpus import REPO_ROOT
     try:
         return str(Path(path).resolve().relative_to(REPO_ROOT))
     except ValueError:
@@ -227,8 +230,6 @@ def _repo_relative(path: str) -> str:
 
 def _model_name(folder: Path) -> str:
     """The built-in name of a folder under checkpoints/, else its path from the repository root."""
-    from leapfrog.data.corpus import REPO_ROOT
-
     folder = Path(folder).resolve()
     if folder.parent.name == "checkpoints":
         return folder.name
@@ -247,6 +248,7 @@ def _architecture(m: dict) -> str:
 def _mlp(m: dict, folder: Path) -> str:
     if not m.get("num_experts"):
         return f"MLP {m['intermediate_size']}"
+    # deferred: models.info (torch) loads only for MoE models
     from leapfrog.models.info import param_report
 
     active = param_report(json.loads((Path(folder) / "config.json").read_text())).active
@@ -289,6 +291,7 @@ def finish_folder(cfg, summary: dict, measure: bool = True) -> CheckResult:
 
 def refresh_folder(folder: str | Path, summary: dict, measure: bool = True) -> CheckResult:
     """finish_folder for a folder known by its training summary alone (no TrainConfig at hand)."""
+    # deferred: train.loop loads only when a folder is refreshed
     from leapfrog.train.loop import TrainConfig
 
     c = summary["config"]
@@ -297,8 +300,6 @@ def refresh_folder(folder: str | Path, summary: dict, measure: bool = True) -> C
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     torch.set_num_threads(1)
     p = argparse.ArgumentParser(description="Rewrite a checkpoint folder's README.md and SHA256SUMS.")
     p.add_argument("folder")

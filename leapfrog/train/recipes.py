@@ -13,6 +13,8 @@ from typing import Callable
 
 from leapfrog.data.corpus import REPO_ROOT
 from leapfrog.train.diffusion import DiffusionSpec
+from leapfrog.train.distill import DistillSpec
+from leapfrog.train.large import LoraSpec
 from leapfrog.train.loop import ModelShape, TrainConfig
 from leapfrog.train.tokenizer import TokenizerSpec
 
@@ -121,8 +123,6 @@ def stories_large() -> TrainConfig:
     validation loss is exported, so the model is never worse than stories on held-out text.
     Writes delta.safetensors, training.json and loss.png into checkpoints/stories-large, points
     its build.json at the delta and rewrites its SHA256SUMS."""
-    from leapfrog.train.large import LoraSpec
-
     cfg = stories()
     folder = REPO_ROOT / "checkpoints" / "stories-large"
     cfg.recipe, cfg.out_dir, cfg.run_dir = "stories-large", str(folder), str(REPO_ROOT / "runs" / "stories-large")
@@ -238,8 +238,6 @@ def stories_diffusion_distill() -> TrainConfig:
     model's confidences rise and parallel unmasking commits more tokens per forward. The
     regenerated stream is cached. Writes runs/stories-diffusion-distill/model, stage 4's
     starting point."""
-    from leapfrog.train.distill import DistillSpec
-
     cfg = _diffusion_stage(
         _stories_base(), "stories-diffusion-distill", init_from=stories_diffusion_mb().out_dir,
         out_dir=REPO_ROOT / "runs" / "stories-diffusion-distill" / "model",

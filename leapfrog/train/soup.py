@@ -21,6 +21,7 @@ REWRITTEN = ("README.md", "SHA256SUMS", "training.json")
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    # deferred: the model loader loads only when weights are read
     from leapfrog.models.loader import iter_tensors, weight_files
     return {name: t for _, name, t in iter_tensors(weight_files(folder))}
 
@@ -33,6 +34,7 @@ def mix(folders: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
         raise ValueError("give at least two folders and one weight per folder")
     if any(not math.isfinite(w) or w < 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
         raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
+    # deferred: the model loader loads only when a soup is mixed
     from leapfrog.models.loader import read_config
 
     base_cfg, base = read_config(folders[-1]), _weights(folders[-1])
@@ -60,6 +62,7 @@ def write_soup(folders: list[str | Path], weights: list[float], out: str | Path,
     """Write the soup to ``out`` (may be one of the ingredients: everything is read first) and
     return its training summary. With ``measure``, validation loss is re-measured on the last
     ingredient's recipe's validation stream and the folder's check rerun for its README."""
+    # deferred: safetensors loads only when a soup is written
     from safetensors.torch import save_file
 
     folders = [Path(f) for f in folders]
@@ -92,10 +95,12 @@ def write_soup(folders: list[str | Path], weights: list[float], out: str | Path,
         if loss is not None:
             summary["val_loss"], summary["val_ppl"] = round(loss, 4), round(math.exp(loss), 3)
     if summary.get("config"):       # training.json, README.md (check rerun), SHA256SUMS
+        # deferred: the README writer loads only for a summary with a config
         from leapfrog.train.readme import refresh_folder
         check = refresh_folder(out, summary, measure=measure)
         summary = dict(summary, check=check.metrics, check_samples=check.samples)
     else:
+        # deferred: train.export loads only when sums are written
         from leapfrog.train.export import write_sha256sums
         (out / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
         write_sha256sums(out)
@@ -105,6 +110,7 @@ def write_soup(folders: list[str | Path], weights: list[float], out: str | Path,
 def validation_loss(folder: Path, recipe: str, data_dir: str | None) -> float | None:
     """The recipe's validation loss (same windows as during training) for the folder's weights,
     or None when the recipe is unknown here."""
+    # deferred: the trainer modules load only when loss is measured
     from leapfrog.train.loop import evaluate, load_pretrained
     from leapfrog.train.prepare import prepare
     from leapfrog.train.recipes import RECIPES
@@ -126,6 +132,7 @@ def _summary(folder: Path) -> dict | None:
 
 
 def _display(folder: Path) -> str:
+    # deferred: data.corpus loads only when a folder is displayed
     from leapfrog.data.corpus import REPO_ROOT
     try:
         return str(folder.resolve().relative_to(REPO_ROOT))

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def _worker(spec: dict) -> dict:
     """One variant in this process: ``spec`` holds the recipe, the variant's settings, the step
     counts and a scratch folder."""
+    # deferred: torch and the trainer load only in the worker process
     import torch
 
     from leapfrog.train import loop
@@ -180,6 +181,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # deferred: matplotlib loads only when a plot is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

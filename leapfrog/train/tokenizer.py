@@ -64,6 +64,7 @@ def train_sentencepiece(texts: list[str], spec: TokenizerSpec, out_dir: Path) ->
 def export_hf_tokenizer(sp_model: Path, out_dir: Path, spec: TokenizerSpec, model_max_length: int,
                         samples: list[str] = ()):
     """Write a folder that AutoTokenizer loads; returns the loaded (fast) tokenizer."""
+    # deferred: transformers is heavy and loads only when a tokenizer is exported
     from transformers import AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +104,7 @@ def unknown_as_unk(folder: Path) -> None:
     Why couplets want it: the model answers position by position, and a rare character it has
     (almost) never seen carries no meaning in its bytes either; as bytes it shifts every later
     position by two or three, and the 下联 came out that much too long."""
+    # deferred: sentencepiece's protobuf loads only when the model is edited
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     folder = Path(folder)
