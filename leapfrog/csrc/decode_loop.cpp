@@ -77,6 +77,17 @@ struct SpinBarrier {
   }
 };
 
+// A caller's interrupt flag (an int32 tensor of one element, or empty for none), written by
+// another thread: non-zero asks an interruptible call to stop at its next layer boundary.
+const int32_t* interrupt_flag(const torch::Tensor& flag) {
+  if (!flag.defined() || flag.numel() == 0) return nullptr;
+  TORCH_CHECK(flag.numel() == 1 && flag.scalar_type() == torch::kInt32 && flag.is_contiguous(),
+              "DecodeLoop: the interrupt flag is an int32 tensor of one element");
+  return flag.data_ptr<int32_t>();
+}
+
+bool interrupted(const int32_t* flag) { return flag && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0; }
+
 // Runs body(tid, nt, bar) on every thread of one OpenMP region of torch's thread count; the
 // barrier is sized to the threads the region really got.
 template <typename Body>
@@ -186,7 +197,10 @@ class DecodeLoop {
   // outputs: mask_fn (or None) is called before each step's sampling, with the GIL, as
   // mask_fn(tokens so far [B, steps], produced [B]); it writes the allowed tokens of the rows
   // whose mask_rows [B] is set into mask_bits [B, words] (int32, bit t % 32 of word t / 32),
-  // and those rows then sample only among them.
+  // and those rows then sample only among them. interrupt (an int32 flag or empty): when another
+  // thread sets it (new work arrived), the call stops before its next step, or with mid_step at
+  // its next layer boundary, and keeps the steps it finished (counts say how many; its first
+  // step always runs, unless mid_step; logits calls ignore the flag).
   std::vector<torch::Tensor> run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor tables,
                                  torch::Tensor budgets, int64_t steps, torch::Tensor temps,
                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
@@ -194,7 +208,7 @@ class DecodeLoop {
                                  torch::Tensor ban_ids, torch::Tensor min_left, bool return_logits,
                                  std::vector<int64_t> capture_layers, torch::Tensor anchors,
                                  torch::Tensor mask_bits, torch::Tensor mask_rows,
-                                 const pybind11::object& mask_fn) {
+                                 const pybind11::object& mask_fn, torch::Tensor interrupt, bool mid_step) {
     const int64_t B = tokens.size(0);
     TORCH_CHECK(anchors.numel() == 0 || (anchors.numel() == B && anchor_tok_ >= 0),
                 "DecodeLoop.run: anchors need one index per row and an anchor token (set_anchor_token)");
@@ -270,6 +284,8 @@ class DecodeLoop {
       st.mask_bits = bits.data_ptr<int32_t>(); st.mask_words = bits.size(1);
       st.mask_rows = rows.data_ptr<uint8_t>(); st.mask_fn = &mask_fn; st.out_t = out;
     }
+    st.interrupt = return_logits ? nullptr : interrupt_flag(interrupt);
+    st.mid_step = mid_step;
     if (half_) {
       if (kv_half_) loop<at::Half, at::Half>(st); else loop<at::Half, float>(st);
     } else {
@@ -313,11 +329,13 @@ class DecodeLoop {
   // cache slot each row's keys and values go to); tables [T, MB] (each row's block table);
   // ctx_lens [T] (how many positions each row attends to: its own prefix, or up to the end of
   // its block for block-causal rows). Every row's keys are written before any row attends.
-  // Returns {final-normed hidden [T, d], the residual stream after each capture layer [T, C, d]}.
+  // Returns {final-normed hidden [T, d], the residual stream after each capture layer [T, C, d]};
+  // with `interrupt` (as run's) set meanwhile, both with no rows: the forward was abandoned.
   std::vector<torch::Tensor> forward(torch::Tensor tokens, torch::Tensor positions, torch::Tensor slots,
                                      torch::Tensor tables, torch::Tensor ctx_lens,
-                                     std::vector<int64_t> capture_layers) {
+                                     std::vector<int64_t> capture_layers, torch::Tensor interrupt) {
     const int64_t T = tokens.numel();
+    const int32_t* flag = interrupt_flag(interrupt);
     TORCH_CHECK(forward_supports(T), "DecodeLoop.forward: this many rows need packed panels");
     auto tok = tokens.to(torch::kInt64).contiguous().view({T});
     auto pos = positions.to(torch::kInt64).contiguous().view({T});
@@ -346,13 +364,15 @@ class DecodeLoop {
     for (int64_t c = 0; c < C; ++c) capture[capture_layers[c]] = c;
     auto hidden = torch::empty({T, d_}, torch::kFloat32);
     auto captured = torch::empty({T, C, d_}, torch::kFloat32);
+    bool done;
     if (half_) {
-      if (kv_half_) forward_rows<at::Half, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
-      else forward_rows<at::Half, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+      if (kv_half_) done = forward_rows<at::Half, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured, flag);
+      else done = forward_rows<at::Half, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured, flag);
     } else {
-      if (kv_half_) forward_rows<float, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
-      else forward_rows<float, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured);
+      if (kv_half_) done = forward_rows<float, at::Half>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured, flag);
+      else done = forward_rows<float, float>(T, tok, pos, sl, tab, cl, max_ctx, capture, hidden, captured, flag);
     }
+    if (!done) return {torch::empty({0, d_}, torch::kFloat32), torch::empty({0, C, d_}, torch::kFloat32)};
     return {hidden, captured};
   }
 
@@ -376,6 +396,9 @@ class DecodeLoop {
     const pybind11::object* mask_fn = nullptr;
     torch::Tensor out_t;
     std::exception_ptr mask_error;
+    const int32_t* interrupt = nullptr;  // the caller's interrupt flag (run), or null
+    bool mid_step = false;               // whether it also stops a step at a layer boundary
+    bool halt = false;                   // the flag as the region's threads saw it
   };
 
   static bool lm_panels_quantized(const torch::Tensor& p) {
@@ -470,10 +493,13 @@ class DecodeLoop {
   // through the block table rtab[r]. sync_kv: rows of one sequence may read each other's keys
   // (a verify block, a diffusion canvas), so every row's keys are written, behind a barrier,
   // before any row attends. after(li, r): the rows' stream after layer li (thread's rows).
+  // interrupt (or null): checked at each layer boundary, by one thread into `halt` (shared by
+  // the region's threads), so every thread leaves at the same barrier; returns false then (the
+  // rows' keys and values of this pass are partly written: the caller keeps nothing of it).
   template <typename wt, typename kv_t, typename After>
-  void layer_pass(const Bufs& bufs, int64_t T, const int64_t* slot, const int64_t* ctx,
+  bool layer_pass(const Bufs& bufs, int64_t T, const int64_t* slot, const int64_t* ctx,
                   const int64_t* rpos, const int64_t* const* rtab, bool sync_kv, float* h, float* scores, float* acc,
-                  int tid, int nt, SpinBarrier& bar, After after) const {
+                  int tid, int nt, SpinBarrier& bar, const int32_t* interrupt, bool& halt, After after) const {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH;
     const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
     const float* cosp = cos_.data_ptr<float>();
@@ -485,10 +511,12 @@ class DecodeLoop {
     float* act = bufs.act;
     for (size_t li = 0; li < layers_.size(); ++li) {
       const auto& L = layers_[li];
+      if (interrupt && tid == 0) halt = interrupted(interrupt);
       // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
       for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.in_norm.data_ptr<float>(), h + r * d, d, eps_);
       product<wt>(h, T, d, L.qkv, L.p_qkv, L.qkv_b, qkv, width, tid, nt);
       bar.wait();
+      if (halt) return false;
       // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
       {
         int64_t t0, t1;
@@ -567,12 +595,14 @@ class DecodeLoop {
       bar.wait();
       for (int64_t r = tid; r < T; r += nt) after(li, r);
     }
+    return true;
   }
 
   template <typename wt, typename kv_t>
-  void forward_rows(int64_t T, const torch::Tensor& tok, const torch::Tensor& pos, const torch::Tensor& sl,
+  bool forward_rows(int64_t T, const torch::Tensor& tok, const torch::Tensor& pos, const torch::Tensor& sl,
                     const torch::Tensor& tab, const torch::Tensor& cl, int64_t max_ctx,
-                    const std::vector<int64_t>& capture, torch::Tensor& hidden, torch::Tensor& captured) {
+                    const std::vector<int64_t>& capture, torch::Tensor& hidden, torch::Tensor& captured,
+                    const int32_t* interrupt) {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH, width = (H + 2 * KVH) * D;
     const int64_t C = captured.size(1), MB = tab.size(1);
     std::vector<float> x(T * d), qkv(T * width), attn(T * H * D), gu(T * 2 * I), act(T * I), tmp(T * std::max(d, I));
@@ -584,15 +614,18 @@ class DecodeLoop {
     for (int64_t r = 0; r < T; ++r) embed_row(tk[r], x.data() + r * d);
     float* hid = hidden.data_ptr<float>();
     float* cap = captured.data_ptr<float>();
+    bool halt = false;
     in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(T * std::max(d, I)), scores(group * max_ctx), acc(group * D);
-      layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
-                           rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar,
-                           [&](size_t li, int64_t r) {
+      if (!layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                                rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar, interrupt, halt,
+                                [&](size_t li, int64_t r) {
         if (capture[li] >= 0) std::copy(x.data() + r * d, x.data() + (r + 1) * d, cap + (r * C + capture[li]) * d);
-      });
+      }))
+        return;
       for (int64_t r = tid; r < T; r += nt) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), hid + r * d, d, final_eps_);
     });
+    return !halt;
   }
 
   template <typename wt, typename kv_t>
@@ -614,6 +647,7 @@ class DecodeLoop {
       for (int64_t s = 0; s < st.steps; ++s) {
         // Bookkeeping and embeddings of this step's rows (one thread), then everyone reads T.
         if (tid == 0) {
+          if (st.interrupt && (s > 0 || st.mid_step)) st.halt = interrupted(st.interrupt);
           T = 0;
           for (int64_t b = 0; b < B; ++b) {
             if (done[b]) continue;
@@ -633,13 +667,15 @@ class DecodeLoop {
           }
         }
         bar.wait();
-        if (T == 0) break;
-        layer_pass<wt, kv_t>(bufs, T, slot.data(), ctx.data(), rpos.data(), rtab.data(), false, h.data(),
-                             scores.data(), acc.data(), tid, nt, bar, [&](size_t li, int64_t r) {
+        if (T == 0 || st.halt) break;
+        if (!layer_pass<wt, kv_t>(bufs, T, slot.data(), ctx.data(), rpos.data(), rtab.data(), false, h.data(),
+                                  scores.data(), acc.data(), tid, nt, bar, st.mid_step ? st.interrupt : nullptr,
+                                  st.halt, [&](size_t li, int64_t r) {
           if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
             std::copy(bufs.x + r * d, bufs.x + (r + 1) * d,
                       st.captured + ((active[r] * st.steps + produced[active[r]]) * st.C + st.capture[li]) * d);
-        });
+        }))
+          break;                             // interrupted: the steps done so far stand
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
         if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);

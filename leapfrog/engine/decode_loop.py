@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from leapfrog.engine.block_manager import BlockManager
+from leapfrog.layers.attention import StepInterrupted
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Commit, Method, StepOutput
 from leapfrog.engine.runner import ModelRunner
@@ -18,9 +19,6 @@ from leapfrog.sequence import Sequence
 
 # LEAPFROG_DECODE_LOOP=0 keeps every step on the layer-by-layer path (comparisons, debugging).
 ENABLED = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
-# A loop call of only background rows (sampling_params.BACKGROUND_PRIORITY) runs at most this
-# many steps, so that a live request arriving meanwhile waits for at most that many.
-BACKGROUND_STEPS = 2
 
 
 @dataclass(slots=True)
@@ -41,6 +39,7 @@ class MultiStep:
         self.max_model_len = max_model_len
         self.num_calls = 0
         self.num_loop_steps = 0
+        self.num_interrupted_calls = 0     # calls cut short because a request arrived
         self._loop = None                  # the loop plan() found, for run()
 
     def loop(self):
@@ -62,8 +61,6 @@ class MultiStep:
         if not all(eligible(s.seq) for s in batch.seqs):
             return LoopPlan([1] * len(batch.seqs), 1, True) if self.method.decode_loop else None
         steps = min(allowed, self.max_steps if num_waiting == 0 else 1)
-        if all(s.seq.background for s in batch.seqs):
-            steps = min(steps, BACKGROUND_STEPS)
         budgets = []
         for s in batch.seqs:
             seq = s.seq
@@ -85,6 +82,9 @@ class MultiStep:
         tokens, positions = t([s.token_ids[-1] for s in seqs]), t([s.num_computed for s in seqs])
         anchors = self.runner.model.loop_anchors(seqs)
         call = LoopCall(tokens, positions, tables, t(plan.budgets), anchors=None if anchors is None else t(anchors))
+        # A request arriving cuts the call short: before its next step, or (only background rows)
+        # at its next layer.
+        call.interrupt, call.interrupt_mid_step = self.runner.interrupt, all(s.background for s in seqs)
         self.num_calls += 1
         if plan.logits_only:
             call.return_logits = True
@@ -104,7 +104,12 @@ class MultiStep:
         if any(s.grammar is not None for s in seqs):
             call.masks = LoopMasks(seqs).loop_args()
         out, counts, _, captured = call.run(loop)
-        self.num_loop_steps += plan.steps
+        ran = int(counts.max())
+        if ran == 0:                       # stopped inside its first step: every row alike, nothing kept
+            raise StepInterrupted
+        self.num_loop_steps += ran
+        if ran < plan.steps and self.runner.interrupt.numpy()[0]:
+            self.num_interrupted_calls += 1
         commits = []
         for seq, row, n in zip(seqs, out.tolist(), counts.tolist()):
             seq.num_draws += n

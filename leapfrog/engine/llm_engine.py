@@ -22,6 +22,7 @@ from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.layers.parallel import agree_min, gather_objects, pp_size, tp_size
 from leapfrog.models.loader import load_model, model_engine_options, model_method_options, read_config
 from leapfrog.methods import method_class
+from leapfrog.layers.attention import StepInterrupted
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Method, MethodContext, ScheduledSeq, StepOutput
 from leapfrog.engine.decode_loop import MultiStep
@@ -254,6 +255,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def interrupt_background(self) -> None:
+        """(Any thread.) Live work arrived: a step of only background rows that is running stops
+        at its next layer boundary, so the live request waits for a layer, not a step."""
+        self.runner.interrupt.numpy()[0] = 1
+
+    def clear_interrupt(self) -> None:
+        """(The engine's thread, before it takes in new requests.)"""
+        self.runner.interrupt.numpy()[0] = 0
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -293,6 +303,9 @@ class LLMEngine:
                 commits = self.method.commit(batch, out)
                 if prompt_rows:
                     record_prompt_logprobs(batch, prompt_logits)
+        except StepInterrupted:             # background work gave way to live work: nothing kept
+            self.stats.num_interrupted_steps += 1
+            return []
         except Exception as exc:
             if len(batch.seqs) > 1:
                 half = len(batch.seqs) // 2

@@ -14,7 +14,7 @@ from torch import nn
 
 from leapfrog.layers.attention import AttnGroup, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_kernels
-from leapfrog.layers.parallel import pp_size, recv_wait_seconds
+from leapfrog.layers.parallel import pp_size, recv_wait_seconds, world_size
 from leapfrog.methods.base import Batch, ScheduledSeq, StepOutput
 
 
@@ -30,6 +30,9 @@ class ModelRunner:
         self._allocate_cache(num_blocks * block_size, kv_dtype)
         self.cpu_decode_kernel = False
         self.pipeline_stats = PipelineStats()
+        # Set (by any thread) when live work arrives: a step of only background rows stops at its
+        # next layer boundary (StepInterrupted, or a decode loop call keeping its finished steps).
+        self.interrupt = torch.zeros(1, dtype=torch.int32)
         if device.type == "cpu":
             self.cpu_decode_kernel = cpu_kernels() is not None
 
@@ -142,6 +145,9 @@ class ModelRunner:
         if pp_size() > 1 and len(batch.seqs) > 1 and hasattr(self.model, "stage_forward"):
             return self._run_pipelined(batch)
         ids, pos, meta, logit_rows = self.prepare(batch)
+        # (ranks would have to stop together; a drafter's runner feeds entries, not requests)
+        if world_size() == 1 and all(getattr(s.seq, "background", False) for s in batch.seqs):
+            meta.interrupt = self.interrupt
         hidden, captured = self.model(ids, pos, meta, batch.capture_layers)
         logits = self.model.compute_logits(hidden[logit_rows])
         return StepOutput(logits, captured)

@@ -37,6 +37,18 @@ class AttnMetadata:
     # A two-stream diffusion model's mask token (Batch.attn_bidir_token): rows holding it run
     # the model's mask stream; None: every row runs the model's own layers.
     mask_token: int | None = None
+    # A background step's interrupt flag (int32, one element), or None: another thread sets it
+    # when live work arrives, and a model that checks it abandons the forward at a layer
+    # boundary by raising StepInterrupted.
+    interrupt: torch.Tensor | None = None
+
+    def interrupted(self) -> bool:
+        return self.interrupt is not None and bool(self.interrupt.numpy()[0])
+
+
+class StepInterrupted(Exception):
+    """A forward abandoned through AttnMetadata.interrupt: nothing of the step is kept (keys and
+    values written past a sequence's computed tokens are rewritten by its next step)."""
 
 
 class Attention(nn.Module):
@@ -87,6 +99,7 @@ class Attention(nn.Module):
         return o[g.q_valid]
 
     def _paged_decode(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        # deferred: cpu_kernels loads only when a paged decode runs
         from leapfrog.layers.cpu_kernels import cpu_kernels
         b = g.ctx_lens.shape[0]
         qg = q[g.row_start:g.row_start + b] if g.out_rows is None else q.index_select(0, g.out_rows)

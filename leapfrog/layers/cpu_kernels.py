@@ -35,6 +35,7 @@ STALE_LOCK_SECONDS = 600
 
 def _clear_stale_lock(name: str) -> None:
     try:
+        # deferred: cpp_extension (setuptools) loads only when the kernels are built
         from torch.utils.cpp_extension import _get_build_directory
         lock = Path(_get_build_directory(name, verbose=False)) / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
@@ -53,6 +54,7 @@ def cpu_kernels():
     if os.environ.get("LEAPFROG_CPU_KERNELS", "1") == "0":
         return None
     try:
+        # deferred: cpp_extension (setuptools) loads only when the kernels are built
         from torch.utils.cpp_extension import load
         csrc = Path(__file__).resolve().parent.parent / "csrc"
         sources = [csrc / "cpu_kernels.cpp", csrc / "decode_loop.cpp"]
@@ -84,6 +86,7 @@ def cpu_kernels():
 
 _NO_BITS = torch.empty(0, 0, dtype=torch.int32)
 _NO_ROWS = torch.empty(0, dtype=torch.uint8)
+_NO_FLAG = torch.empty(0, dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -107,6 +110,10 @@ class LoopCall:
     # structured outputs: (mask_bits [B, words] int32, mask_rows [B] uint8, mask_fn), mask_fn
     # called before each step's sampling with (tokens so far, produced) to fill the masked rows
     masks: tuple | None = None
+    # int32 [1] set by another thread when new work arrives: the call stops before its next step
+    # (with interrupt_mid_step, at its next layer boundary); the steps finished stand
+    interrupt: torch.Tensor | None = None
+    interrupt_mid_step: bool = False
 
     def run(self, loop) -> list[torch.Tensor]:
         """(tokens [B, steps], counts [B], logits or picked probabilities, captured rows)."""
@@ -120,4 +127,5 @@ class LoopCall:
                         zeros if self.min_left is None else self.min_left, self.return_logits,
                         list(self.capture_layers),
                         torch.empty(0, dtype=torch.long) if self.anchors is None else self.anchors,
-                        *(self.masks or (_NO_BITS, _NO_ROWS, None)))
+                        *(self.masks or (_NO_BITS, _NO_ROWS, None)),
+                        _NO_FLAG if self.interrupt is None else self.interrupt, self.interrupt_mid_step)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapfrog.layers import parallel as tp
-from leapfrog.layers.attention import Attention, AttnMetadata
+from leapfrog.layers.attention import Attention, AttnMetadata, StepInterrupted
 from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
 from leapfrog.layers.linear import (Linear, PackedLinear, embedding_panels, kernel_bias, kernel_panels,
                                     kernel_weight,
@@ -142,6 +142,7 @@ _EMPTY = torch.empty(0)
 _FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
 # LEAPFROG_DECODE_LOOP=0 also keeps forwards of query rows layer by layer (see engine/decode_loop.py).
 _FORWARD_LOOP = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
+_NO_FLAG = torch.empty(0, dtype=torch.int32)       # DecodeLoop.forward without an interrupt flag
 
 
 def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
@@ -289,7 +290,10 @@ class LlamaForCausalLM(nn.Module):
             if loop is not None and loop.forward_supports(x.shape[0]):
                 taps = sorted({i for i in capture_layers if 0 <= i < len(self.model.layers)})
                 hidden, cap = loop.forward(input_ids.reshape(-1), positions.reshape(-1), meta.slot_mapping,
-                                           g.block_tables, g.ctx_lens, taps)
+                                           g.block_tables, g.ctx_lens, taps,
+                                           _NO_FLAG if meta.interrupt is None else meta.interrupt)
+                if hidden.shape[0] != x.shape[0]:
+                    raise StepInterrupted
                 return hidden, [cap[:, c] for c in range(len(taps))]
         x, captured = self._layers(x, rope, meta, range(len(self.model.layers)), capture_layers, fused)
         return self.model.norm.forward(x), list(captured.values())
@@ -303,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
             cos_sin = (rope.cos_sin[0].reshape(t, -1), rope.cos_sin[1].reshape(t, -1))
         captured = {}
         for i in layer_ids:
+            if meta is not None and meta.interrupted():
+                raise StepInterrupted
             layer = self.model.layers[i]
             x = layer.forward_fused(x, cos_sin, meta) if fused and layer.fusable else layer.forward(x, rope, meta)
             if i in capture_layers:

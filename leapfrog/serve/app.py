@@ -19,6 +19,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from leapfrog.engine.llm_engine import LLMEngine
+from leapfrog.sampling_params import defaults_for_model
 from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.serve.config import ServerConfig
@@ -44,7 +46,6 @@ def request_defaults(cfg: ServerConfig) -> dict:
     (temperature 0 for a greedy model such as `couplets`, 0.7 / top-p 0.9 for `stories`), under
     an explicit --default-temperature; temperature 1.0 when neither says. A malformed generation_config
     is logged, naming the file and the key, and ignored: the server still serves."""
-    from leapfrog.sampling_params import defaults_for_model
     defaults = defaults_for_model(cfg.model, log.warning)
     if cfg.default_temperature is not None:
         defaults["temperature"] = cfg.default_temperature
@@ -204,10 +205,10 @@ class ServerState:
 
 def model_engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
     def factory() -> Any:
+        # deferred: the rank launcher (multiprocessing, torch.distributed) loads only when a model is built
         from leapfrog.engine.distributed import num_ranks, start
         if num_ranks(cfg.engine) > 1:       # this process drives; the follower ranks are started here
             return start(str(cfg.model), cfg.engine_kwargs())
-        from leapfrog.engine.llm_engine import LLMEngine
         return LLMEngine(cfg.model, **cfg.engine_kwargs())
     return factory
 
@@ -404,7 +405,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     if state.auth.enabled:
         app.add_middleware(RequireAuth, state=state)
     if cfg.cors_allow_origins:      # off by default: a page elsewhere cannot read the answers
-        from starlette.middleware.cors import CORSMiddleware
+        from starlette.middleware.cors import CORSMiddleware     # deferred: only when CORS is configured
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600)
     app.add_middleware(CountResponses, counter=state.responses)     # outermost: sees every response

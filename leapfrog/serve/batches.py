@@ -35,6 +35,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from leapfrog.sampling_params import BACKGROUND_PRIORITY
+from leapfrog.serve.app import parse_and_prepare, read_body, run_to_end
+from leapfrog.serve.engine_thread import Generation
+from leapfrog.serve.openai_api import (chat_body, completion_body, new_id as response_id, now, prepare_chat,
+                                       prepare_completion)
 from leapfrog.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,8 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 WINDOW = "24h"                           # OpenAI's only completion window
 WINDOW_S = 24 * 3600
 BATCH_PRIORITY = BACKGROUND_PRIORITY     # after every live request (lower runs first); short loop calls
-LIVE_POLL_S = 0.01
+LIVE_POLL_S = 0.05          # how often the runner looks for a quiet moment to start lines in
+STATUS_POLL_S = 0.5         # how often it reads the batch's status (cancelled?) from the store
 LIVE_QUIET_S = 0.1          # batch lines start on a model only after this long without live requests
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
@@ -304,10 +309,6 @@ def file_object(fid: str, purpose: str, filename: str, size: int, created: int) 
 # --- running lines -----------------------------------------------------------------------------
 async def execute(state: Any, url: str, body: dict, priority: int = BATCH_PRIORITY) -> tuple[int, dict]:
     """One line, answered as its endpoint answers a request: (HTTP status, body)."""
-    from leapfrog.serve.app import parse_and_prepare, run_to_end
-    from leapfrog.serve.engine_thread import Generation
-    from leapfrog.serve.openai_api import chat_body, completion_body, new_id as response_id, now, prepare_chat, \
-        prepare_completion
     kind, prepare, render, prefix = {
         "/v1/chat/completions": (ChatRequest, prepare_chat, chat_body, "chatcmpl"),
         "/v1/completions": (CompletionRequest, prepare_completion, completion_body, "cmpl")}[url]
@@ -381,15 +382,19 @@ class BatchRunner:
         if obj["status"] != "finalizing":
             todo = self.store.pending(bid)
             tasks: dict[asyncio.Task, tuple[int, str, dict, Any]] = {}
+            next_status = 0.0
             while todo or tasks:
-                status = self.store.status(bid)
-                if status == "cancelling" or time.time() > obj["expires_at"]:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    return self.store.finalize(bid, "cancelled" if status == "cancelling" else "expired")
+                if time.monotonic() >= next_status:
+                    next_status = time.monotonic() + STATUS_POLL_S
+                    status = self.store.status(bid)
+                    if status == "cancelling" or time.time() > obj["expires_at"]:
+                        for t in tasks:
+                            t.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        return self.store.finalize(bid, "cancelled" if status == "cancelling" else "expired")
                 todo = self._start(bid, todo, tasks)
-                done, _ = await asyncio.wait(tasks, timeout=LIVE_POLL_S) if tasks else (set(), set())
+                done, _ = await asyncio.wait(tasks, timeout=LIVE_POLL_S, return_when=asyncio.FIRST_COMPLETED) \
+                    if tasks else (set(), set())
                 if not tasks:
                     await asyncio.sleep(LIVE_POLL_S)
                 for t in done:
@@ -540,7 +545,6 @@ def install(app: FastAPI, state: Any) -> None:
     @app.post("/v1/batches", responses=_doc(_BATCH, (400, 401, 404, 413, 415)), openapi_extra=_CREATE)
     async def create_batch(request: Request) -> JSONResponse:
         who = owner(request)
-        from leapfrog.serve.app import read_body
         raw = await read_body(request, cfg.max_body_bytes)
         try:
             body = json.loads(raw or b"null")

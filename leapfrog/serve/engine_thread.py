@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from leapfrog.engine.llm_engine import release_freed_heap
+from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import BACKGROUND_PRIORITY, SamplingParams
 from leapfrog.serve.line import DrainRate
 from leapfrog.serve.metrics import ServerMetrics
 
@@ -124,8 +125,7 @@ class AsyncEngine:
         self.restarts += 1
         self.metrics.add("engine_restarts", 1)
         why = self.crash
-        from leapfrog.engine.distributed import RankDied
-        from leapfrog.layers.parallel import launched_by_torchrun
+        from leapfrog.engine.distributed import RankDied    # deferred: the rank launcher loads only on a restart
         if isinstance(why, RankDied) and launched_by_torchrun():
             # torchrun's ranks cannot be started again from here: exit, so that torchrun (with
             # --max-restarts) or the orchestrator restarts the whole group.
@@ -184,6 +184,8 @@ class AsyncEngine:
         deadline = arrival + self.request_timeout if self.request_timeout else None
         tracked = _Tracked(sink, arrival, deadline, len(prompt_ids))
         self._inbox.put(_Add(request_id, prompt_ids, params, priority, tracked, stream))
+        if priority < BACKGROUND_PRIORITY and self.engine is not None:
+            self.engine.interrupt_background()
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -247,6 +249,7 @@ class AsyncEngine:
         failures = 0
         while not self._stop.is_set():
             try:
+                self.engine.clear_interrupt()      # before the inbox: a request queued after it interrupts
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 self._expire()
                 if self.engine.has_unfinished():
@@ -390,7 +393,9 @@ class AsyncEngine:
             "kv_cache_used_blocks": bm.num_used_blocks,
             "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
             "prefix_cache_tier2_hits": bm.num_tier_hits, "prefix_cache_tier3_hits": bm.num_remote_hits,
-            "engine_steps": e.stats.num_steps, "tokens_per_forward": gen / fwd if fwd else 0.0,
+            "engine_steps": e.stats.num_steps, "engine_interrupted_steps":
+                e.stats.num_interrupted_steps + e.decode_loop.num_interrupted_calls,
+            "tokens_per_forward": gen / fwd if fwd else 0.0,
         }
         self.metrics.publish(snapshot, e.method_name, dict(e.method.stats()))
 

@@ -7,7 +7,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 # The text format the samples are written in (prometheus_client's CONTENT_TYPE_LATEST names a newer
@@ -51,6 +51,8 @@ ENGINE_COUNTERS = {
     "prefix_cache_tier2_hits": "Prompt tokens of those found in its second tier (kv_spill_bytes).",
     "prefix_cache_tier3_hits": "Prompt tokens of those found in its third tier, shared between replicas (kv_remote_url).",
     "engine_steps": "Engine steps (batched forward passes).",
+    "engine_interrupted_steps": "Steps and multi-step decode calls cut short for a request that arrived "
+                                "(background steps are abandoned at a layer boundary).",
 }
 
 
@@ -142,7 +144,6 @@ def render_all(metrics: list["ServerMetrics"], extra: tuple = ()) -> str:
     family once, with every model's samples under it, told apart by `model_name`; then the
     process's own (resident memory, CPU seconds, open files: prometheus_client's standard
     `process_*` series), once."""
-    from prometheus_client import ProcessCollector
     merged: dict[str, Metric] = {}
     for m in metrics:
         for family in m.collect():

@@ -102,7 +102,7 @@ def test_prometheus_series_names_are_stable():
         ("kv_cache_num_blocks", "gauge"), ("kv_cache_used_blocks", "gauge"), ("tokens_per_forward", "gauge"),
         ("prefix_cache_queries_total", "counter"), ("prefix_cache_hits_total", "counter"),
         ("prefix_cache_tier2_hits_total", "counter"), ("prefix_cache_tier3_hits_total", "counter"),
-        ("engine_steps_total", "counter"), ("prompt_tokens_total", "counter"),
+        ("engine_steps_total", "counter"), ("engine_interrupted_steps_total", "counter"), ("prompt_tokens_total", "counter"),
         ("generation_tokens_total", "counter"), ("request_forwards_total", "counter"),
         ("num_preemptions_total", "counter"), ("engine_restarts_total", "counter"), ("request_success_total", "counter"),
         ("http_requests_rejected_total", "counter"),
