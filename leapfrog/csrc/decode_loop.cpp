@@ -88,6 +88,25 @@ const int32_t* interrupt_flag(const torch::Tensor& flag) {
 
 bool interrupted(const int32_t* flag) { return flag && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0; }
 
+constexpr int kHeadParts = 4;
+
+// An interrupt flag as every thread of a region sees it: at a barrier, thread 0 samples the flag
+// before waiting and every thread reads that sample after, so all leave at the same barrier. The
+// samples alternate between two slots (each thread counts its own checks in `parity`): a slot is
+// written again only two checks later, after every thread has passed the barrier between and so
+// has read it. A null flag makes check() a plain barrier.
+struct Halt {
+  const int32_t* flag = nullptr;
+  bool seen[2] = {false, false};
+  bool check(SpinBarrier& bar, int tid, int& parity) {
+    if (flag && tid == 0) seen[parity] = interrupted(flag);
+    bar.wait();
+    const bool stop = flag && seen[parity];
+    parity ^= 1;
+    return stop;
+  }
+};
+
 // Runs body(tid, nt, bar) on every thread of one OpenMP region of torch's thread count; the
 // barrier is sized to the threads the region really got.
 template <typename Body>
@@ -397,8 +416,7 @@ class DecodeLoop {
     torch::Tensor out_t;
     std::exception_ptr mask_error;
     const int32_t* interrupt = nullptr;  // the caller's interrupt flag (run), or null
-    bool mid_step = false;               // whether it also stops a step at a layer boundary
-    bool halt = false;                   // the flag as the region's threads saw it
+    bool mid_step = false;               // whether it also stops a step at a barrier inside it
   };
 
   static bool lm_panels_quantized(const torch::Tensor& p) {
@@ -493,13 +511,12 @@ class DecodeLoop {
   // through the block table rtab[r]. sync_kv: rows of one sequence may read each other's keys
   // (a verify block, a diffusion canvas), so every row's keys are written, behind a barrier,
   // before any row attends. after(li, r): the rows' stream after layer li (thread's rows).
-  // interrupt (or null): checked at each layer boundary, by one thread into `halt` (shared by
-  // the region's threads), so every thread leaves at the same barrier; returns false then (the
+  // halt: checked at every barrier (Halt); when it fires, every thread returns false there (the
   // rows' keys and values of this pass are partly written: the caller keeps nothing of it).
   template <typename wt, typename kv_t, typename After>
   bool layer_pass(const Bufs& bufs, int64_t T, const int64_t* slot, const int64_t* ctx,
                   const int64_t* rpos, const int64_t* const* rtab, bool sync_kv, float* h, float* scores, float* acc,
-                  int tid, int nt, SpinBarrier& bar, const int32_t* interrupt, bool& halt, After after) const {
+                  int tid, int nt, SpinBarrier& bar, Halt& halt, int& parity, After after) const {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH;
     const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
     const float* cosp = cos_.data_ptr<float>();
@@ -511,12 +528,10 @@ class DecodeLoop {
     float* act = bufs.act;
     for (size_t li = 0; li < layers_.size(); ++li) {
       const auto& L = layers_[li];
-      if (interrupt && tid == 0) halt = interrupted(interrupt);
       // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
       for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.in_norm.data_ptr<float>(), h + r * d, d, eps_);
       product<wt>(h, T, d, L.qkv, L.p_qkv, L.qkv_b, qkv, width, tid, nt);
-      bar.wait();
-      if (halt) return false;
+      if (halt.check(bar, tid, parity)) return false;
       // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
       {
         int64_t t0, t1;
@@ -550,7 +565,7 @@ class DecodeLoop {
                          scores, acc);
         }
         if (sync_kv) {
-          bar.wait();
+          if (halt.check(bar, tid, parity)) return false;
           for (int64_t task = t0; task < t1; ++task) {
             const int64_t r = task / KVH, g = task % KVH;
             attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_,
@@ -558,10 +573,10 @@ class DecodeLoop {
           }
         }
       }
-      bar.wait();
+      if (halt.check(bar, tid, parity)) return false;
       // 3. output projection and residual, this thread's columns.
       add_product<wt>(x, attn, T, H * D, L.o, L.p_o, L.o_b, bufs.tmp, d, tid, nt);
-      bar.wait();
+      if (halt.check(bar, tid, parity)) return false;
       // 4. post norm (every thread), gate/up and SwiGLU.
       for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.post_norm.data_ptr<float>(), h + r * d, d, eps_);
       {
@@ -579,7 +594,7 @@ class DecodeLoop {
           a1 *= kPanel;
         } else if (L.p_gu.defined()) {
           product<wt>(h, T, d, L.gu, L.p_gu, L.gu_b, gu, 2 * I, tid, nt);
-          bar.wait();
+          if (halt.check(bar, tid, parity)) return false;
           span8(I, tid, nt, a0, a1);
         } else {
           span8(I, tid, nt, a0, a1);
@@ -589,10 +604,10 @@ class DecodeLoop {
         for (int64_t r = 0; r < T; ++r)
           if (a1 > a0) silu_mul(gu + r * 2 * I + a0, gu + r * 2 * I + I + a0, act + r * I + a0, a1 - a0);
       }
-      bar.wait();
+      if (halt.check(bar, tid, parity)) return false;
       // 5. down projection and residual.
       add_product<wt>(x, act, T, I, L.down, L.p_down, L.down_b, bufs.tmp, d, tid, nt);
-      bar.wait();
+      if (halt.check(bar, tid, parity)) return false;
       for (int64_t r = tid; r < T; r += nt) after(li, r);
     }
     return true;
@@ -614,18 +629,22 @@ class DecodeLoop {
     for (int64_t r = 0; r < T; ++r) embed_row(tk[r], x.data() + r * d);
     float* hid = hidden.data_ptr<float>();
     float* cap = captured.data_ptr<float>();
-    bool halt = false;
+    Halt halt{interrupt};
+    bool stopped = false;
     in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(T * std::max(d, I)), scores(group * max_ctx), acc(group * D);
+      int parity = 0;
       if (!layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
-                                rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar, interrupt, halt,
+                                rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar, halt, parity,
                                 [&](size_t li, int64_t r) {
         if (capture[li] >= 0) std::copy(x.data() + r * d, x.data() + (r + 1) * d, cap + (r * C + capture[li]) * d);
-      }))
+      })) {
+        if (tid == 0) stopped = true;
         return;
+      }
       for (int64_t r = tid; r < T; r += nt) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), hid + r * d, d, final_eps_);
     });
-    return !halt;
+    return !stopped;
   }
 
   template <typename wt, typename kv_t>
@@ -641,13 +660,16 @@ class DecodeLoop {
     const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
     int64_t T = 0;
     for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
+    // Before each step but the first (before the first too, and at every barrier inside a step,
+    // with mid_step): a request that arrived ends the call there.
+    Halt step_halt{st.interrupt}, layer_halt{st.mid_step ? st.interrupt : nullptr}, no_halt;
     in_region([&](int tid, int nt, SpinBarrier& bar) {
       std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
       SampleScratch scratch;
+      int step_parity = 0, layer_parity = 0;
       for (int64_t s = 0; s < st.steps; ++s) {
         // Bookkeeping and embeddings of this step's rows (one thread), then everyone reads T.
         if (tid == 0) {
-          if (st.interrupt && (s > 0 || st.mid_step)) st.halt = interrupted(st.interrupt);
           T = 0;
           for (int64_t b = 0; b < B; ++b) {
             if (done[b]) continue;
@@ -666,11 +688,11 @@ class DecodeLoop {
             ++T;
           }
         }
-        bar.wait();
-        if (T == 0 || st.halt) break;
+        const bool stop = (s > 0 || st.mid_step ? step_halt : no_halt).check(bar, tid, step_parity);
+        if (T == 0 || stop) break;
         if (!layer_pass<wt, kv_t>(bufs, T, slot.data(), ctx.data(), rpos.data(), rtab.data(), false, h.data(),
-                                  scores.data(), acc.data(), tid, nt, bar, st.mid_step ? st.interrupt : nullptr,
-                                  st.halt, [&](size_t li, int64_t r) {
+                                  scores.data(), acc.data(), tid, nt, bar, layer_halt, layer_parity,
+                                  [&](size_t li, int64_t r) {
           if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
             std::copy(bufs.x + r * d, bufs.x + (r + 1) * d,
                       st.captured + ((active[r] * st.steps + produced[active[r]]) * st.C + st.capture[li]) * d);
@@ -678,9 +700,21 @@ class DecodeLoop {
           break;                             // interrupted: the steps done so far stand
         // Final norm and the LM head.
         for (int64_t r = 0; r < T; ++r) rms_row(x.data() + r * d, final_norm_.data_ptr<float>(), h.data() + r * d, d, final_eps_);
-        if (lm_half_) product<at::Half>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);
-        else product<float>(h.data(), T, d, lm_head_, lm_panels_, lm_head_b_, logits.data(), V, tid, nt);
-        bar.wait();
+        // The head in kHeadParts pieces with a check after each when the call stops mid-step (the
+        // head of a big batch takes as long as a few layers), else whole.
+        {
+          int64_t n0, n1;
+          span(lm_panels_.defined() ? (V + kPanel - 1) / kPanel : V, tid, nt, n0, n1);
+          const int parts = layer_halt.flag ? kHeadParts : 1;
+          bool stop = false;
+          for (int j = 0; j < parts && !stop; ++j) {
+            const int64_t a = n0 + (n1 - n0) * j / parts, c = n0 + (n1 - n0) * (j + 1) / parts;
+            if (lm_half_) product_range<at::Half>(h.data(), T, d, lm_head_, lm_panels_, fptr(lm_head_b_), logits.data(), V, a, c);
+            else product_range<float>(h.data(), T, d, lm_head_, lm_panels_, fptr(lm_head_b_), logits.data(), V, a, c);
+            stop = layer_halt.check(bar, tid, layer_parity);                    // the last: before sampling
+          }
+          if (stop) break;
+        }
         if (st.return_logits) {
           for (int64_t r = tid; r < T; r += nt)
             std::copy(logits.data() + r * V, logits.data() + (r + 1) * V, st.logits_out + active[r] * V);
