@@ -1,12 +1,7 @@
 """The batch part of `leapfrog bench --suite reliability` (`--parts batch`), against `leapfrog serve`
-processes of the bench's model:
-
-- crash: a 1,000-line batch; the server is killed with SIGKILL three times at random points and
-  restarted each time; counted: results, duplicates, lines finished before a kill whose result
-  changed, seconds;
-- live: live clients (streamed completions, one after another each) for a while alone, then the
-  same while a batch runs: TTFT and TPOT p50 of the live requests both ways, and the batch's
-  lines a second against the batch alone.
+processes of the bench's model: a batch through repeated SIGKILLs and restarts (nothing lost,
+duplicated or changed), and live clients' latency beside a running batch.
+(docs/architecture.md, "bench/reliability.py")
 """
 from __future__ import annotations
 

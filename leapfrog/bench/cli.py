@@ -1,33 +1,24 @@
 """`leapfrog bench`: leapfrog side by side with peers, in one process, one run.
 
 Suites:
-  peers   the same checkpoint and prompts through leapfrog and through transformers
-          `generate` (and llama.cpp's llama-bench when a build is found): single-request decode
-          tokens/s and total output tokens/s at several concurrencies, reported as ratios.
-  speculative  decoding methods against `ar` on one engine (speculative.py): batch-1 speed-up,
-          τ and tokens per target forward for every shipped drafter, and throughput at several
-          concurrencies with and without confidence-scheduled verification.
-  diffusion  block-diffusion decoding (diffusion.py): `ar` against single- and multi-block
-          decoding at several thresholds; tokens per forward, batch-1 speed-up, and output quality.
-  couplets  the couplet writer (couplets.py) with and without the couplet rules enforced: how
-          often each rule holds, part-of-speech parallelism, distinct-n, seconds per couplet.
-  reliability  a `leapfrog serve` process under schema fuzzing, an overload burst and injected
-          engine crashes (reliability.py).
-  soak    a long mixed run against `leapfrog serve`: memory growth, KV blocks when idle, every
-          outcome classified (soak.py).
-  parallel  a model whole and split over tensor-parallel ranks on this machine: tokens/s, equal
-          tokens, and the collectives' measured cost per step (parallel.py).
-  perplexity  a model's perplexity on held-out text, llama-perplexity's way, by leapfrog,
-          transformers and llama.cpp's llama-perplexity on the same (GGUF) file (perplexity.py).
-  structured  constrained decoding on a served model (structured.py): JSON Schema conformance with
-          and without the constraint, tool calls under tool_choice required, constrained against
-          free tok/s at 1 and 32 requests per method, schema compile time.
-  train   the training loop, before and after its lean compiled forward, on one recipe: tokens/s,
-          FLOP/s, loss curves side by side (leapfrog.train.speed, which the `leapfrog` command
-          runs for `--suite train`; `leapfrog bench --suite train --help` lists its flags).
-Results: JSON + a markdown table under --out, a PNG plot, and the table on stdout.
-Speed targets live here, never in tests; ratios are taken against a baseline measured in the
-same run, so a busy machine slows both sides alike.
+  peers        one checkpoint and prompts through leapfrog, transformers `generate` and, when a
+               build is found, llama.cpp's llama-bench: decode tok/s at 1 and more requests, as ratios
+  speculative  decoding methods against `ar`: batch-1 speed-up, τ and tokens per target forward
+               for each shipped drafter, throughput with and without confidence scheduling
+  diffusion    block diffusion against `ar` at several thresholds: tokens per forward, batch-1
+               speed-up, output quality
+  couplets     the couplet writer with and without its rules: how often each holds, parallelism,
+               distinct-n, seconds per couplet
+  reliability  a `leapfrog serve` process under schema fuzzing, overload, engine crashes, batch jobs
+  soak         a long mixed run against `leapfrog serve`: memory growth, idle KV blocks, outcomes
+  parallel     a model whole and split over tensor-parallel ranks: tok/s, equal tokens, collectives' cost
+  perplexity   perplexity on held-out text by leapfrog, transformers and llama-perplexity (GGUF)
+  structured   constrained decoding on a served model: JSON Schema conformance, tool calls,
+               constrained against free tok/s, schema compile time
+  train        the training loop before and after its lean compiled forward (leapfrog.train.speed;
+               `leapfrog bench --suite train --help` lists its flags)
+Results: JSON and a markdown table under --out, a PNG plot, the table on stdout. Speed targets
+live here, never in tests; ratios are against a baseline measured in the same run.
 """
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """`leapfrog bench --serve`: load against a running server, in the manner of `vllm bench serve`.
 
-Per request (streamed /v1/completions with usage): TTFT (first text chunk), TPOT =
-(e2e - TTFT) / (output tokens - 1) with the token count taken from the server's usage (a chunk
-can carry several tokens), ITL = gaps between chunks, e2e. Per load level: mean / p50 / p99 of
-each, request and token throughput. Load levels are fixed concurrencies (all requests sent at
-once, at most C in flight) or Poisson arrival rates (gamma gaps with --burstiness; 1 = Poisson).
-One asyncio client drives everything: on a small machine, client threads would compete with
-the server for cores.
-With --couplet a level is a crowd: that many people press the couplet page's button at the same
-moment (POST /couplet with festive keywords), once each, and after a 429 come back by themselves
-as the page does (Retry-After plus up to a second, for up to a minute from the press, then they
-give up). Per crowd: the share served, p50/p99 from the first press to the couplet and as the
-server timed the request that got it, couplets/s, the 429s sent, the people who gave up, errors,
-whether they were served in the order they came (the share served after someone whose first
-press reached the server half a second or more later), /healthz's slowest answer while the crowd is served, and the server's peak
-resident memory (its `process_resident_memory_bytes`, polled while the level runs).
-Writes <out>/<name>.json, <name>.md and <name>.png (latency against load; for crowds, the share
-served against the time from the press).
+Per request (streamed /v1/completions with usage): TTFT (first text chunk), TPOT = (e2e - TTFT) /
+(output tokens - 1) with the server's token count, ITL (gaps between chunks), e2e; per level: mean,
+p50 and p99 of each, request and token throughput. A level is a fixed concurrency (all requests
+sent at once, at most C in flight) or a Poisson arrival rate (gamma gaps, --burstiness 1 = Poisson).
+One asyncio client drives everything, so client threads do not compete with the server for cores.
+With --couplet a level is a crowd pressing the couplet page's button at once, each retrying after
+a 429 as the page does (Retry-After plus up to a second, for a minute, then giving up): the share
+served, p50/p99 from the press and as the server timed it, couplets/s, 429s, people who gave up,
+errors, the share served out of turn (after someone who arrived 0.5 s or more later), /healthz's
+slowest answer and the server's peak resident memory.
+Writes <out>/<name>.json, .md and .png (latency against load; for crowds, served against time).
 """
 from __future__ import annotations
 

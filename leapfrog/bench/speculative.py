@@ -179,16 +179,12 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
                    engine_options: dict | None = None, ngram: bool = False) -> list[dict]:
     """Rows per concurrency level: each engine's output tok/s (the median over --repeats
     rounds) and its speed against `ar` as the median of per-round ratios, each against `ar`'s
-    pass of the same round. A pass of a small model lasts a fraction of a second, and this
-    machine's speed swings by ±20% from one such window to the next; the best pass of each
-    engine put two different lucky windows into one ratio (the same code measured 0.72x and
-    1.01x), a ratio within a round shares the round's machine. τ and the share of
+    pass of the same round, so a ratio shares its round's machine. τ and the share of
     request-steps that verified drafts count every round. The control row, a second `ar`
-    engine, shows what the ratios can resolve."""
+    engine, shows what the ratios can resolve. (docs/architecture.md, "bench/speculative.py")"""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos)
-    # A second `ar` engine, the control: identical engines in one process measured up to 17%
-    # apart on `stories` (where each engine's weights sit in its own part of the L3 cache), so
-    # its ratio is the resolution of the others.
+    # A second `ar` engine, the control: identical engines in one process measure apart (each
+    # engine's weights sit in its own part of the L3 cache), so its ratio is the others' resolution.
     contenders = [Contender("ar", "ar"), Contender("ar, second engine (control)", "ar")]
     if drafter:
         contenders += [Contender("dspark, verify all γ", "dspark", {"draft_model": drafter, "verify": "fixed"}),
@@ -208,7 +204,7 @@ def run_throughput(model_dir: Path, prompts: list[list[int]], new_tokens: int, c
         for rep in range(repeats):
             log(f"throughput: {conc} concurrent requests, run {rep + 1}/{repeats}")
             # Odd repeats run the engines in reverse order: whichever runs right after the
-            # heaviest one (verify-all at 32 requests) ran up to ~15% slower in fixed order.
+            # heaviest one (verify-all at 32 requests) is slowed by it.
             order = list(enumerate(engines))
             for j, llm in (order if rep % 2 == 0 else order[::-1]):
                 t0 = time.perf_counter()

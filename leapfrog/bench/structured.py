@@ -1,19 +1,9 @@
 """`leapfrog bench --suite structured`: structured outputs on a served instruction model.
 
-Against a `leapfrog serve` process per method (`ar`, and each drafting method asked for):
-- conformance: a generated suite of JSON Schemas (objects, arrays, enums, nested and optional
-  fields, string patterns, number ranges), each asked for in a chat prompt, answered under
-  `response_format` json_schema: the share that parses and validates (jsonschema); the same
-  prompts without the constraint: the share that would have been valid (the whole reply, and
-  the first JSON block found in it);
-- tool calls with tool_choice "required" over the suite's tool cases (each schema a tool's
-  parameters): the share that parses and matches its tool's schema;
-- speed: output tokens/s constrained against unconstrained on the same prompts and the same
-  number of tokens each, at one request and at 32 concurrent ones, interleaved and repeated (the
-  ratio is the target: >= 0.9);
-- the constraint's cost alone, drafting included: a regex allowing any text, so the constrained
-  and the free replies are the same tokens;
-- schema compile time, cold (each schema once, a fresh compiler) at p50 and p99, and a cache hit.
+Against a `leapfrog serve` process per method: JSON Schema conformance with and without the
+constraint, tool calls under tool_choice "required", constrained against free tokens/s (the
+target ratio: >= 0.9), the constraint's own cost, and schema compile time.
+(docs/architecture.md, "bench/structured.py")
 """
 from __future__ import annotations
 

@@ -119,16 +119,10 @@ def repeat_violations(upper: str, lower: str) -> list[tuple[int, int]]:
 def allowed_next(upper: str, lower_prefix: str) -> tuple[str | None, set[str]]:
     """What the next 下联 character may be, given the whole 上联 and the 下联 written so far.
 
-    Positions count ``hanzi`` only, so the answer is about the next character that counts: position
-    k = len(hanzi(lower_prefix)), facing the 上联's character u = upper[k].
-
-    * ``must``: when u already appeared in the 上联 at an earlier position i, the 下联 repeats its
-      own character from the first such i (天若有情天亦老 → 月如无恨月常圆: position 4 must be 月).
-      When ``must`` is not None it is the only character allowed; ``banned`` is then informational.
-    * ``banned``: u itself (no same character at the same position) and every character already in
-      the 下联 prefix at a position whose 上联 character differs from u (a repeat the 上联 lacks).
-
-    Past the 上联's end the answer is (None, set()): the caller ends the line there."""
+    Returns (must, banned) for position k = len(hanzi(lower_prefix)), facing u = hanzi(upper)[k].
+    ``must``: where u appeared earlier in the 上联, the 下联's character at u's first position there
+    (then the only one allowed); else None. ``banned``: u, and each prefix character whose 上联
+    character differs from u. Past the 上联's end, (None, set()): the caller ends the line."""
     return next_rule(hanzi(upper), hanzi(lower_prefix))
 
 

@@ -5,21 +5,17 @@
     leapfrog eval --model stories-diffusion --option num_blocks=3 --option threshold=0.9
                                           # its leapfrog.json makes `diffusion` the method
 
-stories:  validation loss / perplexity (teacher-forced on held-out stories); continuations of
-          held-out openings (temperature 0.7, top-p 0.9): rep-2 / rep-4 (and rep-4 of the stories'
-          own continuations), distinct-1/2, coherence (prompt vs continuation embeddings;
-          normalised: 1 = as coherent as the stories' own continuations, 0 = as another story's,
-          both cut to the model's length) and perplexity under a judge model.
-          A `diffusion` model gets no validation loss (it is no next-token predictor).
-couplets: validation loss / perplexity on held-out ``<s>上联<sep>下联</s>``; greedy 下联 for held-out
-          上联 sent raw: share with the 上联's length (all, and those of 16+ characters) and
-          character BLEU-4 against the reference.
-Both:     tokens per forward, acceptance length and output tokens/s of the generation run.
+stories:  validation loss / perplexity (not for a `diffusion` model); continuations of held-out
+          openings (T 0.7, top-p 0.9): rep-2 / rep-4 (and the stories' own rep-4), distinct-1/2,
+          coherence (normalised: 1 = as coherent as the stories' own continuations, 0 = as
+          another story's) and perplexity under a judge model.
+couplets: validation loss / perplexity; greedy 下联 for held-out 上联 sent raw: share with the
+          上联's length (all, and 16+ characters) and character BLEU-4 against the reference.
+Both:     tokens per forward, acceptance length and output tokens/s.
 
-The table goes to stdout, progress to stderr, everything (plus samples) to --json.
-Methods are compared on the same prompts and per-request seeds (seed + prompt index), so the
-text does not depend on batching: greedy `ar` and a greedy lossless method give the same text,
-sampled ones the same distribution (so their quality metrics agree within noise).
+The table goes to stdout, progress to stderr, everything (plus samples) to --json. Each prompt
+has its own seed (seed + prompt index), so a method's text does not depend on batching and a
+lossless method matches `ar` (greedy: the same text; sampled: the same distribution).
 """
 from __future__ import annotations
 

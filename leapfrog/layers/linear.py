@@ -101,24 +101,13 @@ def bf16_products_available() -> bool:
 
 
 def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
-    """Give every float32 CPU linear whose weights are exactly representable in float16 (a
-    float16 checkpoint loaded in float32, like the built-in models) a float16 copy for the
-    few-row kernel, which widens it back exactly while it streams: decoding a small model on a
-    CPU is bound by reading the weights, so this halves a decode step's matmul time and changes
-    no result. Larger products keep the float32 weights. The copy is ignored once the weight is
-    modified in place or replaced (training). Returns the number of layers given a float16 copy.
+    """Prepare every float32 CPU linear for the C++ few-row kernels; returns the float16 copies made.
 
-    Every such float32 CPU linear (up to PANEL_MAX_BYTES packed) also gets its weight packed
-    in column panels (float16 where exact, else float32) for the panel kernel, which every
-    product of up to PANEL_ROWS_MAX rows then uses: one chain of multiply-adds per output over
-    k in order, the same bits for a one-row decode step, a verify step or a batch, and cheaper
-    than the row-major kernel past a few rows.
-
-    precision="bfloat16" (the engine's matmul_precision) packs the panels in bfloat16 instead,
-    for every such linear, and no float16 copy: those products round each weight and activation
-    to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), still the same bits
-    whatever the row count, at about the cost of a one-row step up to 8-12 rows while the
-    weights stream from memory. Returns the number of float16 copies made."""
+    A weight exactly representable in float16 gets a float16 copy, widened exactly while it streams
+    (half the bytes, the same results); one up to PANEL_MAX_BYTES is also packed in column panels,
+    so every product of up to PANEL_ROWS_MAX rows has a one-row step's bits. precision="bfloat16"
+    packs bfloat16 panels instead, with no float16 copy. A copy is ignored once its weight changes.
+    (docs/decisions.md, "CPU performance")"""
     if precision not in ("float32", "bfloat16", "int8"):
         raise ValueError(f"matmul precision {precision!r}: expected float32, bfloat16 or int8")
     n = 0

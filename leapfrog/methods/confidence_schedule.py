@@ -152,32 +152,12 @@ class LinearFit:
 
 @dataclass(slots=True)
 class MeasuredCost:
-    """Step and drafting costs as this engine really sees them, the start-up profile filling in
-    what has not been measured yet. Two kinds of step are priced apart:
-
-    * a verify step at B batch tokens (the requests' last tokens and the drafts verified), which
-      runs layer by layer and samples and verifies in Python;
-    * a plain decode step of R requests, which is what a step that does not draft costs. On a
-      CPU with the decode loop that is a step of the loop (no Python per token), several times
-      cheaper than a verify step of the same width; pricing it as one (the same table) made
-      drafting look worth it where it was not.
-
-    For each kind: the average (exponential, `alpha`) of the steps measured at exactly that
-    width once `min_samples` were seen; between measured widths, interpolated; past them, the
-    nearest measured width plus the profile's difference times that kind's average ratio of
-    measured to profiled seconds (`scale`, `plain_scale`); with nothing measured, the profile
-    times that ratio. (The profile's one-row entry is a step of the decode loop when there is
-    one, its other entries layer-by-layer forwards.) Seconds of drafting for R requests: a
-    `LinearFit` a + b * R.
-
-    The start-up profile times a bare forward once, on whatever the machine was doing then. A
-    real step also schedules, samples and commits, and a machine that becomes busier or quieter
-    changes every cost, so decisions on the profile alone go wrong. Scaling the profile by one
-    factor is not enough either: its level and its shape vary from run to run, so the widths
-    the engine runs at are priced from their own measurements. Drafting grows with the requests
-    drafted for (one average would price drafting for one request at what many had cost). A
-    step far from the prediction (outside [1/ratio, ratio] times it: an idle gap between
-    requests, a stall) is not a sample."""
+    """Step and drafting costs as this engine measures them, the start-up profile filling in what
+    is not measured yet. Verify steps (by batch tokens B) and plain decode steps, which draft
+    nothing (by requests R), are priced apart; drafting for R requests is a `LinearFit` a + b * R.
+    `alpha` weighs the running averages, `min_samples` steps make a width's average count, and a
+    step outside [1/ratio, ratio] times its prediction is not a sample.
+    (docs/architecture.md, "methods/confidence_schedule.py")"""
     table: StepCostTable
     alpha: float = 0.1
     min_samples: int = 3
@@ -243,15 +223,10 @@ class MeasuredCost:
 class AcceptanceFeedback:
     """What verification showed against what the confidences predicted, for one request.
 
-    The confidence head is calibrated on average held-out text; a request whose text is more
-    (or less) predictable than that has its drafts accepted more (or less) often than its
-    survival row a_j says, and confidence scheduling, which prices every draft by a_j, then
-    verifies too few (or too many). For each draft position j this keeps decayed sums of the
-    predicted survival a_j and of the observed outcome (were the first j drafts all accepted?)
-    over the positions actually verified, and `correct` scales a new row by
-    (seen_j + prior) / (predicted_j + prior): `prior` pseudo-counts keep the ratio near 1
-    until a request has shown a few steps. The corrected row stays non-increasing and <= 1.
-    Only past steps enter it, so the decision stays non-anticipating (lossless)."""
+    Per draft position j: decayed sums of the predicted survival a_j and of the outcome (were the
+    first j drafts all accepted?); `correct` scales a row by (seen_j + prior) / (predicted_j + prior),
+    non-increasing and <= 1. Only past steps enter it, so decisions stay non-anticipating (lossless).
+    (docs/decisions.md, "Speculative decoding")"""
     decay: float = 0.9
     prior: float = 2.0
     predicted: list[float] = field(default_factory=list)

@@ -141,20 +141,10 @@ class ThresholdPolicy(VerifyPolicy):
 class ConfidencePolicy(VerifyPolicy):
     """`confidence`: DSpark's Algorithm 1 on survival rows corrected by each request's feedback
     (AcceptanceFeedback), priced by the step and drafting costs this engine measures
-    (MeasuredCost over a start-up profile, or over `step_costs` when given).
-
-    Drafting costs time whether or not its tokens are verified, so before drafting the policy
-    decides whether the step drafts at all (should_draft). A step that decided not to draft
-    re-probes (drafts anyway, to refresh the predictions the decision rests on) after
-    reprobe_steps skipped steps (fewer below 8 requests: first_wait); each probe that still
-    finds drafting not worth it doubles the wait, up to max_reprobe_steps. A change of batch
-    size re-plans at once (the costs depend on it) but keeps the wait: the predictions a probe
-    refreshes do not depend on the load, and with requests finishing one by one a reset would
-    probe (draft a whole batch for nothing) after every finish.
-
-    A probe also costs what it finds out: projecting every context row queued since the last
-    draft, drafting, and a verify step. Probes are held to `probe_budget` of the time: one is
-    deferred until the wall time since the last has grown to its measured cost / probe_budget."""
+    (MeasuredCost over a start-up profile, or over `step_costs` when given). Before drafting it
+    decides whether the step drafts at all; after declining it re-probes, the wait doubling
+    while drafting does not pay, and probes take at most `probe_budget` of the wall time.
+    (docs/architecture.md, "Verification policies")"""
     name = "confidence"
     needs_confidence = True
     reprobe_steps = 16

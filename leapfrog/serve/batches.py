@@ -1,19 +1,9 @@
 """Batch jobs: OpenAI's Batch API on the server and `leapfrog run-batch`, stored in SQLite.
 
-- Files (`POST /v1/files`, purpose `batch`) and batches (`POST /v1/batches`) live in one SQLite
-  database (WAL) under `batch_dir`, with every input line and, once it finishes, its result,
-  written in the transaction that marks it done. A crash or `kill -9` loses nothing finished;
-  lines in flight are redone once after the restart; the output file is written at the end from
-  the table, one line per input line, in input order, so none is duplicated.
-- Each line is one request of the run-batch format (vLLM's, OpenAI's): `custom_id`, `method`,
-  `url` (`/v1/chat/completions` or `/v1/completions`) and `body`, answered exactly as the
-  endpoint would answer it. A malformed line, an unknown url or a request the endpoint refuses
-  is that line's error; the batch goes on.
-- Batch work yields to live traffic: its lines run at background priority, which the scheduler
-  leaves out of every step while a live request is running or waiting (paused in the cache, or
-  preempted when a live request needs the place), and new lines start only after LIVE_QUIET_S
-  without live requests.
-- Files and batches belong to the API key that made them: another key gets 404.
+Each input line (vLLM's run-batch format) is answered exactly as its endpoint would answer it;
+its result is stored in the transaction that marks it done, so a crash loses nothing finished.
+Batch lines run at background priority and yield to live requests. Files and batches belong to
+the API key that made them (another key gets 404). (docs/decisions.md, "Batch jobs")
 """
 from __future__ import annotations
 

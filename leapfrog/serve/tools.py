@@ -1,15 +1,9 @@
 """Tool calling in OpenAI's format: `tools`, `tool_choice`, `parallel_tool_calls`.
 
-- The tools reach the model through its chat template when the template reads `tools`; else
-  through the fallback (Hermes's format, as vLLM's hermes parser reads it): a system-prompt block
-  listing the functions in <tools></tools>, calls written as <tool_call>{"name", "arguments"}
-  </tool_call>, and tool results as <tool_response></tool_response>.
-- `required` and a named function are enforced by constrained decoding (vLLM's way): a named
-  function's reply is its arguments object, a `required` reply a JSON array of {"name",
-  "parameters"} objects (MAX_PARALLEL_CALLS bounds them), each matching its tool's parameters
-  schema. So even a small model returns well-formed calls.
-- `auto` parses <tool_call> blocks (or a reply that is exactly one {"name", "arguments"} object)
-  out of free text; `none` leaves the reply as text."""
+Tools reach the model through its chat template, or else through Hermes's format (vLLM's hermes
+parser). `required` and a named function are enforced by constrained decoding, so even a small
+model returns well-formed calls; `auto` parses calls out of free text. (docs/decisions.md,
+"Structured outputs, tools and the chat page")"""
 from __future__ import annotations
 
 import json

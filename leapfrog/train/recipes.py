@@ -38,15 +38,11 @@ def _stories_base() -> TrainConfig:
 def stories() -> TrainConfig:
     """English TinyStories continuations: a 5.5M-parameter Llama, BPE vocabulary 4096, 98M tokens.
 
-    Data: TinyStories (Eldan & Li 2023), half of the windows from the public-domain children's
-    classics (training only; the tokenizer and the validation split are TinyStories'). 24,000
-    steps x 4,096 tokens (40x the first stories run's 2.46M), which repeats TinyStories' 1.0M
-    training tokens about 48 times and the classics' about 10: residual dropout 0.1 and weight
-    decay against overfitting. From step 21,000 on (the last eighth) the weights after every
-    step are averaged (SWA over the cosine tail); the mean is a candidate for the export, which
-    takes the best validation loss. The lean forward (train.fast), compiled, on every core.
-    Runs for hours: state.pt every 5 minutes, `--resume` continues the exact schedule. Writes runs/stories/model, which
-    `stories-polish` finishes into checkpoints/stories."""
+    Half the windows come from public-domain children's classics (training only); dropout and weight
+    decay counter the repeated data, and the weights of the last eighth are averaged (SWA) as one
+    more candidate for the best-validation export. Runs for hours: `--resume` continues the exact
+    schedule. Writes runs/stories/model, which the polish stages (`stories-polish` on) finish into
+    checkpoints/stories. (docs/models.md, "stories")"""
     cfg = _stories_base()
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories" / "model")
     cfg.batch_size, cfg.max_steps, cfg.warmup_steps = 16, 24000, 500
@@ -114,15 +110,10 @@ def stories_context() -> TrainConfig:
 def stories_large() -> TrainConfig:
     """stories-large trained further: a rank-16 low-rank delta over the grown weights.
 
-    The model of checkpoints/stories-large (stories grown 4x wider and 2x deeper, 146M
-    parameters) rebuilt in memory, frozen, with a trainable W + B @ A on every attention and MLP
-    projection (3.6M parameters, 7 MB as float16); B starts as small noise so the grown copies
-    drift apart (leapfrog.train.large). The stories data and mix, truecased as `stories-context`
-    reads it; 200 steps x 2,048 tokens, as 4 windows of the whole 512-token context (positions
-    `stories` learnt in its last stage), at 1e-3; validation from step 0, and the delta of the best
-    validation loss is exported, so the model is never worse than stories on held-out text.
-    Writes delta.safetensors, training.json and loss.png into checkpoints/stories-large, points
-    its build.json at the delta and rewrites its SHA256SUMS."""
+    The grown model rebuilt in memory and frozen, with a trainable W + B @ A on every attention and
+    MLP projection; B starts as small noise so the grown copies drift apart (leapfrog.train.large).
+    The best validation loss's delta is exported into checkpoints/stories-large, whose build.json
+    and SHA256SUMS are updated to it. (docs/models.md, "stories-large")"""
     cfg = stories()
     folder = REPO_ROOT / "checkpoints" / "stories-large"
     cfg.recipe, cfg.out_dir, cfg.run_dir = "stories-large", str(folder), str(REPO_ROOT / "runs" / "stories-large")
@@ -137,14 +128,10 @@ def stories_large() -> TrainConfig:
 def stories_moe() -> TrainConfig:
     """stories as a mixture of experts (Qwen3-MoE, 8 experts of width 192, 2 per token), 9.8M tokens.
 
-    Every MLP is 8 SwiGLU experts, 2 per token (9.3M parameters, 4.0M active per token, against
-    the dense model's 5.5M). Same data, tokenizer spec, seed and classics mix as `stories`,
-    hence the same tokenizer and token streams and a comparable validation loss. The training
-    loss includes the router's load-balancing term (weight 0.01). 2,400 steps x 4,096 tokens on
-    every core (transformers' forward: the lean one covers dense Llama only), the best
-    validation weights exported. Writes checkpoints/stories-moe (the folder shipped before it
-    was trained by the 600-step recipe with `--steps 300`, the command its training.json
-    records)."""
+    Same data, tokenizer spec, seed and classics mix as `stories`, so the validation losses compare;
+    the loss includes the router's load-balancing term. transformers' forward (the lean one covers
+    dense Llama only); the best validation weights go to checkpoints/stories-moe.
+    (docs/models.md, "stories-moe")"""
     cfg = _stories_base()
     cfg.recipe = "stories-moe"
     cfg.out_dir = str(REPO_ROOT / "checkpoints" / "stories-moe")
@@ -168,18 +155,11 @@ def _in_runs(cfg: TrainConfig, recipe: str) -> None:
 def couplets() -> TrainConfig:
     """Chinese couplets, 上联 -> 下联 and 关键词 -> 上联/下联/横批: one plain run, 6 layers, 16M tokens.
 
-    One token per character (max piece length 1), <sep> between the sides; the tokenizer ends
-    every encoded prompt with <sep> (leapfrog.data.couplets), and the export lists <sep> under
-    generation_config.json's suppress_tokens (no completion holds one). A character outside the
-    vocabulary is one <unk> (no byte fallback), so a 上联 is as many tokens as characters.
-    Pairs whose 上联 has 8+ characters are seen 3x (``long_repeats``); 10,000 pairs get 1-2
-    characters outside the vocabulary (``rare_chars``). 8,000 steps x 2,048 tokens with residual
-    dropout 0.1 (the 4.0M-token stream about 4 times over), the last weights exported (the best-
-    validation ones, step 2,000, wrote 60% of keyword couplets well formed against 92.5%);
-    the lean forward, compiled, on every core; state.pt every 5 minutes.
-    Coupled positions: the rotary positions restart after an example's first <sep>, so the
-    下联's j-th character sits at the position of the 上联's j-th (Cho et al. 2024); the export
-    declares it in leapfrog.json and the engine decodes with it. Writes checkpoints/couplets."""
+    One token per character, so a 上联 is as many tokens as characters (no byte fallback: an unknown
+    one is <unk>); <sep> ends every prompt and is never generated. Coupled positions: rotary
+    positions restart after the first <sep>, so the 下联's j-th character sits at the 上联's j-th
+    position, which the export declares in leapfrog.json. The last weights go to checkpoints/couplets.
+    (docs/models.md, "couplets")"""
     return TrainConfig(
         name="couplets",
         out_dir=str(REPO_ROOT / "checkpoints" / "couplets"),

@@ -1,24 +1,18 @@
 """`leapfrog bench --suite train`: the training loop's speed, old against new, on one recipe.
 
-It lives with training (the benchmark package and the training package stay independent); the
-`leapfrog` command routes `bench --suite train` here.
+Every variant trains ``--recipe`` (dropout off) from the same weights on the same batches, each
+in its own process, for ``--train-steps`` timed steps after ``--warm-steps`` untimed ones (which
+include compilation). Variants:
 
-Every variant trains the same recipe (``--recipe``, default ``stories``: its data, shape, batch
-and mix, dropout off so the curves compare) from the same initial weights on the same batches,
-each in its own process with its own thread count, for ``--train-steps`` optimizer steps after
-``--warm-steps`` untimed ones (a compiled step is compiled in those). Variants:
-
-  hf-1t        the loop before this suite existed: transformers' forward, AdamW unfused, one thread
-  hf           the same on ``--threads`` threads
-  fast         train.fast's forward and fused AdamW, ``--threads``
-  fast-compiled  the same, the step compiled by torch.compile (the recipe's setting)
+  hf-1t               transformers' forward, AdamW unfused, one thread (the loop before this suite)
+  hf                  the same on ``--threads`` threads
+  fast                train.fast's forward and fused AdamW, ``--threads``
+  fast-compiled       the same, the step compiled by torch.compile (the recipe's setting)
   fast-compiled-bf16  the same under bfloat16 autocast (float32 master weights)
 
-Reported: tokens/s and the ratio to ``hf-1t``; the warm-up steps' seconds (process start, data,
-compilation); the achieved matrix-multiply FLOP/s (6 x the
-parameters that multiply + 6 x layers x width x window for causal attention, per token); and
-the loss curve of each variant against ``hf-1t``'s, step by step (the same curve up to float
-rounding, or the variant is not the same training).
+Reported: tokens/s and the ratio to ``hf-1t``; the warm-up's seconds; matrix-multiply FLOP/s
+(per token, 6 x the parameters that multiply + 6 x layers x width x window for attention); and
+each variant's loss curve against ``hf-1t``'s, which must agree up to float rounding.
 """
 from __future__ import annotations
 
