@@ -171,7 +171,11 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
                    mask_id: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked-token CE of a transformers Llama on a packed batch: (loss, parts). Parts hold the
     mean CE of each view kind and the number of targets it had (a kind with none is left out).
-    A model with a mask stream (train.mask_stream) runs its two-stream forward (``mask_id``)."""
+    A model with a mask stream (train.mask_stream) runs its two-stream forward (``mask_id``). A
+    training MoE adds its router's load-balancing loss (router_aux_loss_coef), as next-token
+    training does; the parts report it as ``balance``."""
+    balance = model.training and getattr(model.config, "num_experts", 0) > 0 \
+        and getattr(model, "mask_stream", None) is None
     with autocast(dtype):
         if getattr(model, "mask_stream", None) is not None:
             # deferred: mask_stream loads only for two-stream models
@@ -179,8 +183,10 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
             hidden = mask_stream.hidden_states(model, batch.input_ids, batch.position_ids,
                                                batch.attn_mask, mask_id)
         else:
-            hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 attention_mask=batch.attn_mask, use_cache=False).last_hidden_state
+            out = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                              attention_mask=batch.attn_mask, use_cache=False,
+                              **({"output_router_logits": True} if balance else {}))
+            hidden = out.last_hidden_state
         logits = model.lm_head(hidden.flatten(0, 1)[batch.src])   # only rows that predict a target
     ce = F.cross_entropy(logits.float(), batch.targets, reduction="none")
     terms, parts = {}, {}
@@ -189,11 +195,18 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
         if sel.any():
             terms[name] = ce[sel].mean()
             parts[name], parts[f"{name}_targets"] = terms[name].item(), int(sel.sum())
+    extra = 0.0
+    if balance:
+        # deferred: transformers is heavy and loads only when an MoE trains
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+        aux = load_balancing_loss_func(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
+        extra = model.config.router_aux_loss_coef * aux
+        parts["balance"] = float(aux)
     if not terms:                                   # nothing masked: zero, still in the graph
-        return hidden.sum() * 0.0, parts
+        return hidden.sum() * 0.0 + extra, parts
     if len(terms) == 1:
-        return next(iter(terms.values())), parts
-    return (1 - multi_weight) * terms["single"] + multi_weight * terms["multi"], parts
+        return next(iter(terms.values())) + extra, parts
+    return (1 - multi_weight) * terms["single"] + multi_weight * terms["multi"] + extra, parts
 
 
 class DiffusionObjective:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from leapfrog.train import large
+from leapfrog.train.clover import grow_experts
 from leapfrog.train.diffusion import DiffusionObjective, DiffusionSpec, contract
 from leapfrog.train.distill import DistillSpec, distilled
 from leapfrog.train.large import LoraSpec, export_delta, trainable_state
@@ -94,6 +95,7 @@ class TrainConfig:
     ckpt_minutes: float = 0.0                   # > 0: also save state.pt this often (wall clock)
     keep_best: bool = False                     # export the weights of the best validation loss
     lora: LoraSpec | None = None                # train a grown recipe's model as a low-rank delta
+    grow_experts: tuple[int, int, float] | None = None   # (experts, top_k, noise): init_from's MoE grown (clover)
     # > 0: add this weight times the token-level unlikelihood of the window's earlier tokens
     # (Welleck et al. 2019; fast forward only); validation still reports the cross-entropy.
     unlikelihood: float = 0.0
@@ -161,18 +163,26 @@ def build_model(shape: ModelShape, vocab_size: int, bos_id: int = 1, eos_id: int
 
 
 def load_pretrained(folder: str):
-    """An HF Llama folder as an fp32 transformers model, and its shape as a ModelShape."""
+    """An HF Llama or Qwen3-MoE folder as an fp32 transformers model, and its shape as a ModelShape."""
     # deferred: transformers is heavy and loads only when a folder is loaded
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    c = model.config
-    shape = ModelShape(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                       num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                       intermediate_size=c.intermediate_size, max_position=c.max_position_embeddings,
-                       rope_theta=(c.rope_parameters or {}).get("rope_theta", 10000.0),
-                       tie_embeddings=c.tie_word_embeddings)
-    return model, shape
+    moe = json.loads((Path(folder) / "config.json").read_text()).get("model_type") == "qwen3_moe"
+    cls = Qwen3MoeForCausalLM if moe else LlamaForCausalLM
+    model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    return model, shape_of(model.config)
+
+
+def shape_of(c) -> ModelShape:
+    """A transformers config's shape."""
+    return ModelShape(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                      num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                      intermediate_size=c.intermediate_size, max_position=c.max_position_embeddings,
+                      rope_theta=(c.rope_parameters or {}).get("rope_theta", 10000.0),
+                      tie_embeddings=c.tie_word_embeddings, num_experts=getattr(c, "num_experts", 0) or 0,
+                      num_experts_per_tok=getattr(c, "num_experts_per_tok", 2),
+                      moe_intermediate_size=getattr(c, "moe_intermediate_size", 0) or 0,
+                      router_aux_loss_coef=getattr(c, "router_aux_loss_coef", 0.01))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -427,6 +437,10 @@ def _model_and_tokenizer(cfg: TrainConfig, prep):
         tok = AutoTokenizer.from_pretrained(cfg.init_from)
         _check_same_vocab(tok, AutoTokenizer.from_pretrained(prep.tokenizer_dir), cfg.init_from)
         model, cfg.model = load_pretrained(cfg.init_from)
+        if cfg.grow_experts is not None:     # sparse upcycling: more experts, copies of init_from's
+            experts, top_k, noise = cfg.grow_experts
+            model = grow_experts(model, experts, top_k, noise, cfg.seed)
+            cfg.model = shape_of(model.config)
     else:
         tok = AutoTokenizer.from_pretrained(prep.tokenizer_dir)
         model = build_model(cfg.model, len(tok), tok.bos_token_id, tok.eos_token_id)

@@ -260,6 +260,46 @@ def stories_diffusion_stream() -> TrainConfig:
     return cfg
 
 
+CLOVER_EXPERTS = (32, 2, 0.01)      # experts, per token, the copies' noise: about a tenth active
+
+
+def stories_clover() -> TrainConfig:
+    """stories-clover stage 1: stories-moe grown to 32 experts, 2 per token, then block diffusion.
+
+    Sparse upcycling: each of stories-moe's 8 experts copied 4 times (the copies and their router
+    rows perturbed by 1%), then stories-diffusion's stage 1 objective. Writes
+    runs/stories-clover/model (docs/models.md, "stories-clover")."""
+    cfg = _diffusion_stage(
+        _stories_base(), "stories-clover", init_from=stories_moe().out_dir,
+        out_dir=REPO_ROOT / "runs" / "stories-clover" / "model",
+        spec=DiffusionSpec(block_size=4, shift=True, complementary=True),
+        max_steps=300, lr=1e-3, min_lr=1e-4, warmup_steps=30)
+    cfg.grow_experts = CLOVER_EXPERTS
+    return cfg
+
+
+def stories_clover_mb() -> TrainConfig:
+    """stories-clover stage 2: multi-block (MultiTF) post-training of stage 1, as stories-diffusion-mb."""
+    cfg = stories_diffusion_mb()
+    cfg.recipe, cfg.init_from = "stories-clover-mb", stories_clover().out_dir
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-mb" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-mb")
+    return cfg
+
+
+def stories_clover_distill() -> TrainConfig:
+    """stories-clover stage 3: stage 2 on its AR parent's (stories-moe's) own continuations,
+    single-block and MultiTF; writes runs/stories-clover-distill/model, which export_llada2 turns
+    into the shipped LLaDA2-MoE folder."""
+    cfg = stories_diffusion_distill()
+    cfg.recipe, cfg.init_from = "stories-clover-distill", stories_clover_mb().out_dir
+    cfg.distill = DistillSpec(parent=stories_moe().out_dir)
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-distill" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-distill")
+    cfg.max_steps = 1200
+    return cfg
+
+
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -299,6 +339,8 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion-distill": stories_diffusion_distill,
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-stream": stories_diffusion_stream,
+    "stories-clover": stories_clover, "stories-clover-mb": stories_clover_mb,
+    "stories-clover-distill": stories_clover_distill,
 }
 
 
