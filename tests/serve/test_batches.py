@@ -323,3 +323,28 @@ def test_the_scheduler_runs_background_work_only_without_live_work(llama_dir):
     assert outs[live] == alone["Once upon"]
     assert [outs[r] for r in bg] == [alone["The cat"], alone["A dog"]]
     assert eng.scheduler.num_background_paused > 0 and eng.scheduler.num_preemptions > 0
+
+
+def test_only_live_requests_interrupt_the_engine():
+    """The server's submit raises the engine's interrupt flag for live requests, not for batch lines."""
+    import asyncio
+
+    from leapfrog import SamplingParams
+    from leapfrog.sampling_params import BACKGROUND_PRIORITY
+    from leapfrog.serve.engine_thread import AsyncEngine
+    from leapfrog.serve.metrics import ServerMetrics
+
+    class Engine:
+        calls = 0
+
+        def interrupt_background(self):
+            Engine.calls += 1
+
+    eng = AsyncEngine(lambda: None, ServerMetrics("tiny"))
+    eng.engine = Engine()
+    sink: asyncio.Queue = asyncio.Queue()
+    eng.submit([1, 2], SamplingParams(max_tokens=1), sink, priority=BACKGROUND_PRIORITY)
+    assert Engine.calls == 0
+    eng.submit([1, 2], SamplingParams(max_tokens=1), sink, priority=0)
+    eng.submit([1, 2], SamplingParams(max_tokens=1), sink, priority=5)
+    assert Engine.calls == 2
