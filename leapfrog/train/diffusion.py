@@ -201,7 +201,7 @@ def diffusion_loss(model, batch: DiffusionBatch, dtype: str = "fp32", multi_weig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
         aux = load_balancing_loss_func(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
         extra = model.config.router_aux_loss_coef * aux
-        parts["balance"] = float(aux)
+        parts["balance"] = aux.detach().item()
     if not terms:                                   # nothing masked: zero, still in the graph
         return hidden.sum() * 0.0 + extra, parts
     if len(terms) == 1:
