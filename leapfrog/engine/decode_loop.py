@@ -83,7 +83,7 @@ class MultiStep:
         anchors = self.runner.model.loop_anchors(seqs)
         call = LoopCall(tokens, positions, tables, t(plan.budgets), anchors=None if anchors is None else t(anchors))
         # A request arriving cuts the call short: before its next step, or (only background rows)
-        # at its next layer.
+        # at its next barrier inside a step.
         call.interrupt, call.interrupt_mid_step = self.runner.interrupt, all(s.background for s in seqs)
         self.num_calls += 1
         if plan.logits_only:

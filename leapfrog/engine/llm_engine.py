@@ -103,6 +103,7 @@ class LLMEngine:
                              f"method {method!r} feeds {step} query tokens per sequence and step")
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
+        self.runner.interruptible = max(tp_size(), pp_size()) == 1
         if (self.config.kv_spill_bytes or self.config.kv_remote_url) and max(tp_size(), pp_size()) > 1:
             # The second and third tiers decide by clock (TTL) and by what other processes
             # published: ranks could decide differently, and their schedules must not.
@@ -257,7 +258,7 @@ class LLMEngine:
 
     def interrupt_background(self) -> None:
         """(Any thread.) Live work arrived: a step of only background rows that is running stops
-        at its next layer boundary, so the live request waits for a layer, not a step."""
+        at its next barrier, and a live multi-step decode call before its next step."""
         self.runner.interrupt.numpy()[0] = 1
 
     def clear_interrupt(self) -> None:

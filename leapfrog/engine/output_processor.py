@@ -38,7 +38,7 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     num_finished: int = 0
-    num_interrupted_steps: int = 0      # background steps abandoned for live work
+    num_interrupted_steps: int = 0      # background steps abandoned for live work, nothing kept
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from leapfrog.layers.attention import AttnGroup, AttnMetadata
 from leapfrog.layers.cpu_kernels import cpu_kernels
-from leapfrog.layers.parallel import pp_size, recv_wait_seconds, world_size
+from leapfrog.layers.parallel import pp_size, recv_wait_seconds
 from leapfrog.methods.base import Batch, ScheduledSeq, StepOutput
 
 
@@ -31,8 +31,11 @@ class ModelRunner:
         self.cpu_decode_kernel = False
         self.pipeline_stats = PipelineStats()
         # Set (by any thread) when live work arrives: a step of only background rows stops at its
-        # next layer boundary (StepInterrupted, or a decode loop call keeping its finished steps).
+        # next barrier (StepInterrupted, or a decode loop call keeping its finished steps). Only
+        # the engine's own runner, in a single process, is interruptible (ranks would have to stop
+        # together; a drafter's runner is driven by its method).
         self.interrupt = torch.zeros(1, dtype=torch.int32)
+        self.interruptible = False
         if device.type == "cpu":
             self.cpu_decode_kernel = cpu_kernels() is not None
 
@@ -145,8 +148,7 @@ class ModelRunner:
         if pp_size() > 1 and len(batch.seqs) > 1 and hasattr(self.model, "stage_forward"):
             return self._run_pipelined(batch)
         ids, pos, meta, logit_rows = self.prepare(batch)
-        # (ranks would have to stop together; a drafter's runner feeds entries, not requests)
-        if world_size() == 1 and all(getattr(s.seq, "background", False) for s in batch.seqs):
+        if self.interruptible and all(s.seq.background for s in batch.seqs):
             meta.interrupt = self.interrupt
         hidden, captured = self.model(ids, pos, meta, batch.capture_layers)
         logits = self.model.compute_logits(hidden[logit_rows])

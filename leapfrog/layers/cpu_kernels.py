@@ -86,7 +86,7 @@ def cpu_kernels():
 
 _NO_BITS = torch.empty(0, 0, dtype=torch.int32)
 _NO_ROWS = torch.empty(0, dtype=torch.uint8)
-_NO_FLAG = torch.empty(0, dtype=torch.int32)
+NO_FLAG = torch.empty(0, dtype=torch.int32)    # DecodeLoop.run / forward without an interrupt flag
 
 
 @dataclass(slots=True)
@@ -111,7 +111,7 @@ class LoopCall:
     # called before each step's sampling with (tokens so far, produced) to fill the masked rows
     masks: tuple | None = None
     # int32 [1] set by another thread when new work arrives: the call stops before its next step
-    # (with interrupt_mid_step, at its next layer boundary); the steps finished stand
+    # (with interrupt_mid_step, at its next barrier inside a step); the steps finished stand
     interrupt: torch.Tensor | None = None
     interrupt_mid_step: bool = False
 
@@ -128,4 +128,4 @@ class LoopCall:
                         list(self.capture_layers),
                         torch.empty(0, dtype=torch.long) if self.anchors is None else self.anchors,
                         *(self.masks or (_NO_BITS, _NO_ROWS, None)),
-                        _NO_FLAG if self.interrupt is None else self.interrupt, self.interrupt_mid_step)
+                        NO_FLAG if self.interrupt is None else self.interrupt, self.interrupt_mid_step)

@@ -15,7 +15,7 @@ from torch import nn
 
 from leapfrog.layers import parallel as tp
 from leapfrog.layers.attention import Attention, AttnMetadata, StepInterrupted
-from leapfrog.layers.cpu_kernels import cpu_inference, cpu_kernels
+from leapfrog.layers.cpu_kernels import NO_FLAG, cpu_inference, cpu_kernels
 from leapfrog.layers.linear import (Linear, PackedLinear, embedding_panels, kernel_bias, kernel_panels,
                                     kernel_weight,
                                     skinny_rows_max)
@@ -142,7 +142,6 @@ _EMPTY = torch.empty(0)
 _FUSED_LAYERS = os.environ.get("LEAPFROG_FUSED_LAYERS", "1") != "0"
 # LEAPFROG_DECODE_LOOP=0 also keeps forwards of query rows layer by layer (see engine/decode_loop.py).
 _FORWARD_LOOP = os.environ.get("LEAPFROG_DECODE_LOOP", "1") != "0"
-_NO_FLAG = torch.empty(0, dtype=torch.int32)       # DecodeLoop.forward without an interrupt flag
 
 
 def fused_rows(x: torch.Tensor, meta: AttnMetadata | None) -> bool:
@@ -291,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
                 taps = sorted({i for i in capture_layers if 0 <= i < len(self.model.layers)})
                 hidden, cap = loop.forward(input_ids.reshape(-1), positions.reshape(-1), meta.slot_mapping,
                                            g.block_tables, g.ctx_lens, taps,
-                                           _NO_FLAG if meta.interrupt is None else meta.interrupt)
+                                           NO_FLAG if meta.interrupt is None else meta.interrupt)
                 if hidden.shape[0] != x.shape[0]:
                     raise StepInterrupted
                 return hidden, [cap[:, c] for c in range(len(taps))]

@@ -52,7 +52,7 @@ ENGINE_COUNTERS = {
     "prefix_cache_tier3_hits": "Prompt tokens of those found in its third tier, shared between replicas (kv_remote_url).",
     "engine_steps": "Engine steps (batched forward passes).",
     "engine_interrupted_steps": "Steps and multi-step decode calls cut short for a request that arrived "
-                                "(background steps are abandoned at a layer boundary).",
+                                "(background steps are abandoned part-way).",
 }
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import math
+
 import pytest
 import torch
-import transformers
 
 from conftest import VOCAB, write_tokenizer
 from leapfrog.models.loader import load_model
@@ -75,7 +76,7 @@ def test_top1_has_no_llada2_equivalent(tmp_path):
     tiny_moe(top_k=1).save_pretrained(folder)
     with pytest.raises(ValueError, match="renormalises"):
         export_llada2(folder, tmp_path / "out")
-    assert transformers.__version__                      # (the folder was written by transformers)
+    assert not (tmp_path / "out").exists()                # nothing half-written
 
 
 def test_toy_clover_pipeline_grows_trains_exports_and_decodes(tmp_path):
@@ -103,7 +104,9 @@ def test_toy_clover_pipeline_grows_trains_exports_and_decodes(tmp_path):
         result = train(two)
     finally:
         data.CACHE_DIR = old
-    assert result["val_loss"] == result["val_loss"]          # finite, trained
+    assert math.isfinite(result["val_loss"])
+    history = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)["history"]
+    assert len(history["train"]) == 4                         # the grown model trained its steps
     cfg = json.loads((tmp_path / "clover" / "config.json").read_text())
     assert cfg.get("num_experts", cfg.get("num_local_experts")) == 8 and cfg["block_size"] == 4
     llada = export_llada2(tmp_path / "clover", tmp_path / "clover-llada2")
