@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from leapfrog.train.export import write_sha256sums
+
 EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # transformers' fused [E, ...]
 
 
@@ -103,4 +105,14 @@ def export_llada2(folder: str | Path, out: str | Path) -> Path:
     for f in folder.iterdir():            # tokenizer, generation config, model card, leapfrog.json
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "SHA256SUMS"):
             shutil.copy2(f, out / f.name)
+    card = out / "README.md"
+    if card.is_file():                    # the training's card describes the Qwen3-MoE it trained
+        card.write_text(f"# {out.name}: a block-diffusion mixture of experts in LLaDA2-MoE's layout\n\n"
+                        f"Written by `leapfrog.train.clover.export_llada2` from `{folder.name}`, the "
+                        "Qwen3-MoE folder its training saved (card below): the same weights and function, "
+                        "with LLaDA2-MoE's names (`LLaDA2MoeModelLM`: fused `query_key_value`, "
+                        "`word_embeddings`, `dense`), softmax routing without groups or shared experts, "
+                        "a zero expert bias and an untied head.\n\n"
+                        + card.read_text().replace("# ", "## ", 1))
+    write_sha256sums(out)
     return out

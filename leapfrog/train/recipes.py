@@ -300,6 +300,18 @@ def stories_clover_distill() -> TrainConfig:
     return cfg
 
 
+
+def stories_clover_distill2() -> TrainConfig:
+    """stories-clover stage 4: stage 3 continued on the same cached stream at a lower learning
+    rate (3e-4 cosine to 3e-5), as stories-diffusion's stage 4; writes
+    runs/stories-clover-distill2/model, the folder export_llada2 ships."""
+    cfg = stories_clover_distill()
+    cfg.recipe, cfg.init_from = "stories-clover-distill2", cfg.out_dir
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-distill2" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-distill2")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
+    return cfg
+
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -340,7 +352,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion-distill2": stories_diffusion_distill2,
     "stories-diffusion-stream": stories_diffusion_stream,
     "stories-clover": stories_clover, "stories-clover-mb": stories_clover_mb,
-    "stories-clover-distill": stories_clover_distill,
+    "stories-clover-distill": stories_clover_distill, "stories-clover-distill2": stories_clover_distill2,
 }
 
 

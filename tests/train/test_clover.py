@@ -13,6 +13,7 @@ import torch
 from conftest import VOCAB, write_tokenizer
 from leapfrog.models.loader import load_model
 from leapfrog.train.clover import export_llada2, grow_experts
+from leapfrog.train.export import verify_sha256sums
 from leapfrog.train.loop import ModelShape, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,6 +63,7 @@ def test_llada2_export_loads_with_the_same_logits(tmp_path):
     llada = export_llada2(qwen, tmp_path / "llada2")
     exported = json.loads((llada / "config.json").read_text())
     assert exported["architectures"] == ["LLaDA2MoeModelLM"] and exported["block_size"] == 4
+    assert (llada / "SHA256SUMS").is_file() and verify_sha256sums(llada) == []    # checked on every load
     ids = torch.randint(0, VOCAB, (1, 21))
     with torch.no_grad():
         theirs = model(ids).logits
