@@ -31,7 +31,7 @@ DIFFUSION := stories-diffusion stories-diffusion-mb stories-diffusion-distill st
 # The models the benchmarks measure first; then couplets (nothing derives from it); last the two
 # drafter variants only the comparison tables use (nothing grows from them).
 models: $(DONE)/stories-large $(DONE)/stories-diffusion-stream $(DONE)/stories-moe $(DONE)/couplets \
-	$(DONE)/drafter-variants   ## retrain the built-in models (resumable)
+	$(DONE)/stories-clover $(DONE)/drafter-variants   ## retrain the built-in models (resumable)
 
 $(DONE)/stories-run: | setup
 	$(LF) train stories --resume
@@ -51,6 +51,15 @@ $(DONE)/stories: $(DONE)/stories-unrepeat
 
 $(DONE)/stories-moe: | $(DONE)/stories
 	$(LF) train stories-moe --resume
+	@touch $@
+
+# stories-clover: stories-moe grown to 32 experts, then the block-diffusion stages; stage 3 ships,
+# written in LLaDA2-MoE's layout (docs/models.md, "stories-clover").
+$(DONE)/stories-clover: $(DONE)/stories-moe
+	$(LF) train stories-clover --threads 2 --resume
+	$(LF) train stories-clover-mb --threads 2 --resume
+	$(LF) train stories-clover-distill --threads 2 --resume
+	$(PY) -m leapfrog.train.clover runs/stories-clover-distill/model checkpoints/stories-clover
 	@touch $@
 
 $(DONE)/couplets: | $(DONE)/stories

@@ -108,11 +108,34 @@ def export_llada2(folder: str | Path, out: str | Path) -> Path:
     card = out / "README.md"
     if card.is_file():                    # the training's card describes the Qwen3-MoE it trained
         card.write_text(f"# {out.name}: a block-diffusion mixture of experts in LLaDA2-MoE's layout\n\n"
-                        f"Written by `leapfrog.train.clover.export_llada2` from `{folder.name}`, the "
-                        "Qwen3-MoE folder its training saved (card below): the same weights and function, "
+                        "Written by `leapfrog.train.clover.export_llada2` from the Qwen3-MoE folder its "
+                        "training saved (card below): the same weights and function, "
                         "with LLaDA2-MoE's names (`LLaDA2MoeModelLM`: fused `query_key_value`, "
                         "`word_embeddings`, `dense`), softmax routing without groups or shared experts, "
                         "a zero expert bias and an untied head.\n\n"
                         + card.read_text().replace("# ", "## ", 1))
     write_sha256sums(out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m leapfrog.train.clover QWEN3_MOE_FOLDER OUT`: export_llada2 from the command line
+    (how `make models` ships stories-clover)."""
+    # deferred: argparse and sys only for the command line
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m leapfrog.train.clover",
+                                description="Write a trained Qwen3-MoE block-diffusion folder in LLaDA2-MoE's layout.")
+    p.add_argument("folder", help="the Qwen3-MoE folder `leapfrog train` saved")
+    p.add_argument("out", help="the LLaDA2-MoE folder to write")
+    args = p.parse_args(argv)
+    try:
+        print(export_llada2(args.folder, args.out))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

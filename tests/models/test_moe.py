@@ -256,9 +256,10 @@ def llada2_reference(w: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
                                  w[prefix + "down_proj.weight"])
 
     spec = MoESpec(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
-                   intermediate_size=cfg["moe_intermediate_size"], scoring="sigmoid", norm_topk_prob=True,
-                   routed_scaling_factor=cfg["routed_scaling_factor"], num_groups=cfg["n_group"],
-                   topk_groups=cfg["topk_group"])
+                   intermediate_size=cfg["moe_intermediate_size"], scoring=cfg.get("score_function", "sigmoid"),
+                   norm_topk_prob=True, routed_scaling_factor=cfg["routed_scaling_factor"],
+                   num_groups=cfg["n_group"], topk_groups=cfg["topk_group"])
+    shared = cfg.get("num_shared_experts", 0)
     x = w["model.word_embeddings.weight"][ids]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     for n in range(cfg["num_hidden_layers"]):
@@ -275,7 +276,8 @@ def llada2_reference(w: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
             x = x + torch.stack([mlp(p + "mlp.")(ht) for ht in h])
         else:
             x = x + naive_moe(h, spec, w[p + "mlp.gate.weight"], lambda e, xt: mlp(p + f"mlp.experts.{e}.")(xt),
-                              shared=mlp(p + "mlp.shared_experts."), expert_bias=w[p + "mlp.gate.expert_bias"])
+                              shared=mlp(p + "mlp.shared_experts.") if shared else None,
+                              expert_bias=w[p + "mlp.gate.expert_bias"])
     return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
@@ -307,6 +309,21 @@ def test_llada2_layout_equals_reference(tmp_path, layout):
     ids = torch.randint(0, VOCAB, (1, 33))
     ref = llada2_reference(tensors, LLADA2, ids[0])
     torch.testing.assert_close(model.forward_dense(ids)[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_shipped_stories_clover_equals_the_reference():
+    """The built-in block-diffusion MoE (LLaDA2-MoE layout, softmax routing, 32 experts, 2 a
+    token, no shared expert) read by the loader computes the reference's logits from its raw
+    tensors: expert routing token by token in Python floats."""
+    folder = Path(__file__).resolve().parents[2] / "checkpoints" / "stories-clover"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LLaDA2MoeModelLM"] and cfg["score_function"] == "softmax"
+    tensors = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    model = load_model(folder)
+    assert type(model.model.layers[0].mlp).__name__ == "SparseMoE"
+    ids = torch.tensor([1, 436, 349, 261, 1005, 28, 319, 397, 262, 3074, 310, 269, 1177, 29, 2111, 16, 1])
+    ref = llada2_reference(tensors, cfg, ids)
+    torch.testing.assert_close(model.forward_dense(ids[None])[0], ref, atol=2e-4, rtol=2e-4)
 
 
 def test_llada2_generates_through_the_engine(tmp_path):
