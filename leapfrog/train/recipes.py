@@ -278,9 +278,18 @@ def stories_clover() -> TrainConfig:
     return cfg
 
 
+def _grown_shape(cfg: TrainConfig) -> TrainConfig:
+    """The shape stage 1 grew (CLOVER_EXPERTS experts of stories-moe's width), which the later
+    stages read from their starting folder: stated here so that the recipe is the config that ran."""
+    moe = stories_moe().model
+    cfg.model.num_experts, cfg.model.num_experts_per_tok = CLOVER_EXPERTS[0], CLOVER_EXPERTS[1]
+    cfg.model.moe_intermediate_size = moe.moe_intermediate_size
+    return cfg
+
+
 def stories_clover_mb() -> TrainConfig:
     """stories-clover stage 2: multi-block (MultiTF) post-training of stage 1, as stories-diffusion-mb."""
-    cfg = stories_diffusion_mb()
+    cfg = _grown_shape(stories_diffusion_mb())
     cfg.recipe, cfg.init_from = "stories-clover-mb", stories_clover().out_dir
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-mb" / "model")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-mb")
@@ -291,7 +300,7 @@ def stories_clover_distill() -> TrainConfig:
     """stories-clover stage 3: stage 2 on its AR parent's (stories-moe's) own continuations,
     single-block and MultiTF; writes runs/stories-clover-distill/model, which export_llada2 turns
     into the shipped LLaDA2-MoE folder."""
-    cfg = stories_diffusion_distill()
+    cfg = _grown_shape(stories_diffusion_distill())
     cfg.recipe, cfg.init_from = "stories-clover-distill", stories_clover_mb().out_dir
     cfg.distill = DistillSpec(parent=stories_moe().out_dir)
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-distill" / "model")
