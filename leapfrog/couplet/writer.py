@@ -62,7 +62,7 @@ class Vocab:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         newline = tokenizer.encode("\n", add_special_tokens=False)     # as the training text has it
-        # Refused before the vocabulary is read and the tone dictionary loads (tens of MB kept):
+        # Refused before the vocabulary is read and the tone dictionary loads (it stays loaded):
         # every model a server serves is asked whether it writes couplets.
         if len(newline) != 1 or any(len(tokenizer.encode(c, add_special_tokens=False)) != 1
                                     for c in rules.hanzi(FORMAT_CHARS)):

@@ -94,7 +94,7 @@ def test_diffusion_refuses_logits_processors():
 def test_a_model_without_the_format_is_refused_before_the_tone_dictionary_loads():
     """Every served model is asked whether it writes couplets: `smollm2` (Chinese characters
     among its tokens, but not the keyword format's) is refused without reading its vocabulary's
-    tones, so pypinyin (tens of MB, kept for the process's life) never loads in its server."""
+    tones, so pypinyin (whose dictionaries stay loaded for the process's life) never loads in its server."""
     import subprocess
     import sys
 
