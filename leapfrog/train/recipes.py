@@ -321,6 +321,23 @@ def stories_clover_distill2() -> TrainConfig:
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
     return cfg
 
+def stories_clover_greedy() -> TrainConfig:
+    """stories-clover stage 4, on greedy text: stage 3 continued on its AR parent's greedy
+    continuations only (no sampled third), at stage 4's learning rate.
+
+    The bench decodes greedily and judges against the parent's greedy text; a sampled
+    continuation teaches the model to spread its probability where the parent's greedy choice
+    is certain, which keeps confidences under a high threshold. Writes
+    runs/stories-clover-greedy/model."""
+    cfg = stories_clover_distill()
+    cfg.recipe, cfg.init_from = "stories-clover-greedy", cfg.out_dir
+    cfg.distill = DistillSpec(parent=stories_moe().out_dir, sampled_every=0)
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 3e-4, 3e-5, 30
+    return cfg
+
+
 def _diffusion_stage(base: TrainConfig, recipe: str, init_from: str | Path, out_dir: Path,
                      spec: DiffusionSpec, **schedule) -> TrainConfig:
     """A block-diffusion run over the stories data: same dataset, tokenizer spec and seed as
@@ -362,6 +379,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion-stream": stories_diffusion_stream,
     "stories-clover": stories_clover, "stories-clover-mb": stories_clover_mb,
     "stories-clover-distill": stories_clover_distill, "stories-clover-distill2": stories_clover_distill2,
+    "stories-clover-greedy": stories_clover_greedy,
 }
 
 
