@@ -53,13 +53,15 @@ $(DONE)/stories-moe: | $(DONE)/stories
 	$(LF) train stories-moe --resume
 	@touch $@
 
-# stories-clover: stories-moe grown to 32 experts, then the block-diffusion stages; stage 3 ships,
+# stories-clover: stories-moe grown to 32 experts, then the block-diffusion stages; stage 5 ships,
 # written in LLaDA2-MoE's layout (docs/models.md, "stories-clover").
 $(DONE)/stories-clover: $(DONE)/stories-moe
 	$(LF) train stories-clover --threads 2 --resume
 	$(LF) train stories-clover-mb --threads 2 --resume
 	$(LF) train stories-clover-distill --threads 2 --resume
-	$(PY) -m leapfrog.train.clover runs/stories-clover-distill/model checkpoints/stories-clover
+	$(LF) train stories-clover-greedy --threads 2 --resume
+	$(LF) train stories-clover-greedy-mb --threads 2 --resume
+	$(PY) -m leapfrog.train.clover runs/stories-clover-greedy-mb/model checkpoints/stories-clover
 	@touch $@
 
 $(DONE)/couplets: | $(DONE)/stories

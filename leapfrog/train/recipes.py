@@ -298,8 +298,8 @@ def stories_clover_mb() -> TrainConfig:
 
 def stories_clover_distill() -> TrainConfig:
     """stories-clover stage 3: stage 2 on its AR parent's (stories-moe's) own continuations,
-    single-block and MultiTF; writes runs/stories-clover-distill/model, which export_llada2 turns
-    into the shipped LLaDA2-MoE folder."""
+    single-block and MultiTF; writes runs/stories-clover-distill/model, the start of the greedy
+    stages."""
     cfg = _grown_shape(stories_diffusion_distill())
     cfg.recipe, cfg.init_from = "stories-clover-distill", stories_clover_mb().out_dir
     cfg.distill = DistillSpec(parent=stories_moe().out_dir)
@@ -311,9 +311,9 @@ def stories_clover_distill() -> TrainConfig:
 
 
 def stories_clover_distill2() -> TrainConfig:
-    """stories-clover stage 4: stage 3 continued on the same cached stream at a lower learning
-    rate (3e-4 cosine to 3e-5), as stories-diffusion's stage 4; writes
-    runs/stories-clover-distill2/model, the folder export_llada2 ships."""
+    """stories-clover, tried after stage 3: stage 3 continued on the same cached stream at a lower
+    learning rate (3e-4 cosine to 3e-5), as stories-diffusion's stage 4; writes
+    runs/stories-clover-distill2/model (tried, not shipped: docs/models.md)."""
     cfg = stories_clover_distill()
     cfg.recipe, cfg.init_from = "stories-clover-distill2", cfg.out_dir
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-distill2" / "model")
@@ -335,6 +335,24 @@ def stories_clover_greedy() -> TrainConfig:
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy" / "model")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy")
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1000, 3e-4, 3e-5, 30
+    return cfg
+
+
+def stories_clover_greedy_mb() -> TrainConfig:
+    """stories-clover stage 5: stage 4 (greedy text) with more weight on the multi-block view.
+
+    0.75 of the loss on MultiTF (later blocks behind a masked one) instead of 0.5, on the same
+    cached greedy stream, at a lower learning rate: multi-block decoding commits a later block's
+    tokens only where the model is confident behind the unfinished block before it. Writes
+    runs/stories-clover-greedy-mb/model, which export_llada2 turns into the shipped LLaDA2-MoE
+    folder (`python -m leapfrog.train.clover`)."""
+    cfg = stories_clover_greedy()
+    cfg.recipe, cfg.init_from = "stories-clover-greedy-mb", cfg.out_dir
+    cfg.diffusion = DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
+                                  multi_weight=0.75, max_group=4)
+    cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb" / "model")
+    cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb")
+    cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 600, 2e-4, 2e-5, 20
     return cfg
 
 
@@ -379,7 +397,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "stories-diffusion-stream": stories_diffusion_stream,
     "stories-clover": stories_clover, "stories-clover-mb": stories_clover_mb,
     "stories-clover-distill": stories_clover_distill, "stories-clover-distill2": stories_clover_distill2,
-    "stories-clover-greedy": stories_clover_greedy,
+    "stories-clover-greedy": stories_clover_greedy, "stories-clover-greedy-mb": stories_clover_greedy_mb,
 }
 
 
