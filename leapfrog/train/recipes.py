@@ -321,9 +321,10 @@ def stories_clover_distill2() -> TrainConfig:
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 1200, 3e-4, 3e-5, 30
     return cfg
 
+
 def stories_clover_greedy() -> TrainConfig:
     """stories-clover stage 4, on greedy text: stage 3 continued on its AR parent's greedy
-    continuations only (no sampled third), at stage 4's learning rate.
+    continuations only (no sampled third), at 3e-4 cosine to 3e-5.
 
     The bench decodes greedily and judges against the parent's greedy text; a sampled
     continuation teaches the model to spread its probability where the parent's greedy choice
