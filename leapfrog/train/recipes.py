@@ -8,6 +8,7 @@ of a shipped checkpoint (its training.json and README name the chain), apart fro
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -349,8 +350,7 @@ def stories_clover_greedy_mb() -> TrainConfig:
     folder (`python -m leapfrog.train.clover`)."""
     cfg = stories_clover_greedy()
     cfg.recipe, cfg.init_from = "stories-clover-greedy-mb", cfg.out_dir
-    cfg.diffusion = DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
-                                  multi_weight=0.75, max_group=4)
+    cfg.diffusion = replace(cfg.diffusion, multi_weight=0.75)
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb" / "model")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb")
     cfg.max_steps, cfg.lr, cfg.min_lr, cfg.warmup_steps = 600, 2e-4, 2e-5, 20
@@ -365,8 +365,7 @@ def stories_clover_greedy_mb2() -> TrainConfig:
     shipped, docs/benchmarks.md). Writes runs/stories-clover-greedy-mb2/model."""
     cfg = stories_clover_greedy_mb()
     cfg.recipe, cfg.init_from = "stories-clover-greedy-mb2", stories_clover_greedy().out_dir
-    cfg.diffusion = DiffusionSpec(block_size=4, shift=True, complementary=False, multi_views=1,
-                                  multi_weight=0.9, max_group=4)
+    cfg.diffusion = replace(cfg.diffusion, multi_weight=0.9)
     cfg.out_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb2" / "model")
     cfg.run_dir = str(REPO_ROOT / "runs" / "stories-clover-greedy-mb2")
     return cfg
