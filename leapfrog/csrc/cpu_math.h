@@ -385,12 +385,14 @@ struct KVRows {
     if (block_size > 0 && (block_size & (block_size - 1)) == 0)
       while ((int64_t{1} << (shift + 1)) <= block_size) ++shift;
   }
-  const kv_t* operator()(int64_t p) const {
+  // Forced inline: called once a position in the attention loops, where an out-of-line call
+  // makes the compiler spill every accumulator around it.
+  __attribute__((always_inline)) inline const kv_t* operator()(int64_t p) const {
     const int64_t slot = shift >= 0 ? table[p >> shift] * block_size + (p & (block_size - 1))
                                      : table[p / block_size] * block_size + p % block_size;
     return base + (slot * KVH + g) * D;
   }
-  void prefetch(int64_t p, int64_t n) const {
+  __attribute__((always_inline)) inline void prefetch(int64_t p, int64_t n) const {
     if (p >= n) return;
     const char* r = reinterpret_cast<const char*>((*this)(p));
     for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(kv_t)); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
@@ -470,11 +472,18 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
   float inv[64];
   for (int64_t j = 0; j < group; ++j) {
     float* sc = scores + j * n;
+    // the maximum (exact whatever the order): eight lanes at a time, then the tail
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sc + p), m8);   // a NaN score is skipped, as below
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
     float mx = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
+    for (int i = 0; i < 8; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
-    int64_t p = 0;
+    p = 0;
     for (; p + 8 <= n; p += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
       _mm256_storeu_ps(sc + p, e);
