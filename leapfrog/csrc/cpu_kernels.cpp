@@ -97,12 +97,12 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
   for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
   const int64_t grain = grain_for(2 * D * group * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * D);
+    std::vector<float> scratch;
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / KVH, g = bg % KVH, n = ctx_lens[b];
-      scores.resize(group * n);
+      scratch.resize(attn_scratch_floats(n, group, D));
       attend_group(q + b * H * D, k, v, tables + b * max_blocks, n, block_size, KVH, D, g, group,
-                   scale, out + b * H * D, scores.data(), acc.data());
+                   scale, out + b * H * D, scratch.data());
     }
   });
 }

@@ -380,6 +380,7 @@ struct KVRows {
   const int64_t* table;
   int64_t block_size, KVH, D, g;
   int shift = -1;            // log2(block_size) when it is a power of two: no division per key
+  int64_t offset = 0;        // added to every position asked for (a chunk's first position)
   KVRows(const kv_t* base_, const int64_t* table_, int64_t block_size_, int64_t KVH_, int64_t D_, int64_t g_)
       : base(base_), table(table_), block_size(block_size_), KVH(KVH_), D(D_), g(g_) {
     if (block_size > 0 && (block_size & (block_size - 1)) == 0)
@@ -388,6 +389,7 @@ struct KVRows {
   // Forced inline: called once a position in the attention loops, where an out-of-line call
   // makes the compiler spill every accumulator around it.
   __attribute__((always_inline)) inline const kv_t* operator()(int64_t p) const {
+    p += offset;
     const int64_t slot = shift >= 0 ? table[p >> shift] * block_size + (p & (block_size - 1))
                                      : table[p / block_size] * block_size + p % block_size;
     return base + (slot * KVH + g) * D;
@@ -435,15 +437,33 @@ static inline void weighted_values_any(const KVRows<kv_t>& rows, const float* sc
   }
 }
 
+// The context is attended in chunks of kAttnChunk positions, each giving its own maximum score,
+// sum of exponentials and unnormalized weighted values per head (a partial), which
+// attend_combine then merges in chunk order. The chunks depend on the context length alone, so
+// a row's output is the same bits whether one thread walks all its chunks (attend_group) or the
+// decode loop spreads them over threads (a single request's few KV heads over two cores); a
+// context of one chunk is the plain softmax.
+static constexpr int64_t kAttnChunk = 128;
+static inline int64_t attn_chunks(int64_t n) { return (n + kAttnChunk - 1) / kAttnChunk; }
+// floats of one partial: m[group], s[group], acc[group][D]
+static inline int64_t attn_part_floats(int64_t group, int64_t D) { return group * (D + 2); }
+// floats of scratch attend_group needs for a context of n: one chunk's scores, a partial a chunk
+static inline int64_t attn_scratch_floats(int64_t n, int64_t group, int64_t D) {
+  return group * kAttnChunk + attn_chunks(std::max<int64_t>(n, 1)) * attn_part_floats(group, D);
+}
+
+// Chunk c of the context 0..n-1 (positions c*kAttnChunk .. at most n) for the query heads of KV
+// head g: scores (group x len, in `scores`), then the partial `part`.
 template <typename kv_t>
-static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
-                         int64_t n, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
-                         int64_t group, float scale, float* ob, float* scores, float* acc) {
+static void attend_chunk(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
+                         int64_t n, int64_t c, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
+                         int64_t group, float scale, float* scores, float* part) {
   const int64_t nd = D / 8, h0 = g * group;
-  const KVRows<kv_t> krows(k, table, block_size, KVH, D, g), vrows(v, table, block_size, KVH, D, g);
+  const int64_t c0 = c * kAttnChunk, c1 = std::min(n, c0 + kAttnChunk), len = c1 - c0;
+  KVRows<kv_t> krows(k, table, block_size, KVH, D, g), vrows(v, table, block_size, KVH, D, g);
   const __m256 vscale = _mm256_set1_ps(scale);
-  int64_t p0 = 0;
-  for (; p0 + 8 <= n; p0 += 8) {
+  int64_t p0 = c0;
+  for (; p0 + 8 <= c1; p0 += 8) {
     const kv_t* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = krows(p0 + i);
     for (int i = 0; i < 8; ++i) krows.prefetch(p0 + kPrefetchSlots + i, n);
@@ -456,64 +476,110 @@ static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const in
         const __m256 qd = _mm256_loadu_ps(qv + 8 * d);
         for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, load8(kr[i] + 8 * d), a[i]);
       }
-      _mm256_storeu_ps(scores + j * n + p0,
+      _mm256_storeu_ps(scores + j * len + (p0 - c0),
                        _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), vscale));
     }
   }
-  for (; p0 < n; ++p0) {
+  for (; p0 < c1; ++p0) {
     const kv_t* kv = krows(p0);
     for (int64_t j = 0; j < group; ++j) {
       const float* qv = qb + (h0 + j) * D;
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), load8(kv));
       for (int64_t d = 1; d < nd; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), load8(kv + 8 * d), a);
-      scores[j * n + p0] = hsum256(a) * scale;
+      scores[j * len + (p0 - c0)] = hsum256(a) * scale;
     }
   }
-  float inv[64];
+  float* pm = part;
+  float* ps = part + group;
+  float* acc = part + 2 * group;
   for (int64_t j = 0; j < group; ++j) {
-    float* sc = scores + j * n;
+    float* sc = scores + j * len;
     // the maximum (exact whatever the order): eight lanes at a time, then the tail
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t p = 0;
-    for (; p + 8 <= n; p += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sc + p), m8);   // a NaN score is skipped, as below
+    for (; p + 8 <= len; p += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sc + p), m8);   // a NaN score is skipped, as below
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m8);
     float mx = -INFINITY;
     for (int i = 0; i < 8; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
-    for (; p < n; ++p) mx = sc[p] > mx ? sc[p] : mx;
+    for (; p < len; ++p) mx = sc[p] > mx ? sc[p] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     p = 0;
-    for (; p + 8 <= n; p += 8) {
+    for (; p + 8 <= len; p += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
       _mm256_storeu_ps(sc + p, e);
       vsum = _mm256_add_ps(vsum, e);
     }
     float denom = hsum256(vsum);
-    for (; p < n; ++p) {
+    for (; p < len; ++p) {
       sc[p] = std::exp(sc[p] - mx);
       denom += sc[p];
     }
-    inv[j] = 1.f / denom;
+    pm[j] = mx;
+    ps[j] = denom;
   }
-  if (nd == 8 && group == 1) weighted_values<1, 8>(vrows, scores, n, acc);
-  else if (nd == 8 && group == 2) weighted_values<2, 8>(vrows, scores, n, acc);
+  vrows.offset = c0;
+  if (nd == 8 && group == 1) weighted_values<1, 8>(vrows, scores, len, acc);
+  else if (nd == 8 && group == 2) weighted_values<2, 8>(vrows, scores, len, acc);
 #if defined(LEAPFROG_AVX512)      // 24 or 32 accumulators: the 32 vector registers of AVX-512
-  else if (nd == 8 && group == 3) weighted_values<3, 8>(vrows, scores, n, acc);
-  else if (nd == 8 && group == 4) weighted_values<4, 8>(vrows, scores, n, acc);
+  else if (nd == 8 && group == 3) weighted_values<3, 8>(vrows, scores, len, acc);
+  else if (nd == 8 && group == 4) weighted_values<4, 8>(vrows, scores, len, acc);
 #endif
-  else if (nd == 16 && group == 1) weighted_values<1, 16>(vrows, scores, n, acc);
+  else if (nd == 16 && group == 1) weighted_values<1, 16>(vrows, scores, len, acc);
   else if (nd == 4 && group <= 4) {
-    if (group == 1) weighted_values<1, 4>(vrows, scores, n, acc);
-    else if (group == 2) weighted_values<2, 4>(vrows, scores, n, acc);
-    else if (group == 3) weighted_values<3, 4>(vrows, scores, n, acc);
-    else weighted_values<4, 4>(vrows, scores, n, acc);
-  } else weighted_values_any(vrows, scores, n, group, nd, acc);
+    if (group == 1) weighted_values<1, 4>(vrows, scores, len, acc);
+    else if (group == 2) weighted_values<2, 4>(vrows, scores, len, acc);
+    else if (group == 3) weighted_values<3, 4>(vrows, scores, len, acc);
+    else weighted_values<4, 4>(vrows, scores, len, acc);
+  } else weighted_values_any(vrows, scores, len, group, nd, acc);
+}
+
+// The heads of KV head g from the partials of its `chunks` chunks (consecutive, attn_part_floats
+// apart), merged in chunk order: weights exp(m_c - max m), out = sum w_c acc_c / sum w_c s_c.
+// With one chunk the weight is exactly 1: out = acc / s, the single-pass softmax.
+static inline void attend_combine(const float* parts, int64_t chunks, int64_t D, int64_t g, int64_t group,
+                                  float* ob) {
+  const int64_t nd = D / 8, stride = attn_part_floats(group, D), h0 = g * group;
   for (int64_t j = 0; j < group; ++j) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, parts[c * stride + j]);
     float* o = ob + (h0 + j) * D;
-    const __m256 s = _mm256_set1_ps(inv[j]);
-    for (int64_t d = 0; d < nd; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + 8 * d), s));
+    __m256 out[16];
+    const int64_t blocks = std::min<int64_t>(nd, 16);
+    float denom = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* part = parts + c * stride;
+      const float w = chunks == 1 ? 1.f : std::exp(part[j] - mx);
+      denom += w * part[group + j];
+      const float* acc = part + 2 * group + j * D;
+      const __m256 vw = _mm256_set1_ps(w);
+      if (c == 0)
+        for (int64_t d = 0; d < blocks; ++d) out[d] = _mm256_mul_ps(vw, _mm256_loadu_ps(acc + 8 * d));
+      else
+        for (int64_t d = 0; d < blocks; ++d) out[d] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(acc + 8 * d), out[d]);
+      for (int64_t d = blocks; d < nd; ++d)       // heads wider than 128: through memory
+        _mm256_storeu_ps(o + 8 * d, c == 0 ? _mm256_mul_ps(vw, _mm256_loadu_ps(acc + 8 * d))
+                                            : _mm256_fmadd_ps(vw, _mm256_loadu_ps(acc + 8 * d), _mm256_loadu_ps(o + 8 * d)));
+    }
+    const __m256 s = _mm256_set1_ps(1.f / denom);
+    for (int64_t d = 0; d < blocks; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(out[d], s));
+    for (int64_t d = blocks; d < nd; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * d), s));
   }
+}
+
+// Decode attention of one query row's heads that share KV head g (heads g*group ..
+// (g+1)*group - 1) over keys 0..n-1 of its sequence: every chunk in turn, then their merge.
+// scratch: attn_scratch_floats(n, group, D) floats.
+template <typename kv_t>
+static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
+                         int64_t n, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
+                         int64_t group, float scale, float* ob, float* scratch) {
+  const int64_t chunks = attn_chunks(n), pf = attn_part_floats(group, D);
+  float* parts = scratch + group * kAttnChunk;
+  for (int64_t c = 0; c < chunks; ++c)
+    attend_chunk(qb, k, v, table, n, c, block_size, KVH, D, g, group, scale, scratch, parts + c * pf);
+  attend_combine(parts, chunks, D, g, group, ob);
 }
 #endif
 

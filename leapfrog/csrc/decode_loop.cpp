@@ -503,7 +503,20 @@ class DecodeLoop {
   // The step's shared buffers (rows are the step's rows, in order).
   struct Bufs {
     float *x, *qkv, *attn, *gu, *act, *tmp;
+    float* parts = nullptr;    // attention partials of every (row, KV head, chunk) when a step may split
   };
+
+  // Whether a step of T rows spreads each row's attention chunks over the threads: when its
+  // (row, KV head) tasks would leave a thread idle part of the time (a single request of a
+  // model with 3 KV heads on 2 threads) and some context spans several chunks.
+  bool split_attention(int64_t T, int64_t max_ctx, int nt) const {
+    return nt > 1 && (T * KVH_) % nt != 0 && T * KVH_ < 4 * nt && max_ctx > kAttnChunk;
+  }
+  // Floats of Bufs::parts for up to T rows of at most max_ctx positions (0: never split).
+  int64_t parts_floats(int64_t T, int64_t max_ctx) const {
+    if (T * KVH_ >= 4 * std::max(1, at::get_num_threads())) return 0;
+    return T * KVH_ * attn_chunks(std::max<int64_t>(max_ctx, 1)) * attn_part_floats(H_ / KVH_, D_);
+  }
 
   // Every layer over a step's T rows, this thread's share, between barriers; x (bufs.x) holds
   // the rows' residual stream in and out. Row r is at position rpos[r], writes its keys and
@@ -515,7 +528,7 @@ class DecodeLoop {
   // rows' keys and values of this pass are partly written: the caller keeps nothing of it).
   template <typename wt, typename kv_t, typename After>
   bool layer_pass(const Bufs& bufs, int64_t T, const int64_t* slot, const int64_t* ctx,
-                  const int64_t* rpos, const int64_t* const* rtab, bool sync_kv, float* h, float* scores, float* acc,
+                  const int64_t* rpos, const int64_t* const* rtab, bool sync_kv, float* h, float* scratch,
                   int tid, int nt, SpinBarrier& bar, Halt& halt, int& parity, After after) const {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH;
     const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
@@ -534,6 +547,9 @@ class DecodeLoop {
       if (halt.check(bar, tid, parity)) return false;
       // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
       {
+        int64_t step_ctx = 0;
+        for (int64_t r = 0; r < T; ++r) step_ctx = std::max(step_ctx, ctx[r]);
+        const bool split = bufs.parts && split_attention(T, step_ctx, nt);
         int64_t t0, t1;
         span(T * KVH, tid, nt, t0, t1);
         kv_t* kc = reinterpret_cast<kv_t*>(L.k_cache.data_ptr());
@@ -560,16 +576,41 @@ class DecodeLoop {
             kd[i] = static_cast<kv_t>(kh[i]);
             vd[i] = static_cast<kv_t>(vh[i]);
           }
-          if (!sync_kv)
+          if (!sync_kv && !split)
             attend_group(row, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_, attn + r * H * D,
-                         scores, acc);
+                         scratch);
         }
-        if (sync_kv) {
+        if (split) {
+          // every (row, KV head, chunk) as a task, behind the keys' writes; then each (row, KV
+          // head) merges its chunks: the bits of attend_group, whichever thread ran a chunk.
+          if (halt.check(bar, tid, parity)) return false;
+          const int64_t pf = attn_part_floats(group, D);
+          int64_t total = 0;
+          for (int64_t r = 0; r < T; ++r) total += KVH * attn_chunks(ctx[r]);
+          int64_t c0, c1;
+          span(total, tid, nt, c0, c1);
+          int64_t r = 0, base = 0;
+          for (int64_t k = c0; k < c1; ++k) {
+            while (k >= base + KVH * attn_chunks(ctx[r])) base += KVH * attn_chunks(ctx[r++]);
+            const int64_t chunks = attn_chunks(ctx[r]), g = (k - base) / chunks, c = (k - base) % chunks;
+            attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r], c, block_size_, KVH, D, g, group, scale_,
+                         scratch, bufs.parts + k * pf);
+          }
+          if (halt.check(bar, tid, parity)) return false;
+          base = 0;
+          for (int64_t rr = 0, task = 0; rr < T; ++rr) {
+            const int64_t chunks = attn_chunks(ctx[rr]);
+            for (int64_t g = 0; g < KVH; ++g, ++task)
+              if (task >= t0 && task < t1)
+                attend_combine(bufs.parts + (base + g * chunks) * pf, chunks, D, g, group, attn + rr * H * D);
+            base += KVH * chunks;
+          }
+        } else if (sync_kv) {
           if (halt.check(bar, tid, parity)) return false;
           for (int64_t task = t0; task < t1; ++task) {
             const int64_t r = task / KVH, g = task % KVH;
             attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_,
-                         attn + r * H * D, scores, acc);
+                         attn + r * H * D, scratch);
           }
         }
       }
@@ -621,7 +662,8 @@ class DecodeLoop {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH, width = (H + 2 * KVH) * D;
     const int64_t C = captured.size(1), MB = tab.size(1);
     std::vector<float> x(T * d), qkv(T * width), attn(T * H * D), gu(T * 2 * I), act(T * I), tmp(T * std::max(d, I));
-    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
+    std::vector<float> parts(parts_floats(T, max_ctx));
+    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data(), parts.empty() ? nullptr : parts.data()};
     std::vector<const int64_t*> rtab(T);
     const int64_t* tp = tab.data_ptr<int64_t>();
     for (int64_t r = 0; r < T; ++r) rtab[r] = tp + r * MB;
@@ -632,10 +674,10 @@ class DecodeLoop {
     Halt halt{interrupt};
     bool stopped = false;
     in_region([&](int tid, int nt, SpinBarrier& bar) {
-      std::vector<float> h(T * std::max(d, I)), scores(group * max_ctx), acc(group * D);
+      std::vector<float> h(T * std::max(d, I)), scratch(attn_scratch_floats(max_ctx, group, D));
       int parity = 0;
       if (!layer_pass<wt, kv_t>(bufs, T, sl.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
-                                rtab.data(), T > 1, h.data(), scores.data(), acc.data(), tid, nt, bar, halt, parity,
+                                rtab.data(), T > 1, h.data(), scratch.data(), tid, nt, bar, halt, parity,
                                 [&](size_t li, int64_t r) {
         if (capture[li] >= 0) std::copy(x.data() + r * d, x.data() + (r + 1) * d, cap + (r * C + capture[li]) * d);
       })) {
@@ -653,18 +695,18 @@ class DecodeLoop {
     const int64_t width = (H + 2 * KVH) * D;
     // Shared buffers (rows are the active rows of the current step, in order).
     std::vector<float> x(B * d), qkv(B * width), attn(B * H * D), gu(B * 2 * I), act(B * I),
-        tmp(B * std::max(d, I)), logits(B * V);
+        tmp(B * std::max(d, I)), logits(B * V), parts(parts_floats(B, st.max_ctx));
     std::vector<int64_t> active(B), slot(B), ctx(B), rpos(B), produced(B, 0), next(B);
     std::vector<const int64_t*> rtab(B);
     std::vector<char> done(B, 0);
-    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data()};
+    const Bufs bufs{x.data(), qkv.data(), attn.data(), gu.data(), act.data(), tmp.data(), parts.empty() ? nullptr : parts.data()};
     int64_t T = 0;
     for (int64_t b = 0; b < B; ++b) next[b] = st.tok[b];
     // Before each step but the first (before the first too, and at every barrier inside a step,
     // with mid_step): a request that arrived ends the call there.
     Halt step_halt{st.interrupt}, layer_halt{st.mid_step ? st.interrupt : nullptr}, no_halt;
     in_region([&](int tid, int nt, SpinBarrier& bar) {
-      std::vector<float> h(B * std::max(d, I)), scores(group * std::max<int64_t>(st.max_ctx, 1)), acc(group * D);
+      std::vector<float> h(B * std::max(d, I)), attn_scratch(attn_scratch_floats(st.max_ctx, group, D));
       SampleScratch scratch;
       int step_parity = 0, layer_parity = 0;
       for (int64_t s = 0; s < st.steps; ++s) {
@@ -691,7 +733,7 @@ class DecodeLoop {
         const bool stop = (s > 0 || st.mid_step ? step_halt : no_halt).check(bar, tid, step_parity);
         if (T == 0 || stop) break;
         if (!layer_pass<wt, kv_t>(bufs, T, slot.data(), ctx.data(), rpos.data(), rtab.data(), false, h.data(),
-                                  scores.data(), acc.data(), tid, nt, bar, layer_halt, layer_parity,
+                                  attn_scratch.data(), tid, nt, bar, layer_halt, layer_parity,
                                   [&](size_t li, int64_t r) {
           if (st.capture[li] >= 0)           // a method's tapped layer: its rows for the drafter
             std::copy(bufs.x + r * d, bufs.x + (r + 1) * d,

@@ -246,3 +246,27 @@ def test_speculative_steps_without_drafts_run_in_the_loop_and_feed_the_drafter(l
     for a, b in zip(seen_a, seen_b):
         for ka, kb in zip(a, b):
             assert all(torch.equal(x, y) for x, y in zip(ka, kb))
+
+
+def test_one_request_spreads_its_attention_over_two_threads(model_root, monkeypatch):
+    """A single request of a model with 3 KV heads on 2 threads: the loop hands each thread
+    chunks of the context (128 positions each) instead of whole heads; the tokens over a
+    context of several chunks are the layer path's, which walks each head's chunks in
+    one task."""
+    from tests.conftest import build_model
+
+    folder = build_model(model_root / "kv3", "llama", num_attention_heads=6, num_key_value_heads=3,
+                         hidden_size=96, max_position_embeddings=1024)
+    prompt = [5 + (i * 7) % 50 for i in range(300)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer, one, multi, engine = three_ways(folder, [prompt], [params], monkeypatch, block_size=16)
+        seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+        assert outputs(LLM(str(folder)), [prompt], seeded, False, monkeypatch) == \
+            outputs(LLM(str(folder), num_scheduler_steps=4), [prompt], seeded, True, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    assert layer == one == multi
+    assert engine.decode_loop.num_loop_steps > engine.decode_loop.num_calls > 0

@@ -127,13 +127,14 @@ def _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 16), (6, 2, 12), (2, 1, 8), (9, 3, 64), (8, 2, 64)])
 def test_paged_decode_attention_equals_gathered_softmax(dtype, heads, kv_heads, dim):
     """Scattered blocks, contexts from 1 slot to several blocks (and not multiples of the SIMD
-    width), large logits (the vectorised exp), every cache dtype the engine offers."""
+    width) and to several of the kernel's attention chunks (128 positions: 129, 300, 600),
+    large logits (the vectorised exp), every cache dtype the engine offers."""
     g = torch.Generator().manual_seed(heads * 100 + dim)
     block_size, num_blocks = 16, 60
     k_cache = (torch.randn(num_blocks * block_size, kv_heads, dim, generator=g) * 4).to(dtype)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
-    lens = torch.tensor([1, 7, 16, 33, 100, 129])
-    tables = torch.randperm(num_blocks, generator=g)[:lens.numel() * 9].view(lens.numel(), 9)
+    lens = torch.tensor([1, 7, 16, 33, 100, 129, 300, 600])
+    tables = torch.randint(num_blocks, (lens.numel(), 38), generator=g)     # blocks may repeat
     q = torch.randn(lens.numel(), heads, dim, generator=g) * 4
     scale = dim ** -0.5
     got = mod.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale)
