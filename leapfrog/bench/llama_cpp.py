@@ -54,12 +54,13 @@ def make_gguf(folder: Path, cpp_dir: str | None, out: Path, outtype: str) -> Pat
     return gguf
 
 
-def llama_bench(exe: str, gguf: Path, new_tokens: int, threads: int, repetitions: int) -> dict:
-    """Single-request decode speed: `llama-bench -p 0 -n N` (no prompt, N generated tokens),
-    with its own repetitions, in a clean environment."""
+def llama_bench(exe: str, gguf: Path, new_tokens: int, threads: int, repetitions: int, depth: int = 0) -> dict:
+    """Single-request decode speed: `llama-bench -p 0 -n N` (no prompt, N generated tokens; with
+    `depth`, `-d depth`: after that many cached positions), with its own repetitions, in a clean
+    environment."""
     env, dropped = peer_env()
     cmd = [exe, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
-           "-r", str(repetitions), "-o", "json"]
+           "-r", str(repetitions), "-o", "json"] + (["-d", str(depth)] if depth else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     row = json.loads(out)[0]
     return {"decode_tokens_per_s": float(row["avg_ts"]), "stddev_tokens_per_s": float(row.get("stddev_ts", 0.0)),

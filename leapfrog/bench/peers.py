@@ -107,6 +107,12 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
         log(f"round {i + 1}/{args.repeats}")
         leapfrog_run(llm, prompts[:1], 16)      # warm-up after the other engines, as llama-bench's own
         keep(single, "leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens), "decode_tokens_per_s")
+        for depth in args.depths or []:         # decode after `depth` cached positions, both engines
+            long = (prompts[0] * (depth // max(1, len(prompts[0])) + 1))[:max(1, depth)]
+            keep(single, ("leapfrog", depth), leapfrog_run(llm, [long], args.new_tokens), "decode_tokens_per_s")
+            for kind, gguf in ggufs.items():
+                keep(single, (f"llama.cpp {kind}", depth),
+                     llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3, depth), "decode_tokens_per_s")
         for c in args.concurrency:
             r = leapfrog_run(llm, prompts[:c], args.new_tokens)
             keep(rows, c, {"leapfrog": r["tokens_per_s"]}, "leapfrog")
@@ -194,8 +200,23 @@ def run_peers(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows(single, folder, kernel_bytes(llm.engine.model)), "rows": concurrency_table(rows),
+            "single": single_rows({k: v for k, v in single.items() if isinstance(k, str)}, folder,
+                                  kernel_bytes(llm.engine.model)),
+            "depths": depth_rows(single), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def depth_rows(single: dict) -> list[dict]:
+    """Decode after each --depths count of cached positions: every engine's rate and leapfrog's
+    over it."""
+    out = []
+    for depth in sorted({k[1] for k in single if isinstance(k, tuple)}):
+        lf = single[("leapfrog", depth)]["decode_tokens_per_s"]
+        peers = {k[0]: v["decode_tokens_per_s"] for k, v in single.items()
+                 if isinstance(k, tuple) and k[1] == depth and k[0] != "leapfrog"}
+        out.append({"depth": depth, "leapfrog": lf, "peers": peers,
+                    "ratios": {name: lf / rate for name, rate in peers.items()}})
+    return out
 
 
 run = run_peers      # every suite module offers run / markdown / plot
@@ -206,6 +227,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--size", default=None, help="measure a random-weight Llama of this many parameters "
                    "(e.g. 150m: weights far larger than the CPU caches) instead of --model's weights; "
                    "it keeps --model's tokenizer")
+    g.add_argument("--depths", type=int, nargs="+", default=None, metavar="N",
+                   help="also decode one request after N cached positions (a prompt of N tokens), "
+                   "against llama-bench -d N")
     g.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models; peers and perplexity suites)")
 
 
@@ -219,6 +243,13 @@ def markdown(result: dict) -> str:
     for r in result["single"]:
         lines.append(f"| {r['engine']} | {r['decode_tokens_per_s']:.0f} | {r['ms_per_token']:.2f} | "
                      f"{r['weight_gb_per_s']:.1f} | {r['vs_leapfrog']:.2f}x |")
+    if result.get("depths"):
+        names = sorted({n for r in result["depths"] for n in r["peers"]})
+        lines += ["", "| cached positions | leapfrog tok/s |" + "".join(f" {n} tok/s | vs {n} |" for n in names),
+                  "|" + "---|" * (2 + 2 * len(names))]
+        for r in result["depths"]:
+            lines.append(f"| {r['depth']} | {r['leapfrog']:.0f} |" + "".join(
+                f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
     has_hf = any("transformers" in r for r in result["rows"])
     lines += ["", "| requests | leapfrog tok/s |" + (" transformers tok/s | leapfrog / transformers |" if has_hf else ""),
               "|" + "---|" * (4 if has_hf else 2)]

@@ -84,6 +84,27 @@ def test_peers_suite_end_to_end(llama_dir, fake_cpp, tmp_path):
     assert "GB/s of weights" in (out / "peers.md").read_text() and (out / "peers.png").is_file()
 
 
+def test_depths_decode_after_cached_positions_against_llama_bench_d(llama_dir, fake_cpp, tmp_path, monkeypatch):
+    """--depths N: one request decodes after a prompt of N tokens, and llama-bench runs with
+    `-d N`; the table gives each depth's rates and ratio."""
+    seen = []
+    real = llama_cpp.llama_bench
+    monkeypatch.setattr(llama_cpp, "llama_bench", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    out = tmp_path / "results"
+    rc = bench_main(["--suite", "peers", "--model", str(llama_dir), "--new-tokens", "4", "--concurrency", "1",
+                     "--repeats", "1", "--threads", "1", "--no-transformers", "--depths", "40", "90",
+                     "--llama-cpp-dir", str(fake_cpp), "--gguf", str(tmp_path / "given.gguf"), "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "peers.json").read_text())
+    assert [r["depth"] for r in result["depths"]] == [40, 90]
+    for r in result["depths"]:
+        assert r["leapfrog"] > 0 and r["peers"]["llama.cpp f16"] == 5000.0
+        assert r["ratios"]["llama.cpp f16"] == pytest.approx(r["leapfrog"] / 5000.0)
+    assert sorted(c["command"].rsplit(" -o json", 1)[1] for c in seen) == ["", " -d 40", " -d 90"]
+    assert "| cached positions |" in (out / "peers.md").read_text()
+    assert {r["engine"] for r in result["single"]} == {"leapfrog", "llama.cpp f16"}
+
+
 def test_bfloat16_products_add_llama_cpps_bfloat16_gguf(fake_cpp, tmp_path, monkeypatch):
     """With leapfrog's bfloat16 products, llama.cpp also decodes a bfloat16 GGUF (the same kind
     of dot product); with float32 products only float16 and float32."""
