@@ -589,12 +589,14 @@ class DecodeLoop {
           for (int64_t r = 0; r < T; ++r) total += KVH * attn_chunks(ctx[r]);
           int64_t c0, c1;
           span(total, tid, nt, c0, c1);
+          // tasks in (row, chunk, KV head) order: a thread takes a chunk's heads one after
+          // another, the first prefetching the whole slots for the others
           int64_t r = 0, base = 0;
           for (int64_t k = c0; k < c1; ++k) {
             while (k >= base + KVH * attn_chunks(ctx[r])) base += KVH * attn_chunks(ctx[r++]);
-            const int64_t chunks = attn_chunks(ctx[r]), g = (k - base) / chunks, c = (k - base) % chunks;
+            const int64_t chunks = attn_chunks(ctx[r]), c = (k - base) / KVH, g = (k - base) % KVH;
             attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r], c, block_size_, KVH, D, g, group, scale_,
-                         scratch, bufs.parts + k * pf);
+                         scratch, bufs.parts + (base + g * chunks + c) * pf, g == 0 || k == c0);
           }
           if (halt.check(bar, tid, parity)) return false;
           base = 0;
