@@ -510,12 +510,13 @@ class DecodeLoop {
   // (row, KV head) tasks would leave a thread idle part of the time (a single request of a
   // model with 3 KV heads on 2 threads) and some context spans several chunks.
   bool split_attention(int64_t T, int64_t max_ctx, int nt) const {
-    return nt > 1 && (T * KVH_) % nt != 0 && T * KVH_ < 4 * nt && max_ctx > kAttnChunk;
+    return nt > 1 && max_ctx > kAttnChunk && T * KVH_ * attn_chunks(max_ctx) * attn_part_floats(H_ / KVH_, D_) <= kMaxPartsFloats;
   }
+  static constexpr int64_t kMaxPartsFloats = int64_t{1} << 20;
   // Floats of Bufs::parts for up to T rows of at most max_ctx positions (0: never split).
   int64_t parts_floats(int64_t T, int64_t max_ctx) const {
-    if (T * KVH_ >= 4 * std::max(1, at::get_num_threads())) return 0;
-    return T * KVH_ * attn_chunks(std::max<int64_t>(max_ctx, 1)) * attn_part_floats(H_ / KVH_, D_);
+    const int64_t n = T * KVH_ * attn_chunks(std::max<int64_t>(max_ctx, 1)) * attn_part_floats(H_ / KVH_, D_);
+    return n <= kMaxPartsFloats ? n : 0;
   }
 
   // Every layer over a step's T rows, this thread's share, between barriers; x (bufs.x) holds
