@@ -506,9 +506,10 @@ class DecodeLoop {
     float* parts = nullptr;    // attention partials of every (row, KV head, chunk) when a step may split
   };
 
-  // Whether a step of T rows spreads each row's attention chunks over the threads: when its
-  // (row, KV head) tasks would leave a thread idle part of the time (a single request of a
-  // model with 3 KV heads on 2 threads) and some context spans several chunks.
+  // Whether a step of T rows spreads its rows' attention chunks over the threads: whenever a
+  // context spans several chunks and the partials fit the buffer. Whole (row, KV head) tasks
+  // leave a thread idle where their count does not divide (one request of a model with 3 KV
+  // heads on 2 threads), and each walks its head's rows strided through the slots.
   bool split_attention(int64_t T, int64_t max_ctx, int nt) const {
     return nt > 1 && max_ctx > kAttnChunk && T * KVH_ * attn_chunks(max_ctx) * attn_part_floats(H_ / KVH_, D_) <= kMaxPartsFloats;
   }
