@@ -587,27 +587,33 @@ class DecodeLoop {
           // head) merges its chunks: the bits of attend_group, whichever thread ran a chunk.
           if (halt.check(bar, tid, parity)) return false;
           const int64_t pf = attn_part_floats(group, D);
-          int64_t total = 0;
-          for (int64_t r = 0; r < T; ++r) total += KVH * attn_chunks(ctx[r]);
-          int64_t c0, c1;
-          span(total, tid, nt, c0, c1);
-          // tasks in (row, chunk, KV head) order: a thread takes a chunk's heads one after
-          // another, the first prefetching the whole slots for the others
-          int64_t r = 0, base = 0;
-          for (int64_t k = c0; k < c1; ++k) {
-            while (k >= base + KVH * attn_chunks(ctx[r])) base += KVH * attn_chunks(ctx[r++]);
-            const int64_t chunks = attn_chunks(ctx[r]), c = (k - base) / KVH, g = (k - base) % KVH;
-            attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r], c, block_size_, KVH, D, g, group, scale_,
-                         scratch, bufs.parts + (base + g * chunks + c) * pf, g == 0 || k == c0);
+          std::vector<int64_t> rbase(T + 1, 0);     // row r's partials start at rbase[r] (in partials)
+          int64_t max_chunks = 0;
+          for (int64_t r = 0; r < T; ++r) {
+            rbase[r + 1] = rbase[r] + KVH * attn_chunks(ctx[r]);
+            max_chunks = std::max(max_chunks, attn_chunks(ctx[r]));
           }
+          int64_t c0, c1;
+          span(rbase[T], tid, nt, c0, c1);
+          // tasks in (chunk, row, KV head) order: rows of one sequence (a verify block) read a
+          // chunk's keys and values one after another, from cache after the first; a thread
+          // takes a chunk's heads in turn, the first prefetching the whole slots for the others
+          int64_t k = 0;
+          for (int64_t c = 0; c < max_chunks && k < c1; ++c)
+            for (int64_t r = 0; r < T && k < c1; ++r) {
+              const int64_t chunks = attn_chunks(ctx[r]);
+              if (c >= chunks) continue;
+              for (int64_t g = 0; g < KVH; ++g, ++k)
+                if (k >= c0 && k < c1)
+                  attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r], c, block_size_, KVH, D, g, group, scale_,
+                               scratch, bufs.parts + (rbase[r] + g * chunks + c) * pf, g == 0 || k == c0);
+            }
           if (halt.check(bar, tid, parity)) return false;
-          base = 0;
           for (int64_t rr = 0, task = 0; rr < T; ++rr) {
             const int64_t chunks = attn_chunks(ctx[rr]);
             for (int64_t g = 0; g < KVH; ++g, ++task)
               if (task >= t0 && task < t1)
-                attend_combine(bufs.parts + (base + g * chunks) * pf, chunks, D, g, group, attn + rr * H * D);
-            base += KVH * chunks;
+                attend_combine(bufs.parts + (rbase[rr] + g * chunks) * pf, chunks, D, g, group, attn + rr * H * D);
           }
         } else if (sync_kv) {
           if (halt.check(bar, tid, parity)) return false;
