@@ -266,7 +266,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    depths = result.get("depths") or []
+    fig, axes = plt.subplots(1, 3 if depths else 2, figsize=(15 if depths else 10, 3.8))
+    a, b = axes[0], axes[1]
     single = result["single"]
     a.barh([r["engine"] for r in single], [r["weight_gb_per_s"] for r in single], color="tab:blue")
     a.axvline(result["read_bandwidth_gb_per_s"], color="tab:red", ls="--", label="measured read bandwidth")
@@ -281,6 +283,18 @@ def plot(result: dict, path: Path) -> None:
     b.set_xlabel("concurrent requests")
     b.set_ylabel("output tokens/s")
     b.legend()
+    if depths:        # decode after cached positions: position 0 is the single-request row
+        c = axes[2]
+        base = {r["engine"]: r["decode_tokens_per_s"] for r in single}
+        xs = [0] + [r["depth"] for r in depths]
+        c.plot(xs, [base["leapfrog"]] + [r["leapfrog"] for r in depths], "o-", label="leapfrog")
+        for name in sorted({n for r in depths for n in r["peers"]}):
+            if name in base and all(name in r["peers"] for r in depths):
+                c.plot(xs, [base[name]] + [r["peers"][name] for r in depths], "s--", label=name)
+        c.set_xlabel("cached positions before decoding")
+        c.set_ylabel("decode tok/s, one request")
+        c.set_ylim(bottom=0)
+        c.legend(fontsize=8)
     fig.suptitle(f"{Path(result['model']).name}, {result['threads']} CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
