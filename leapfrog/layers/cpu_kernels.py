@@ -45,6 +45,39 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
+def _built_marker(name: str) -> Path:
+    """Where the path of a finished build of `name` is recorded (the name carries the sources'
+    and flags' hash, so a recorded build is of these sources)."""
+    return Path(os.environ.get("LEAPFROG_CACHE", Path.home() / ".cache" / "leapfrog")) / "kernels" / f"{name}.path"
+
+
+def _import_built(name: str, marker: Path):
+    """The module a previous process built, imported straight from its file: torch's extension
+    builder (and the setuptools it imports, several MB resident) is not needed to load it. None
+    when there is no record, or the file is gone or does not import (then it is built again)."""
+    import importlib.util
+    try:
+        path = marker.read_text().strip()
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None or not Path(path).is_file():
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError):
+        return None
+
+
+def _remember_built(marker: Path, module) -> None:
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(marker.name + f".tmp{os.getpid()}")
+        tmp.write_text(str(Path(module.__file__).resolve()))
+        tmp.replace(marker)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def cpu_kernels():
     """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
     global _module, _tried
@@ -54,8 +87,6 @@ def cpu_kernels():
     if os.environ.get("LEAPFROG_CPU_KERNELS", "1") == "0":
         return None
     try:
-        # deferred: cpp_extension (setuptools) loads only when the kernels are built
-        from torch.utils.cpp_extension import load
         csrc = Path(__file__).resolve().parent.parent / "csrc"
         sources = [csrc / "cpu_kernels.cpp", csrc / "decode_loop.cpp"]
         # -march=native: the build runs on the machine that uses it, so the vector width is
@@ -74,9 +105,15 @@ def cpu_kernels():
             if f.suffix in (".cpp", ".h"):
                 digest.update(f.name.encode() + f.read_bytes())
         name = f"leapfrog_cpu_{digest.hexdigest()[:12]}"
-        _clear_stale_lock(name)
-        _module = load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        marker = _built_marker(name)
+        _module = _import_built(name, marker)
+        if _module is None:
+            # deferred: cpp_extension (setuptools) loads only when the kernels are built
+            from torch.utils.cpp_extension import load
+            _clear_stale_lock(name)
+            _module = load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                           extra_ldflags=["-fopenmp"], verbose=False)
+            _remember_built(marker, _module)
     except Exception as e:  # no compiler, headers missing, ...: fall back to SDPA
         print(f"[leapfrog] CPU kernels unavailable, using the torch paths ({type(e).__name__}: {e})",
               file=sys.stderr)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
         ssl_keyfile=cfg.ssl_keyfile, timeout_graceful_shutdown=cfg.shutdown_timeout or None,
-        http=http_protocol(cfg.header_timeout)))
+        http=http_protocol(cfg.header_timeout), ws="none"))     # no WebSocket routes: nothing to import
     state: ServerState = app.state.leapfrog
     # A model that cannot load is fatal: exiting lets the supervisor (systemd, Kubernetes)
     # restart or report it, where a live process answering 503 forever would hide it.

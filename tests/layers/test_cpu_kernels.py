@@ -1,6 +1,7 @@
 """The optional C++ CPU kernels equal the torch ops they replace (oracle: torch itself)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -275,7 +276,6 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     """A killed build leaves torch's lock file behind, and the next load would wait on it
     forever: locks older than STALE_LOCK_SECONDS are removed, younger ones (a build running in
     another process) are left alone."""
-    import os
     import time as _time
 
     from leapfrog.layers import cpu_kernels
@@ -291,6 +291,34 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     cpu_kernels._clear_stale_lock("leapfrog_cpu_test")
     assert not lock.exists()
+
+
+def test_a_built_module_loads_without_the_extension_builder(tmp_path):
+    """Once built, the kernels load straight from the recorded file in a new process: torch's
+    extension builder and setuptools stay out of the server's memory. A record pointing at a
+    missing or broken file falls back to the builder."""
+    import subprocess
+    import sys
+
+    from leapfrog.layers import cpu_kernels as ck
+
+    probe = ("import sys; from leapfrog.layers.cpu_kernels import cpu_kernels; m = cpu_kernels(); "
+             "print(m is not None, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    env = {**os.environ, "LEAPFROG_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.split() == ["True", "True", "True"]          # no record yet: the builder ran
+    records = list((tmp_path / "kernels").glob("*.path"))
+    assert len(records) == 1 and Path(records[0].read_text()).is_file()
+    second = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert second.stdout.split() == ["True", "False", "False"]
+    records[0].write_text(str(tmp_path / "gone.so"))
+    assert ck._import_built("leapfrog_cpu_gone", records[0]) is None
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    records[0].write_text(str(broken))
+    assert ck._import_built("leapfrog_cpu_broken", records[0]) is None
+    third = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert third.stdout.split()[0] == "True" and Path(records[0].read_text()).is_file()
 
 
 def _markov_reference(base, w1, w2t, anchor):
