@@ -53,7 +53,7 @@ def _built_marker(name: str) -> Path:
 
 def _import_built(name: str, marker: Path):
     """The module a previous process built, imported straight from its file: torch's extension
-    builder (and the setuptools it imports, several MB resident) is not needed to load it. None
+    builder (and the setuptools it imports) is not needed to load it. None
     when there is no record, or the file is gone or does not import (then it is built again)."""
     import importlib.util
     try:
