@@ -90,7 +90,7 @@ def llama_cpp_peers(args: argparse.Namespace, folder: Path, precision: str = "fl
 
 
 def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[int]], pad: int,
-                ggufs: dict[str, Path]) -> tuple[dict[str, dict], dict[int, dict], str | None]:
+                ggufs: dict[str, Path]) -> tuple[dict[str, dict], dict[int, dict], dict[int, dict], str | None]:
     """Best of `repeats` rounds; each round runs every engine once, in turn: leapfrog (single
     request, then each concurrency), llama.cpp on each GGUF (with its own repetitions), and
     transformers in its own process. On a shared machine the best of a few interleaved runs is
@@ -98,6 +98,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
     exe = llama_cpp.find_binary("llama-bench", args.llama_cpp_dir)
     single: dict[str, dict] = {}
     rows: dict[int, dict] = {}
+    depths: dict[int, dict] = {}       # cached positions -> engine -> best run after them
     version = None
 
     def keep(table: dict, key, r: dict, field: str) -> None:
@@ -109,9 +110,10 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
         keep(single, "leapfrog", leapfrog_run(llm, prompts[:1], args.new_tokens), "decode_tokens_per_s")
         for depth in args.depths or []:         # decode after `depth` cached positions, both engines
             long = (prompts[0] * (depth // max(1, len(prompts[0])) + 1))[:max(1, depth)]
-            keep(single, ("leapfrog", depth), leapfrog_run(llm, [long], args.new_tokens), "decode_tokens_per_s")
+            at = depths.setdefault(depth, {})
+            keep(at, "leapfrog", leapfrog_run(llm, [long], args.new_tokens), "decode_tokens_per_s")
             for kind, gguf in ggufs.items():
-                keep(single, (f"llama.cpp {kind}", depth),
+                keep(at, f"llama.cpp {kind}",
                      llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3, depth), "decode_tokens_per_s")
         for c in args.concurrency:
             r = leapfrog_run(llm, prompts[:c], args.new_tokens)
@@ -127,7 +129,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
                 best = rows[c].setdefault("transformers", 0.0)
                 if r["tokens_per_s"] > best:
                     rows[c].update(transformers=r["tokens_per_s"], transformers_mode=r["mode"])
-    return single, rows, version
+    return single, rows, depths, version
 
 
 def gguf_kind(path: Path) -> str:
@@ -192,7 +194,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     prompts = story_prompts(max(args.concurrency), llm.tokenizer)
     leapfrog_run(llm, prompts[:2], 8)                      # warm up
     ggufs = llama_cpp_peers(args, folder, precision)
-    single, rows, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
+    single, rows, depths, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
     # Last: touching a gigabyte first slowed the engines' later runs on these VMs.
     bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
@@ -200,20 +202,18 @@ def run_peers(args: argparse.Namespace) -> dict:
             "new_tokens": args.new_tokens, "torch": torch.__version__, "transformers": hf_version,
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
-            "single": single_rows({k: v for k, v in single.items() if isinstance(k, str)}, folder,
-                                  kernel_bytes(llm.engine.model)),
-            "depths": depth_rows(single), "rows": concurrency_table(rows),
+            "single": single_rows(single, folder, kernel_bytes(llm.engine.model)),
+            "depths": depth_rows(depths), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def depth_rows(single: dict) -> list[dict]:
+def depth_rows(depths: dict[int, dict]) -> list[dict]:
     """Decode after each --depths count of cached positions: every engine's rate and leapfrog's
     over it."""
     out = []
-    for depth in sorted({k[1] for k in single if isinstance(k, tuple)}):
-        lf = single[("leapfrog", depth)]["decode_tokens_per_s"]
-        peers = {k[0]: v["decode_tokens_per_s"] for k, v in single.items()
-                 if isinstance(k, tuple) and k[1] == depth and k[0] != "leapfrog"}
+    for depth, runs in sorted(depths.items()):
+        lf = runs["leapfrog"]["decode_tokens_per_s"]
+        peers = {name: r["decode_tokens_per_s"] for name, r in runs.items() if name != "leapfrog"}
         out.append({"depth": depth, "leapfrog": lf, "peers": peers,
                     "ratios": {name: lf / rate for name, rate in peers.items()}})
     return out

@@ -48,7 +48,9 @@ def _clear_stale_lock(name: str) -> None:
 def _built_marker(name: str) -> Path:
     """Where the path of a finished build of `name` is recorded (the name carries the sources'
     and flags' hash, so a recorded build is of these sources)."""
-    return Path(os.environ.get("LEAPFROG_CACHE", Path.home() / ".cache" / "leapfrog")) / "kernels" / f"{name}.path"
+    # deferred: checkpoint.build (safetensors) loads only when the kernels are looked up
+    from leapfrog.checkpoint.build import cache_root
+    return cache_root() / "kernels" / f"{name}.path"
 
 
 def _import_built(name: str, marker: Path):
