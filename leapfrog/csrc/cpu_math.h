@@ -1636,17 +1636,153 @@ struct SampleScratch {
   std::vector<float> p;
   std::vector<float> tmp;
   std::vector<int32_t> idx;
+  std::vector<double> blocks;
 };
+
+// Tokens per block of the draw's search.
+static constexpr int64_t kDrawBlock = 512;
+
+// p[0] + ... + p[n - 1] in double, in vector lanes.
+static inline double sum_double(const float* p, int64_t n) {
+  int64_t j = 0;
+  double z = 0.0;
+#if defined(LEAPFROG_AVX512)
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  }
+  z = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#elif defined(LEAPFROG_AVX2)
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(a0, a1));
+  z = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; j < n; ++j) z += p[j];
+  return z;
+}
+
+// The mass of p strictly above theta, summed in float lanes (an estimate: top_p_threshold
+// allows for its rounding).
+static inline float mass_above(const float* p, int64_t V, float theta) {
+  int64_t j = 0;
+  float m = 0.f;
+#if defined(LEAPFROG_AVX512)
+  const __m512 t = _mm512_set1_ps(theta);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ), acc, v);
+  }
+  m = _mm512_reduce_add_ps(acc);
+#elif defined(LEAPFROG_AVX2)
+  const __m256 t = _mm256_set1_ps(theta);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ), v));
+  }
+  m = hsum256(acc);
+#endif
+  for (; j < V; ++j)
+    if (p[j] > theta) m += p[j];
+  return m;
+}
+
+// For top-p over unnormalised probabilities p (at most 1: the largest is exp(0)) whose kept
+// mass is `limit`: the largest of the thresholds 2^-1 .. 2^-24 with more than `limit` of the mass
+// strictly above it, or 0 where none has. No token at or below it is kept: every token ranked
+// above such a token is above the threshold too, and they alone hold more than the limit. The
+// float sums are trusted only with a margin well beyond their rounding, so a threshold too close
+// to call is passed over for a lower one, which only leaves more candidates to sort.
+static inline float top_p_threshold(const float* p, int64_t V, double limit) {
+  const double need = limit * 1.01;
+  int lo = 1, hi = 24, best = 0;      // mass_above(2^-k) grows with k: the smallest k that passes
+  while (lo <= hi) {
+    const int k = (lo + hi) / 2;
+    if (static_cast<double>(mass_above(p, V, std::ldexp(1.f, -k))) > need) {
+      best = k;
+      hi = k - 1;
+    } else {
+      lo = k + 1;
+    }
+  }
+  return best ? std::ldexp(1.f, -best) : 0.f;
+}
+
+// The indices of p strictly above theta, in order, into idx; the other entries of p set to 0.
+static inline void top_p_candidates(float* p, int64_t V, float theta, std::vector<int32_t>& idx) {
+  idx.resize(V);
+  int64_t n = 0, j = 0;
+#if defined(LEAPFROG_AVX512)
+  const __m512 t = _mm512_set1_ps(theta), zero = _mm512_setzero_ps();
+  __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (; j + 16 <= V; j += 16, ids = _mm512_add_epi32(ids, step)) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    const __mmask16 keep = _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ);
+    _mm512_mask_compressstoreu_epi32(idx.data() + n, keep, ids);
+    n += __builtin_popcount(static_cast<unsigned>(keep));
+    _mm512_storeu_ps(p + j, _mm512_mask_blend_ps(keep, zero, v));
+  }
+#endif
+  for (; j < V; ++j) {
+    if (p[j] > theta) idx[n++] = static_cast<int32_t>(j);
+    else p[j] = 0.f;
+  }
+  idx.resize(n);
+}
+
+// Candidates of a top-p filter sorted whole; more are first narrowed down by selection.
+static constexpr size_t kTopPSortRanks = 1024;
 
 static inline int64_t sample_row(const float* logits, int64_t V, const RowSampling& s, SampleScratch& sc) {
   if (!(s.temperature >= kGreedyBelow)) return argmax_row(logits, V);
   sc.p.resize(V);
   float* p = sc.p.data();
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i) {
-    p[i] = logits[i] / s.temperature;
-    if (std::isnan(p[i])) return argmax_row(logits, V);
-    m = p[i] > m ? p[i] : m;
+  {
+    int64_t i = 0;
+    bool nan = false;
+#if defined(LEAPFROG_AVX512)
+    const __m512 vt = _mm512_set1_ps(s.temperature);
+    __m512 vmax = _mm512_set1_ps(m);
+    __mmask16 bad = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 q = _mm512_div_ps(_mm512_loadu_ps(logits + i), vt);
+      _mm512_storeu_ps(p + i, q);
+      bad |= _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q);
+      vmax = _mm512_max_ps(vmax, q);
+    }
+    nan = bad != 0;
+    m = _mm512_reduce_max_ps(vmax);
+#elif defined(LEAPFROG_AVX2)
+    const __m256 vt = _mm256_set1_ps(s.temperature);
+    __m256 vmax = _mm256_set1_ps(m), bad = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 q = _mm256_div_ps(_mm256_loadu_ps(logits + i), vt);
+      _mm256_storeu_ps(p + i, q);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(q, q, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, q);
+    }
+    nan = _mm256_movemask_ps(bad) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (const float v : lanes) m = v > m ? v : m;
+#endif
+    for (; i < V; ++i) {
+      p[i] = logits[i] / s.temperature;
+      nan = nan || std::isnan(p[i]);
+      m = p[i] > m ? p[i] : m;
+    }
+    if (nan) return argmax_row(logits, V);
   }
   if (m == -std::numeric_limits<float>::infinity()) return argmax_row(logits, V);
   float kth = -std::numeric_limits<float>::infinity();     // top-k: keep values >= the k-th largest
@@ -1666,27 +1802,49 @@ static inline int64_t sample_row(const float* logits, int64_t V, const RowSampli
   }
 #endif
   for (; i < V; ++i) p[i] = p[i] >= kth ? std::exp(p[i] - m) : 0.f;
-  auto total = [&]() {
-    double z = 0.0;
-    for (int64_t j = 0; j < V; ++j) z += p[j];
-    return z;
-  };
-  double z = total();
+  double z = sum_double(p, V);
   if (s.top_p < 1.f) {
     // Keep the tokens whose mass strictly above them (sorted by probability, then index) is at
-    // most top_p. A token below (1 - top_p) / V of the mass always has more than top_p above
-    // it, so only the others are sorted.
-    const double floor = (1.0 - s.top_p) * z / static_cast<double>(V);
-    sc.idx.clear();
-    for (int64_t j = 0; j < V; ++j) {
-      if (p[j] > 0.f && p[j] >= floor) sc.idx.push_back(static_cast<int32_t>(j));
-      else p[j] = 0.f;
-    }
-    std::sort(sc.idx.begin(), sc.idx.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    double above = 0.0;
+    // most top_p. Only candidates that could be kept are sorted: where more than top_p of the
+    // mass lies strictly above a threshold, no token at or below it is kept (top_p_threshold);
+    // else, a token below (1 - top_p) / V of the mass always has more than top_p above it.
     const double limit = static_cast<double>(s.top_p) * z;
-    for (size_t j = 0; j < sc.idx.size(); ++j) {
-      const int32_t t = sc.idx[j];
+    const float theta = top_p_threshold(p, V, limit);
+    sc.idx.clear();
+    if (theta > 0.f) {
+      top_p_candidates(p, V, theta, sc.idx);
+    } else {
+      const double floor = (1.0 - s.top_p) * z / static_cast<double>(V);
+      for (int64_t j = 0; j < V; ++j) {
+        if (p[j] > 0.f && p[j] >= floor) sc.idx.push_back(static_cast<int32_t>(j));
+        else p[j] = 0.f;
+      }
+    }
+    const auto before = [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+    // Many candidates (a flat distribution): halve the unresolved ranks [lo, hi) by selection
+    // while the mass of the upper half settles which side the last kept token is on, then sort
+    // only what is left. Ranks before lo are kept (mass `above`); from hi on, dropped.
+    int32_t* idx = sc.idx.data();
+    size_t lo = 0, hi = sc.idx.size();
+    double above = 0.0;
+    while (hi - lo > kTopPSortRanks) {
+      const size_t mid = lo + (hi - lo) / 2;
+      std::nth_element(idx + lo, idx + mid, idx + hi, before);
+      double m = 0.0;
+      for (size_t j = lo; j < mid; ++j) m += p[idx[j]];
+      if (above + m < limit * (1.0 - 1e-9)) {          // rank mid is kept too: so is all above it
+        above += m;
+        lo = mid;
+      } else if (above + m > limit * (1.0 + 1e-9)) {   // rank mid and below: more than top_p above
+        for (size_t j = mid; j < hi; ++j) p[idx[j]] = 0.f;
+        hi = mid;
+      } else {
+        break;                                         // too close to call apart from the sort
+      }
+    }
+    std::sort(idx + lo, idx + hi, before);
+    for (size_t j = lo; j < hi; ++j) {
+      const int32_t t = idx[j];
       if (above > limit) p[t] = 0.f;
       else above += p[t];
     }
@@ -1694,17 +1852,31 @@ static inline int64_t sample_row(const float* logits, int64_t V, const RowSampli
   if (s.min_p > 0.f)          // the largest kept probability is exp(0) = 1
     for (int64_t j = 0; j < V; ++j)
       if (p[j] < s.min_p) p[j] = 0.f;
-  if (s.top_p < 1.f || s.min_p > 0.f) z = total();
+  // The draw: the first token whose running mass passes u z, found block by block (each block's
+  // mass summed apart, z their sum), then token by token inside the block that passes.
+  const int64_t nb = (V + kDrawBlock - 1) / kDrawBlock;
+  sc.blocks.resize(nb);
+  z = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    sc.blocks[b] = sum_double(p + b * kDrawBlock, std::min(kDrawBlock, V - b * kDrawBlock));
+    z += sc.blocks[b];
+  }
   const double target = uniform01(s.key, s.counter) * z;
   double acc = 0.0;
-  int64_t last = -1;
-  for (int64_t j = 0; j < V; ++j) {
-    if (p[j] <= 0.f) continue;
-    acc += p[j];
-    last = j;
-    if (acc > target) return j;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (acc + sc.blocks[b] <= target) {
+      acc += sc.blocks[b];
+      continue;
+    }
+    for (int64_t j = b * kDrawBlock, e = std::min(V, j + kDrawBlock); j < e; ++j) {
+      if (p[j] <= 0.f) continue;
+      acc += p[j];
+      if (acc > target) return j;
+    }
   }
-  return last >= 0 ? last : argmax_row(logits, V);
+  for (int64_t j = V - 1; j >= 0; --j)     // u z rounded past the last token's running mass
+    if (p[j] > 0.f) return j;
+  return argmax_row(logits, V);
 }
 
 }  // namespace lf

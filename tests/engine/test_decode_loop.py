@@ -180,6 +180,44 @@ def test_sampler_follows_the_filtered_distribution(settings):
     assert chi2 < df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3   # p = 0.001 (Wilson-Hilferty)
 
 
+@pytest.mark.parametrize("scale", [0.05, 0.5, 2.0, 8.0])
+def test_top_p_keeps_exactly_the_tokens_brute_force_keeps(scale):
+    """Top-p over a large vocabulary (flat rows leave tens of thousands of candidates, which the
+    sampler narrows by thresholds and selection before sorting) draws the token that the same
+    draw gives over the kept set found by brute force: probabilities sorted, each token kept
+    while the mass strictly above it is at most top_p. Rows whose last kept token is too close
+    to call in float64 are skipped."""
+    mod = cpu_kernels()
+    g = torch.Generator().manual_seed(int(scale * 100))
+    n, V = 48, 20000
+    logits = torch.randn(n, V, generator=g) * scale
+    logits[::5, :3] += 6.0
+    temps = torch.full((n,), 0.7)
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.97] * (n // 4))
+    keys, counters = torch.arange(n) * 7919 + 5, torch.arange(n)
+    zeros_k = torch.zeros(n, dtype=torch.long)
+    got = mod.sample_rows(logits, temps, zeros_k, top_p, torch.zeros(n), keys, counters)
+    masked = torch.full_like(logits, float("-inf"))
+    checked = 0
+    for r in range(n):
+        q = (logits[r] / temps[r]).double()
+        prob = torch.exp(q - q.max())
+        order = sorted(range(V), key=lambda t: (-prob[t].item(), t))
+        above = torch.cumsum(prob[order], 0) - prob[order]
+        limit = top_p[r].item() * prob.sum().item()
+        keep = [t for t, a in zip(order, above.tolist()) if a <= limit]
+        nxt = above[len(keep)].item() if len(keep) < V else float("inf")
+        if abs(above[len(keep) - 1].item() - limit) < 2e-6 * limit or abs(nxt - limit) < 2e-6 * limit:
+            continue
+        masked[r, keep] = logits[r, keep]
+        checked += 1
+    want = mod.sample_rows(masked, temps, zeros_k, torch.ones(n), torch.zeros(n), keys, counters)
+    rows = [r for r in range(n) if torch.isfinite(masked[r]).any()]
+    assert len(rows) == checked >= 3 * n // 4
+    assert got[rows].tolist() == want[rows].tolist()
+    assert len(set(got.tolist())) > n // 4
+
+
 def test_sampler_greedy_ties_nans_and_counters():
     mod = cpu_kernels()
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [0.0, float("nan"), 5.0, 1.0], [1.0, 2.0, 0.5, 2.0]])
