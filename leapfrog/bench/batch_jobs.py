@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sqlite3
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,9 +77,37 @@ def crash(server_cls, flags: list[str], out: Path, n: int = 1000, kills: int = 3
     final = _done(db, bid)
     changed += sum(final.get(i) != r for i, r in seen.items())
     server.stop()
-    return {"lines": n, "kills": kills, "killed_at": killed_at, "status": b["status"], "results": len(lines),
-            "duplicates": len(ids) - len(set(ids)), "in_order": ids == [f"req-{i}" for i in range(n)],
-            "finished_lines_changed": changed, "seconds": seconds}
+    res = {"lines": n, "kills": kills, "killed_at": killed_at, "status": b["status"], "results": len(lines),
+           "duplicates": len(ids) - len(set(ids)), "in_order": ids == [f"req-{i}" for i in range(n)],
+           "finished_lines_changed": changed, "seconds": seconds}
+    res.update(run_batch_agrees(flags, out, _lines(n, 8), [json.loads(x) for x in lines]))
+    return res
+
+
+def _text(result: dict) -> str | None:
+    body = (result.get("response") or {}).get("body") or {}
+    choices = body.get("choices") or [{}]
+    return choices[0].get("text", (choices[0].get("message") or {}).get("content"))
+
+
+def run_batch_agrees(flags: list[str], out: Path, data: bytes, served: list[dict]) -> dict:
+    """`leapfrog run-batch` on the same lines as a server's batch (the same seeds): how many of
+    its answers carry the server's text, by custom_id."""
+    src, dst = out / "run-batch-in.jsonl", out / "run-batch-out.jsonl"
+    src.write_bytes(data)
+    dst.unlink(missing_ok=True)
+    shutil.rmtree(out / "run-batch", ignore_errors=True)
+    model = flags[flags.index("--model") + 1]
+    t0 = time.perf_counter()
+    with open(out / "run-batch.log", "w") as logf:
+        subprocess.run([sys.executable, "-m", "leapfrog", "run-batch", "-i", str(src), "-o", str(dst), "--model", model,
+                        "--batch-dir", str(out / "run-batch")], check=True, stdout=logf, stderr=subprocess.STDOUT,
+                       timeout=1800)
+    seconds = time.perf_counter() - t0
+    mine = {r["custom_id"]: _text(r) for r in map(json.loads, dst.read_text().splitlines())}
+    theirs = {r["custom_id"]: _text(r) for r in served}
+    same = sum(1 for cid, t in theirs.items() if t is not None and mine.get(cid) == t)
+    return {"run_batch_lines": len(mine), "run_batch_same_text": same, "run_batch_seconds": seconds}
 
 
 THINK_S = 0.5          # each live client's pause between its requests: the idle stretches a batch may use
@@ -139,40 +170,73 @@ def _live(url: str, clients: int, seconds: float, new_tokens: int) -> tuple[list
 
 
 def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: float = 30.0,
-         new_tokens: int = 32) -> dict:
+         new_tokens: int = 32, rounds: int = 3) -> dict:
+    """Live clients alone and beside a running batch, in `rounds` alternations of `seconds` /
+    `rounds` each (a batch submitted for each window beside it and cancelled after), so that the
+    machine's drift over a minute lands on both sides of the ratio; then the batch alone."""
     data_dir = out / "batch-live"
     db = data_dir / "batches.sqlite3"
     server = server_cls([*flags, "--batch-dir", str(data_dir)], out / "batch-live.log")
     server.wait_ready()
-    alone, _ = _live(server.url, clients, seconds, new_tokens)
-    bid = _submit(server.url, _lines(20000, 32))         # more than the phases can finish
+    window = seconds / rounds
+    alone: list = []
+    mixed: list = []
+    per_round = []
+    idle = lines_beside = beside_s = 0.0
+    for k in range(rounds):
+        a, _ = _live(server.url, clients, window, new_tokens)
+        bid = _submit(server.url, _lines(2000, 32, offset=2000 * k))     # more than a window can finish
+        time.sleep(2.0)
+        before, t0 = len(_done(db, bid)), time.perf_counter()
+        m, free = _live(server.url, clients, window, new_tokens)
+        lines_beside += len(_done(db, bid)) - before
+        beside_s += time.perf_counter() - t0
+        idle += free
+        _cancel(server.url, bid)
+        alone += a
+        mixed += m
+        per_round.append((_ratio(m, a, 0), _ratio(m, a, 1)))
+    bid = _submit(server.url, _lines(2000, 32, offset=2000 * rounds))
     time.sleep(2.0)
-    before = len(_done(db, bid))
-    t0 = time.perf_counter()
-    mixed, idle = _live(server.url, clients, seconds, new_tokens)
-    batch_with_live = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
-    batch_idle = (len(_done(db, bid)) - before) / max(idle, 1e-9)
     before, t0 = len(_done(db, bid)), time.perf_counter()
-    time.sleep(seconds)
+    time.sleep(window)
     batch_alone = (len(_done(db, bid)) - before) / (time.perf_counter() - t0)
-    httpx.post(server.url + f"/v1/batches/{bid}/cancel", timeout=30)
+    _cancel(server.url, bid)
     server.stop()
 
     errors = {"alone": [r[1] for r in alone if r[0] is None], "with_batch": [r[1] for r in mixed if r[0] is None]}
     alone, mixed = [r for r in alone if r[0] is not None], [r for r in mixed if r[0] is not None]
-
-    def p50(rows: list, j: int) -> float:
-        return statistics.median(r[j] for r in rows) if rows else float("nan")
-    res = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "live_requests_alone": len(alone),
-           "live_requests_with_batch": len(mixed), "live_errors": errors,
-           "ttft_p50_alone_s": p50(alone, 0), "ttft_p50_with_batch_s": p50(mixed, 0),
-           "tpot_p50_alone_s": p50(alone, 1), "tpot_p50_with_batch_s": p50(mixed, 1),
-           "batch_lines_per_s_alone": batch_alone, "batch_lines_per_s_with_live": batch_with_live,
-           "idle_s": idle, "batch_lines_per_idle_s": batch_idle, "think_s": THINK_S}
+    res = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
+           "live_requests_alone": len(alone), "live_requests_with_batch": len(mixed), "live_errors": errors,
+           "ttft_p50_alone_s": _p50(alone, 0), "ttft_p50_with_batch_s": _p50(mixed, 0),
+           "tpot_p50_alone_s": _p50(alone, 1), "tpot_p50_with_batch_s": _p50(mixed, 1),
+           "round_ratios": per_round, "batch_lines_per_s_alone": batch_alone,
+           "batch_lines_per_s_with_live": lines_beside / max(beside_s, 1e-9),
+           "idle_s": idle, "batch_lines_per_idle_s": lines_beside / max(idle, 1e-9), "think_s": THINK_S}
     res["ttft_ratio"] = res["ttft_p50_with_batch_s"] / res["ttft_p50_alone_s"]
     res["tpot_ratio"] = res["tpot_p50_with_batch_s"] / res["tpot_p50_alone_s"]
     log(f"reliability: batch live {res}")
     return res
+
+
+def _p50(rows: list, j: int) -> float:
+    rows = [r for r in rows if r[0] is not None]
+    return statistics.median(r[j] for r in rows) if rows else float("nan")
+
+
+def _ratio(beside: list, alone: list, j: int) -> float:
+    return _p50(beside, j) / _p50(alone, j)
+
+
+def _cancel(url: str, bid: str, timeout: float = 60.0) -> None:
+    """Cancel a batch and wait until it has let go of its lines."""
+    httpx.post(url + f"/v1/batches/{bid}/cancel", timeout=30)
+    deadline = time.time() + timeout
+    while httpx.get(url + f"/v1/batches/{bid}", timeout=30).json()["status"] not in ("cancelled", "completed", "failed",
+                                                                                    "expired"):
+        if time.time() > deadline:
+            raise RuntimeError(f"batch {bid} was not cancelled within {timeout:g} s")
+        time.sleep(0.1)
 
 
 def run(server_cls, args, out: Path) -> dict:
@@ -186,16 +250,21 @@ def run(server_cls, args, out: Path) -> dict:
 
 def markdown_rows(r: dict) -> list[str]:
     c, lv = r["crash"], r["live"]
+    rounds = ", ".join(f"{t:.2f}x / {p:.2f}x" for t, p in lv["round_ratios"])
     return [f"| batch crash | a {c['lines']}-line batch, the server killed with SIGKILL {c['kills']} times (at "
             f"{', '.join(map(str, c['killed_at']))} lines done) and restarted | {c['status']}: {c['results']} results, "
             f"{c['duplicates']} duplicates, in input order: {c['in_order']}, {c['finished_lines_changed']} finished "
             f"lines changed; {c['seconds']:.0f} s |",
+            f"| `leapfrog run-batch` on the same lines | the same {c['lines']} requests (the same seeds) through the "
+            f"command instead of the server | {c['run_batch_same_text']} of {c['run_batch_lines']} texts the server's; "
+            f"{c['run_batch_seconds']:.0f} s |",
             f"| batch beside live traffic | {lv['clients']} live clients (streamed, {lv['new_tokens']} tokens, "
-            f"{lv['think_s']:g} s between requests) for "
-            f"{lv['seconds']:.0f} s alone, then while a batch runs | TTFT p50 {lv['ttft_p50_alone_s'] * 1000:.0f} → "
-            f"{lv['ttft_p50_with_batch_s'] * 1000:.0f} ms ({lv['ttft_ratio']:.2f}x), TPOT p50 "
-            f"{lv['tpot_p50_alone_s'] * 1000:.1f} → {lv['tpot_p50_with_batch_s'] * 1000:.1f} ms "
-            f"({lv['tpot_ratio']:.2f}x); {lv['live_requests_alone']} / {lv['live_requests_with_batch']} live requests "
-            f"answered, errors {len(lv['live_errors']['alone'])} / {len(lv['live_errors']['with_batch'])}; batch "
+            f"{lv['think_s']:g} s between requests), {lv['rounds']} rounds of {lv['seconds'] / lv['rounds']:.0f} s alone "
+            f"then {lv['seconds'] / lv['rounds']:.0f} s while a batch runs | TTFT p50 "
+            f"{lv['ttft_p50_alone_s'] * 1000:.0f} → {lv['ttft_p50_with_batch_s'] * 1000:.0f} ms "
+            f"({lv['ttft_ratio']:.2f}x), TPOT p50 {lv['tpot_p50_alone_s'] * 1000:.1f} → "
+            f"{lv['tpot_p50_with_batch_s'] * 1000:.1f} ms ({lv['tpot_ratio']:.2f}x); by round (TTFT / TPOT) {rounds}; "
+            f"{lv['live_requests_alone']} / {lv['live_requests_with_batch']} live requests answered, errors "
+            f"{len(lv['live_errors']['alone'])} / {len(lv['live_errors']['with_batch'])}; batch "
             f"{lv['batch_lines_per_s_with_live']:.1f} lines/s beside live ({lv['batch_lines_per_idle_s']:.1f} per second "
             f"of the {lv['idle_s']:.1f} s without a live request), {lv['batch_lines_per_s_alone']:.1f} alone |"]
