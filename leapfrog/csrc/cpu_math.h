@@ -1152,6 +1152,7 @@ struct QRows {             // x quantized per block: values, scales, and sums of
   std::vector<int8_t> q;
   std::vector<float> a;
   std::vector<int32_t> sum;
+  std::vector<float> am;   // a * float(sum): the offsets' factor, rounded once per row and block
 };
 
 static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QRows& out) {
@@ -1159,6 +1160,7 @@ static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QR
   out.q.resize(M * K);
   out.a.resize(M * NB);
   out.sum.resize(M * NB);
+  out.am.resize(M * NB);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < NB; ++b) {
       const float* v = x + r * ldx + b * kQBlock;
@@ -1209,6 +1211,7 @@ static inline void q8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QR
 #endif
       out.a[r * NB + b] = a;
       out.sum[r * NB + b] = s;
+      out.am[r * NB + b] = a * static_cast<float>(s);
     }
 }
 
@@ -1249,7 +1252,7 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
     for (int r = 0; r < R; ++r) {
       const float a = xq.a[(r0 + r) * NB + b];
       acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(a)), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a * static_cast<float>(xq.sum[(r0 + r) * NB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.am[(r0 + r) * NB + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
@@ -1310,7 +1313,7 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
     for (int r = 0; r < R; ++r) {
       const float a = xq.a[(r0 + r) * NB + b];
       const int32_t xs = xq.sum[(r0 + r) * NB + b];
-      const __m256 av = _mm256_set1_ps(a), mv = _mm256_set1_ps(a * static_cast<float>(xs));
+      const __m256 av = _mm256_set1_ps(a), mv = _mm256_set1_ps(xq.am[(r0 + r) * NB + b]);
       const __m256i back = _mm256_set1_epi32(BITS == 4 ? 0 : 128 * xs);
       for (int h = 0; h < 2; ++h) {
         const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r][h], back)), av);
@@ -1463,7 +1466,7 @@ static void q_panel_rows_amx(const QRows& xq, int64_t m0, int64_t M, int64_t K, 
             const float a = xq.a[i];
             const __m512i s = _mm512_load_si512(sums[j] + r * kPanel);
             acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a)), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a * static_cast<float>(xq.sum[i])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.am[i]), acc[r]);
           }
         }
       }
