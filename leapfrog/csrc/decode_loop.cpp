@@ -88,7 +88,7 @@ const int32_t* interrupt_flag(const torch::Tensor& flag) {
 
 bool interrupted(const int32_t* flag) { return flag && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0; }
 
-constexpr int kHeadParts = 4;
+constexpr int kHeadParts = 16;
 
 // An interrupt flag as every thread of a region sees it: at a barrier, thread 0 samples the flag
 // before waiting and every thread reads that sample after, so all leave at the same barrier. The
