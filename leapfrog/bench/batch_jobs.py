@@ -169,7 +169,7 @@ def _live(url: str, clients: int, seconds: float, new_tokens: int) -> tuple[list
     return out, time.perf_counter() - start - busy
 
 
-def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: float = 30.0,
+def live(server_cls, flags: list[str], out: Path, clients: int = 2, seconds: float = 60.0,
          new_tokens: int = 32, rounds: int = 3) -> dict:
     """Live clients alone and beside a running batch, in `rounds` alternations of `seconds` /
     `rounds` each (a batch submitted for each window beside it and cancelled after), so that the
