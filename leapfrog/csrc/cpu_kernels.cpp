@@ -99,7 +99,9 @@ static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / KVH, g = bg % KVH, n = ctx_lens[b];
+      // rows taken first, last, second, second-to-last...: a thread's range of tasks mixes the
+      // short and long contexts of a prompt's causal rows instead of holding all the long ones
+      const int64_t j = bg / KVH, g = bg % KVH, b = j % 2 == 0 ? j / 2 : B - 1 - j / 2, n = ctx_lens[b];
       scratch.resize(attn_scratch_floats(n, group, D));
       attend_group(q + b * H * D, k, v, tables + b * max_blocks, n, block_size, KVH, D, g, group,
                    scale, out + b * H * D, scratch.data());

@@ -617,7 +617,9 @@ class DecodeLoop {
           }
         } else if (sync_kv) {
           if (halt.check(bar, tid, parity)) return false;
-          for (int64_t task = t0; task < t1; ++task) {
+          // (row, KV head) tasks dealt round-robin, not in spans: a prompt's rows attend to ever
+          // longer prefixes, so a span of the later rows would be most of the work.
+          for (int64_t task = tid; task < T * KVH; task += nt) {
             const int64_t r = task / KVH, g = task % KVH;
             attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_,
                          attn + r * H * D, scratch);
