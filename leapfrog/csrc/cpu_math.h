@@ -1707,10 +1707,22 @@ static inline float mass_above(const float* p, int64_t V, float theta) {
 // to call is passed over for a lower one, which only leaves more candidates to sort.
 static inline float top_p_threshold(const float* p, int64_t V, double limit) {
   const double need = limit * 1.01;
-  int lo = 1, hi = 24, best = 0;      // mass_above(2^-k) grows with k: the smallest k that passes
+  const auto passes = [&](int k) { return static_cast<double>(mass_above(p, V, std::ldexp(1.f, -k))) > need; };
+  // mass_above(2^-k) grows with k: the smallest k that passes, tried at 1, 2, 4, 8, 16, 24 (a
+  // peaked row, as low temperatures give, passes at once), then halved between.
+  int lo = 1, hi = 0, best = 0;
+  for (int k = 1;; k = std::min(2 * k, 24)) {
+    if (passes(k)) {
+      best = k;
+      hi = k - 1;
+      break;
+    }
+    lo = k + 1;
+    if (k == 24) return 0.f;
+  }
   while (lo <= hi) {
     const int k = (lo + hi) / 2;
-    if (static_cast<double>(mass_above(p, V, std::ldexp(1.f, -k))) > need) {
+    if (passes(k)) {
       best = k;
       hi = k - 1;
     } else {
