@@ -35,7 +35,7 @@ from leapfrog.config import DEFAULT_MODEL
 from leapfrog.models.loader import CheckpointError
 
 # Counts that must be at least 1 wherever a suite reads them (None: the suite's default).
-COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "depths", "num_prompts", "gamma", "num_blocks",
+COUNTS = ("threads", "repeats", "new_tokens", "concurrency", "depths", "prefill", "num_prompts", "gamma", "num_blocks",
           "candidates", "clients", "fuzz_examples", "burst_factor", "ctx", "chunks")
 
 SUITES = {"peers": peers, "speculative": speculative, "diffusion": diffusion, "couplets": couplets,

@@ -58,12 +58,23 @@ def llama_bench(exe: str, gguf: Path, new_tokens: int, threads: int, repetitions
     """Single-request decode speed: `llama-bench -p 0 -n N` (no prompt, N generated tokens; with
     `depth`, `-d depth`: after that many cached positions), with its own repetitions, in a clean
     environment."""
+    r = _llama_bench(exe, gguf, ["-p", "0", "-n", str(new_tokens), "-t", str(threads), "-r", str(repetitions)],
+                     ["-d", str(depth)] if depth else [])
+    return {"decode_tokens_per_s": r.pop("tokens_per_s"), **r}
+
+
+def llama_bench_prompt(exe: str, gguf: Path, prompt_tokens: int, threads: int, repetitions: int) -> dict:
+    """Prompt processing speed: `llama-bench -p N -n 0` (a prompt of N tokens, nothing generated)."""
+    r = _llama_bench(exe, gguf, ["-p", str(prompt_tokens), "-n", "0", "-t", str(threads), "-r", str(repetitions)])
+    return {"prompt_tokens_per_s": r.pop("tokens_per_s"), **r}
+
+
+def _llama_bench(exe: str, gguf: Path, args: list[str], tail: list[str] | None = None) -> dict:
     env, dropped = peer_env()
-    cmd = [exe, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
-           "-r", str(repetitions), "-o", "json"] + (["-d", str(depth)] if depth else [])
+    cmd = [exe, "-m", str(gguf), *args, "-o", "json", *(tail or [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     row = json.loads(out)[0]
-    return {"decode_tokens_per_s": float(row["avg_ts"]), "stddev_tokens_per_s": float(row.get("stddev_ts", 0.0)),
+    return {"tokens_per_s": float(row["avg_ts"]), "stddev_tokens_per_s": float(row.get("stddev_ts", 0.0)),
             "command": " ".join(cmd), "env_dropped": dropped}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -41,6 +42,18 @@ def leapfrog_run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
         m = outs[0].metrics
         res["decode_tokens_per_s"] = (m.num_output_tokens - 1) / (m.total_time - m.time_to_first_token)
     return res
+
+
+def leapfrog_prompt_run(llm, prompt_tokens: int, seed: int) -> dict:
+    """A prompt of `prompt_tokens` random token ids (new ones each call, so the prefix cache never
+    answers) read to its first token: prompt tokens a second over the wall-clock."""
+    vocab = int(llm.engine.hf_config.get("vocab_size", 256))
+    rng = random.Random(seed)
+    ids = [rng.randrange(min(100, vocab // 4), vocab) for _ in range(prompt_tokens)]
+    t0 = time.perf_counter()
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "prompt_tokens_per_s": prompt_tokens / wall}
 
 
 # --- transformers -----------------------------------------------------------------------------
@@ -90,7 +103,8 @@ def llama_cpp_peers(args: argparse.Namespace, folder: Path, precision: str = "fl
 
 
 def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[int]], pad: int,
-                ggufs: dict[str, Path]) -> tuple[dict[str, dict], dict[int, dict], dict[int, dict], str | None]:
+                ggufs: dict[str, Path]) -> tuple[dict[str, dict], dict[int, dict], dict[int, dict], dict[int, dict],
+                                              str | None]:
     """Best of `repeats` rounds; each round runs every engine once, in turn: leapfrog (single
     request, then each concurrency), llama.cpp on each GGUF (with its own repetitions), and
     transformers in its own process. On a shared machine the best of a few interleaved runs is
@@ -99,6 +113,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
     single: dict[str, dict] = {}
     rows: dict[int, dict] = {}
     depths: dict[int, dict] = {}       # cached positions -> engine -> best run after them
+    prompts_in: dict[int, dict] = {}   # prompt tokens -> engine -> best prompt processing run
     version = None
 
     def keep(table: dict, key, r: dict, field: str) -> None:
@@ -115,6 +130,12 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
             for kind, gguf in ggufs.items():
                 keep(at, f"llama.cpp {kind}",
                      llama_cpp.llama_bench(exe, gguf, args.new_tokens, args.threads, 3, depth), "decode_tokens_per_s")
+        for n in args.prefill or []:            # prompt processing of n tokens, both engines
+            at = prompts_in.setdefault(n, {})
+            keep(at, "leapfrog", leapfrog_prompt_run(llm, n, seed=1000 * i + n), "prompt_tokens_per_s")
+            for kind, gguf in ggufs.items():
+                keep(at, f"llama.cpp {kind}", llama_cpp.llama_bench_prompt(exe, gguf, n, args.threads, 3),
+                     "prompt_tokens_per_s")
         for c in args.concurrency:
             r = leapfrog_run(llm, prompts[:c], args.new_tokens)
             keep(rows, c, {"leapfrog": r["tokens_per_s"]}, "leapfrog")
@@ -129,7 +150,7 @@ def interleaved(args: argparse.Namespace, llm, folder: Path, prompts: list[list[
                 best = rows[c].setdefault("transformers", 0.0)
                 if r["tokens_per_s"] > best:
                     rows[c].update(transformers=r["tokens_per_s"], transformers_mode=r["mode"])
-    return single, rows, depths, version
+    return single, rows, depths, prompts_in, version
 
 
 def gguf_kind(path: Path) -> str:
@@ -194,7 +215,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     prompts = story_prompts(max(args.concurrency), llm.tokenizer)
     leapfrog_run(llm, prompts[:2], 8)                      # warm up
     ggufs = llama_cpp_peers(args, folder, precision)
-    single, rows, depths, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
+    single, rows, depths, prompts_in, hf_version = interleaved(args, llm, folder, prompts, pad, ggufs)
     # Last: touching a gigabyte first slowed the engines' later runs on these VMs.
     bandwidth = read_bandwidth(args.threads)
     return {"suite": "peers", "model": str(folder), "size": args.size, "threads": args.threads,
@@ -203,8 +224,19 @@ def run_peers(args: argparse.Namespace) -> dict:
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
             "single": single_rows(single, folder, kernel_bytes(llm.engine.model)),
-            "depths": depth_rows(depths), "rows": concurrency_table(rows),
+            "depths": depth_rows(depths), "prefill": prefill_rows(prompts_in), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def prefill_rows(runs_by_length: dict[int, dict]) -> list[dict]:
+    """Prompt processing at each --prefill length: every engine's rate and leapfrog's over it."""
+    out = []
+    for n, runs in sorted(runs_by_length.items()):
+        lf = runs["leapfrog"]["prompt_tokens_per_s"]
+        peers = {name: r["prompt_tokens_per_s"] for name, r in runs.items() if name != "leapfrog"}
+        out.append({"prompt_tokens": n, "leapfrog": lf, "peers": peers,
+                    "ratios": {name: lf / rate for name, rate in peers.items()}})
+    return out
 
 
 def depth_rows(depths: dict[int, dict]) -> list[dict]:
@@ -230,6 +262,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--depths", type=int, nargs="+", default=None, metavar="N",
                    help="also decode one request after N cached positions (a prompt of N tokens), "
                    "against llama-bench -d N")
+    g.add_argument("--prefill", type=int, nargs="+", default=None, metavar="N",
+                   help="also time a prompt of N tokens read to its first token, against llama-bench -p N -n 0")
     g.add_argument("--no-transformers", action="store_true", help="leave transformers out (slow on big models; peers and perplexity suites)")
 
 
@@ -249,6 +283,13 @@ def markdown(result: dict) -> str:
                   "|" + "---|" * (2 + 2 * len(names))]
         for r in result["depths"]:
             lines.append(f"| {r['depth']} | {r['leapfrog']:.0f} |" + "".join(
+                f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
+    if result.get("prefill"):
+        names = sorted({n for r in result["prefill"] for n in r["peers"]})
+        lines += ["", "| prompt tokens | leapfrog prompt tok/s |" + "".join(f" {n} prompt tok/s | vs {n} |" for n in names),
+                  "|" + "---|" * (2 + 2 * len(names))]
+        for r in result["prefill"]:
+            lines.append(f"| {r['prompt_tokens']} | {r['leapfrog']:.0f} |" + "".join(
                 f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
     has_hf = any("transformers" in r for r in result["rows"])
     lines += ["", "| requests | leapfrog tok/s |" + (" transformers tok/s | leapfrog / transformers |" if has_hf else ""),

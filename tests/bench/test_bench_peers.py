@@ -105,6 +105,38 @@ def test_depths_decode_after_cached_positions_against_llama_bench_d(llama_dir, f
     assert {r["engine"] for r in result["single"]} == {"leapfrog", "llama.cpp f16"}
 
 
+def test_prefill_against_llama_bench_prompt_processing(llama_dir, fake_cpp, tmp_path, monkeypatch):
+    """--prefill N: leapfrog reads a fresh prompt of N tokens to its first token each round (no
+    prefix-cache hit), llama-bench runs `-p N -n 0` in a clean environment; the table gives each
+    length's rates and ratio."""
+    from leapfrog.bench import peers
+    seen, timed = [], []
+    real, real_run = llama_cpp.llama_bench_prompt, peers.leapfrog_prompt_run
+    monkeypatch.setattr(llama_cpp, "llama_bench_prompt", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+
+    def spy(llm, n, seed):
+        before = llm.engine.block_manager.num_prefix_hits
+        r = real_run(llm, n, seed)
+        timed.append((n, seed, llm.engine.block_manager.num_prefix_hits - before))
+        return r
+    monkeypatch.setattr(peers, "leapfrog_prompt_run", spy)
+    out = tmp_path / "results"
+    rc = bench_main(["--suite", "peers", "--model", str(llama_dir), "--new-tokens", "4", "--concurrency", "1",
+                     "--repeats", "2", "--threads", "1", "--no-transformers", "--prefill", "48", "96",
+                     "--llama-cpp-dir", str(fake_cpp), "--gguf", str(tmp_path / "given.gguf"), "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "peers.json").read_text())
+    assert [r["prompt_tokens"] for r in result["prefill"]] == [48, 96]
+    for r in result["prefill"]:
+        assert r["leapfrog"] > 0 and r["peers"]["llama.cpp f16"] == 5000.0
+        assert r["ratios"]["llama.cpp f16"] == pytest.approx(r["leapfrog"] / 5000.0)
+    assert sorted(c["command"].split(" -m ", 1)[1].split(" ", 1)[1] for c in seen) == sorted(
+        [f"-p {n} -n 0 -t 1 -r 3 -o json" for n in (48, 96)] * 2)
+    assert len({seed for _, seed, _ in timed}) == 4                 # a new prompt every time
+    assert [hits for *_, hits in timed] == [0, 0, 0, 0]             # and never a prefix-cache hit
+    assert "| prompt tokens |" in (out / "peers.md").read_text()
+
+
 def test_bfloat16_products_add_llama_cpps_bfloat16_gguf(fake_cpp, tmp_path, monkeypatch):
     """With leapfrog's bfloat16 products, llama.cpp also decodes a bfloat16 GGUF (the same kind
     of dot product); with float32 products only float16 and float32."""
