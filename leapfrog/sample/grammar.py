@@ -22,6 +22,12 @@ from leapfrog.sampling_params import ParamError, StructuredOutputs
 # JSON is written compactly, with Python's separators: no free whitespace, which a small model
 # may otherwise repeat until max_tokens. A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# For the same reason a JSON constraint ends a run of digits once it is this long and the grammar
+# lets something else follow: a schema bounds a number's value, never its digits, and a small
+# model may write "1.000..." until max_tokens. Twenty digits hold any int64 and more than a
+# double's precision; a grammar that wants more digits (a pattern) still gets them.
+MAX_DIGIT_RUN = 20
+_DIGITS = b"0123456789"
 CACHE_SIZE = 256                 # compiled grammars kept per tokenizer
 MAX_ERROR_CHARS = 400
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
@@ -104,6 +110,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compile_seconds: list[float] = []      # of each cache miss, for the benchmark's p50/p99
         self.num_hits = 0
+        self._digits: DigitRuns | None = None
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher of `spec` (shared: copy it), or ParamError naming spec.field."""
@@ -130,8 +137,43 @@ class GrammarCompiler:
         return matcher
 
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
-        """A fresh matcher of `spec` for one request."""
-        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size)
+        """A fresh matcher of `spec` for one request (JSON kinds with the digit-run cap)."""
+        digits = None
+        if spec.kind in ("json", "json_object"):
+            with self._lock:
+                if self._digits is None:
+                    self._digits = DigitRuns(self.lltok, self.vocab_size)
+                digits = self._digits
+        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits)
+
+
+class DigitRuns:
+    """Per token of a vocabulary: how many ASCII digits its text ends with, whether it is all
+    digits, and the bitmask words of the all-digit tokens (what MAX_DIGIT_RUN takes away)."""
+
+    def __init__(self, lltok: Any, vocab_size: int) -> None:
+        n = min(int(lltok.vocab_size), vocab_size)
+        self.trailing = np.zeros(vocab_size, dtype=np.int32)
+        self.whole = np.zeros(vocab_size, dtype=bool)
+        for t in range(n):
+            if lltok.is_special_token(t):
+                continue
+            text = lltok.decode_bytes([t])
+            k = len(text) - len(text.rstrip(_DIGITS))
+            self.trailing[t] = k
+            self.whole[t] = 0 < k == len(text)
+        bits = np.zeros(((vocab_size + 31) // 32) * 32, dtype=bool)
+        bits[:vocab_size] = self.whole
+        self.keep = torch.from_numpy(~np.packbits(bits, bitorder="little").view(np.int32))
+
+    def run(self, tokens: list[int]) -> int:
+        """The length of the digit run that `tokens`' text ends with (counted up to the cap)."""
+        run = 0
+        for t in reversed(tokens):
+            run += int(self.trailing[t])
+            if not self.whole[t] or run >= MAX_DIGIT_RUN:
+                break
+        return run
 
 
 _COMPILERS_LOCK = threading.Lock()
@@ -152,13 +194,14 @@ def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
 
 class GrammarMatch:
     """One request's matcher and the tokens it has consumed (its output, then perhaps drafts)."""
-    __slots__ = ("matcher", "consumed", "vocab_size", "words")
+    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits")
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, digits: DigitRuns | None = None) -> None:
         self.matcher = matcher
         self.consumed: list[int] = []
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        self.digits = digits            # JSON kinds: end digit runs at MAX_DIGIT_RUN
 
     def sync(self, history: list[int]) -> bool:
         """Stand after `history` (the request's output tokens, then drafts); False when some of
@@ -184,8 +227,14 @@ class GrammarMatch:
         return self.matcher.validate_tokens(drafts)
 
     def fill(self, row: torch.Tensor) -> None:
-        """The allowed tokens of the current state, one bit each, into `row` (int32, contiguous)."""
+        """The allowed tokens of the current state, one bit each, into `row` (int32, contiguous).
+        After MAX_DIGIT_RUN digits, a JSON constraint's all-digit tokens are taken away where the
+        grammar allows anything else."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self.digits is not None and self.digits.run(self.consumed) >= MAX_DIGIT_RUN:
+            kept = row & self.digits.keep[:row.numel()]
+            if bool(kept.any()):
+                row.copy_(kept)
 
     def mask_rows(self, logits: torch.Tensor, output: list[int], drafts: list[int]) -> None:
         """Row j of `logits` (one request's verify step, or its one row) becomes the constrained

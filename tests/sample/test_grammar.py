@@ -12,7 +12,7 @@ import regex
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.sample.grammar import GrammarMatch, apply_bitmask, compiler_for, escape_regex
+from leapfrog.sample.grammar import MAX_DIGIT_RUN, GrammarMatch, apply_bitmask, compiler_for, escape_regex
 from leapfrog.sampling_params import ParamError, StructuredOutputs
 from leapfrog.tokenizer import Tokenizer
 from test_speculative import ENGINE, OracleMethod, assert_greedy_match
@@ -89,6 +89,58 @@ def test_a_draft_path_is_validated_and_rolled_back(tok, llama_dir):
     assert match.num_valid(ids[:1], ids[1:]) == len(ids) - 1
     assert not match.sync(bad) and match.consumed == []      # the invalid token was never consumed
     assert match.sync(ids) and allowed(match, vocab) == set(tok.eos_token_ids)
+
+
+def _digit_tokens(tok: Tokenizer, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if t not in tok.eos_token_ids
+            and (text := tok.decode([t])) and all(c in "0123456789" for c in text)}
+
+
+def test_a_json_digit_run_ends_at_the_cap_where_the_grammar_lets_it(tok, llama_dir):
+    """A JSON constraint takes the all-digit tokens away after MAX_DIGIT_RUN digits, only where
+    the grammar allows something else (a pattern that wants more digits still gets them);
+    other constraint kinds are not capped."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    compiler = compiler_for(tok, vocab)
+    digits = _digit_tokens(tok, vocab)
+    assert digits
+    spec = SO(json={"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    number = compiler.matcher(spec)
+    plain = GrammarMatch(compiler.compile(spec).deep_copy(), compiler.vocab_size)    # no cap
+    assert compiler.matcher(SO(regex="[0-9]+x?")).digits is None
+    pattern = compiler.matcher(SO(json={"type": "string", "pattern": "^[0-9]{30}$"}))
+    for run in range(MAX_DIGIT_RUN - 2, MAX_DIGIT_RUN + 3):
+        history = tok.encode('{"x": 3.' + "7" * run, add_special_tokens=False)
+        assert number.sync(history) and plain.sync(history)
+        grammar_allows = allowed(plain, vocab)
+        assert grammar_allows & digits and grammar_allows - digits
+        if run < MAX_DIGIT_RUN:
+            assert allowed(number, vocab) == grammar_allows
+        else:
+            assert allowed(number, vocab) == grammar_allows - digits
+        text = tok.encode('"' + "1" * (run + 1), add_special_tokens=False)
+        assert pattern.sync(text) and allowed(pattern, vocab) & digits     # only digits may follow
+
+
+def test_a_number_the_model_would_write_forever_ends(ar_llm, llama_dir):
+    """With every digit pushed up by logit_bias, a JSON number would run to max_tokens; the cap
+    ends it, and the reply is valid JSON. Drafting (n-gram drafts copy the digits) gives the
+    same tokens."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    tok = ar_llm.engine.tokenizer
+    bias = {t: 30.0 for t in _digit_tokens(tok, vocab)}
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0.125, "maximum": 0.5}},
+              "required": ["x"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=80, temperature=0, logit_bias=bias,
+                            structured_outputs=SO(json=schema))
+    want = ar_llm.generate(PROMPTS, params)
+    for o in want:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+    llm = LLM(str(llama_dir), method="ngram", prompt_lookup_min=1, verify="fixed", **ENGINE)
+    outs = llm.generate(PROMPTS, params)
+    assert_greedy_match(llm.engine.model, outs, [o.token_ids for o in want])
+    assert llm.engine.method.stats()["num_verify_steps"] > 0
 
 
 def test_bad_constraints_name_their_field(tok, llama_dir):
