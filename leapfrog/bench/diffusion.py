@@ -21,6 +21,7 @@ MB_PPL, AR_SPEED, AR_PPL = 0.05, 1.3, 0.10     # the issue's targets
 def configs(args: argparse.Namespace) -> list[Contender]:
     out = [Contender("ar", "ar", model=args.ar_model)]
     semi = getattr(args, "semi_threshold", None)
+    later = getattr(args, "later_threshold", None)
     floors = getattr(args, "floors", None) or [None]
     modes = [False, True] if getattr(args, "verify", False) else [False]
     for verify, floor in ((v, f) for v in modes for f in floors):
@@ -34,6 +35,9 @@ def configs(args: argparse.Namespace) -> list[Contender]:
                 if semi is not None and n > 1:      # when a later block may be forced (τ_semi)
                     opts["semi_threshold"] = semi
                     label += f" τ_semi={semi:g}"
+                if later is not None and n > 1 and not verify:
+                    opts["later_threshold"] = later
+                    label += f" τ_later={later:g}"
                 if floor is not None:
                     opts["floor"] = floor
                     label += f" {floor}" if len(floors) > 1 else ""
@@ -238,6 +242,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the threshold (default: the method's, leftmost); two values run every config twice")
     g.add_argument("--verify", action="store_true",
                    help="also run every diffusion config verified (verify=True; two-stream models only)")
+    g.add_argument("--later-threshold", type=float, default=None,
+                   help="τ_later for the N > 1 configs: the confidence a block after the first "
+                        "unfinished one needs (default: the config's τ)")
     g.add_argument("--semi-threshold", type=float, default=None,
                    help="τ_semi for the N > 1 configs: a later block may be forced forward once its "
                         "predecessor is this far decided (default: the method's, 0.9)")

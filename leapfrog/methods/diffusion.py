@@ -91,7 +91,7 @@ class DiffusionMethod(Method):
 
     def __init__(self, ctx: "MethodContext", num_blocks: int = 1, threshold: float | None = None,
                  add_threshold: float = 0.1, semi_threshold: float = 0.9, floor: str = "leftmost",
-                 verify: bool = False, **options: object) -> None:
+                 verify: bool = False, later_threshold: float | None = None, **options: object) -> None:
         if options:
             raise ValueError(f"unknown option(s) for method 'diffusion': {', '.join(sorted(options))}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
@@ -123,6 +123,9 @@ class DiffusionMethod(Method):
         if threshold is None:
             threshold = 0.0 if verify else 0.9
         self.threshold = _fraction("threshold", threshold, low_open=not verify)
+        # the threshold of the blocks after the first unfinished one (num_blocks > 1)
+        self.later_threshold = self.threshold if later_threshold is None else \
+            _fraction("later_threshold", later_threshold, low_open=True)
         self.logit_shift = int(spec.logit_shift)
         self.eos_token_ids = tuple(spec.eos_token_ids)    # the engine stops on these too
         self._eos = set(spec.eos_token_ids)
@@ -307,7 +310,8 @@ class DiffusionMethod(Method):
             masked = [p for p in range(max(block * bs, n), min((block + 1) * bs, limit)) if p in cand]
             if not masked:
                 continue
-            pick = [p for p in masked if cand[p][1] > self.threshold]
+            bar = self.threshold if j == 0 else self.later_threshold
+            pick = [p for p in masked if cand[p][1] > bar]
             if not pick and (j == 0 or progress[j - 1] >= self.semi_threshold):
                 pick = [masked[0] if self.floor == "leftmost"
                         else max(masked, key=lambda p: cand[p][1])]    # ties: the leftmost

@@ -110,7 +110,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compile_seconds: list[float] = []      # of each cache miss, for the benchmark's p50/p99
         self.num_hits = 0
-        self._digits: DigitRuns | None = None
+        self.digits = DigitRuns(self.lltok, self.vocab_size)
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher of `spec` (shared: copy it), or ParamError naming spec.field."""
@@ -138,12 +138,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
         """A fresh matcher of `spec` for one request (JSON kinds with the digit-run cap)."""
-        digits = None
-        if spec.kind in ("json", "json_object"):
-            with self._lock:
-                if self._digits is None:
-                    self._digits = DigitRuns(self.lltok, self.vocab_size)
-                digits = self._digits
+        digits = self.digits if spec.kind in ("json", "json_object") else None
         return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits)
 
 
@@ -153,15 +148,12 @@ class DigitRuns:
 
     def __init__(self, lltok: Any, vocab_size: int) -> None:
         n = min(int(lltok.vocab_size), vocab_size)
+        texts = [b"" if lltok.is_special_token(t) else lltok.decode_bytes([t]) for t in range(n)]
+        trailing = [len(text) - len(text.rstrip(_DIGITS)) for text in texts]
         self.trailing = np.zeros(vocab_size, dtype=np.int32)
+        self.trailing[:n] = trailing
         self.whole = np.zeros(vocab_size, dtype=bool)
-        for t in range(n):
-            if lltok.is_special_token(t):
-                continue
-            text = lltok.decode_bytes([t])
-            k = len(text) - len(text.rstrip(_DIGITS))
-            self.trailing[t] = k
-            self.whole[t] = 0 < k == len(text)
+        self.whole[:n] = [0 < k == len(text) for k, text in zip(trailing, texts)]
         bits = np.zeros(((vocab_size + 31) // 32) * 32, dtype=bool)
         bits[:vocab_size] = self.whole
         self.keep = torch.from_numpy(~np.packbits(bits, bitorder="little").view(np.int32))
