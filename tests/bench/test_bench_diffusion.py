@@ -100,6 +100,10 @@ def test_semi_threshold_reaches_the_multi_block_configs_only():
                                             "semi_threshold": 0.5}}
     args.semi_threshold = None
     assert [c.label for c in configs(args)] == ["ar", "N=1 τ=0.7", "N=3 τ=0.7"]
+    args.later_threshold = 0.6
+    got = {c.label: c.options for c in configs(args)}
+    assert got["N=1 τ=0.7"] == {"num_blocks": 1, "threshold": 0.7, "verify": False}
+    assert got["N=3 τ=0.7 τ_later=0.6"]["later_threshold"] == 0.6
 
 
 def test_two_floors_run_every_config_twice_and_compare_within_their_floor():

@@ -83,7 +83,7 @@ def hf(folder: Path) -> torch.nn.Module:
 @torch.no_grad()
 def reference(model, prompt: list[int], params: SamplingParams, *, block: int, shift: bool,
               threshold: float = 0.9, num_blocks: int = 1, add: float = 0.1, semi: float = 0.9,
-              floor: str = "leftmost", eos: tuple[int, ...] = ()) -> tuple[list[int], int]:
+              floor: str = "leftmost", eos: tuple[int, ...] = (), later: float | None = None) -> tuple[list[int], int]:
     """Slow sampler, no KV cache: (output ids, forwards). Same commit rule as the method doc."""
     B, P, shift = block, len(prompt), int(shift)
     text, canvas, active, steps = list(prompt), {}, 1, 0
@@ -113,7 +113,8 @@ def reference(model, prompt: list[int], params: SamplingParams, *, block: int, s
         before = [progress(front + j, n) for j in range(active)]
         for j in range(active):
             masked = [p for p in need if (front + j) * B <= p < (front + j + 1) * B and p < lim]
-            pick = [p for p in masked if cand[p][1] > threshold]
+            bar = threshold if j == 0 or later is None else later
+            pick = [p for p in masked if cand[p][1] > bar]
             if masked and not pick and (j == 0 or before[j - 1] >= semi):
                 pick = [masked[0] if floor == "leftmost" else max(masked, key=lambda p: cand[p][1])]
             for p in pick:
@@ -172,6 +173,21 @@ def test_multi_block_equals_its_reference(models, variant, floor):
               semi_threshold=0.5, floor=floor, **ENGINE)
     check_against_reference(llm, models[variant], PROMPTS, GREEDY, **rule)
     assert llm.engine.method.stats()["active_blocks_per_step"] > 1.2
+
+
+def test_later_blocks_have_their_own_threshold(models):
+    """later_threshold is the bar of the blocks behind the first unfinished one; a lower one
+    decides more of them early, so the text and the forwards change (checked against the
+    reference at both bars)."""
+    folder = models["shift"]
+    outs = {}
+    for later in (0.95, 0.3):
+        rule = dict(num_blocks=3, threshold=0.8, add=0.2, later=later)
+        llm = LLM(str(folder), method="diffusion", num_blocks=3, threshold=0.8, add_threshold=0.2,
+                  later_threshold=later, **ENGINE)
+        outs[later] = check_against_reference(llm, folder, PROMPTS, GREEDY, **rule)
+    key = lambda o: [(x.token_ids, x.metrics.num_forwards) for x in o]  # noqa: E731
+    assert key(outs[0.95]) != key(outs[0.3])
 
 
 def test_one_block_is_single_block_decoding(models):
@@ -340,6 +356,7 @@ def test_family_defaults():
     ({"threshold": 0}, "threshold"), ({"threshold": 1.5}, "threshold"), ({"threshold": "high"}, "threshold"),
     ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 1.5}, "num_blocks"),
     ({"add_threshold": -0.1}, "add_threshold"), ({"semi_threshold": 2}, "semi_threshold"),
+    ({"later_threshold": 0}, "later_threshold"),
     ({"floor": "random"}, "floor"),
     ({"steps": 4}, "unknown option"), ({"num_blocks": 4, "max_num_batched_tokens": 8}, "max_num_batched_tokens"),
 ])
