@@ -1,10 +1,12 @@
 """Optional C++ kernels for CPU inference (paged decode attention, few-row matmul, RMSNorm), compiled on first use with torch's extension
-builder (gcc). Anything that fails to build simply leaves the portable SDPA path in charge.
-Set LEAPFROG_CPU_KERNELS=0 to disable them."""
+builder (gcc) on an x86-64 CPU with AVX2 and FMA. Elsewhere, or when the build fails, the
+portable torch paths (SDPA, float32 products) are in charge. Set LEAPFROG_CPU_KERNELS=0 to
+disable them."""
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,19 +82,43 @@ def _remember_built(marker: Path, module) -> None:
         pass
 
 
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (None where they cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
+def unsupported_cpu() -> str | None:
+    """Why this CPU cannot run the kernels (their vector code is AVX2 with FMA), or None."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"they need an x86-64 CPU with AVX2 (this one is {machine or 'unknown'})"
+    flags = _cpu_flags()
+    missing = [f for f in ("avx2", "fma") if flags is not None and f not in flags]
+    return f"they need AVX2 and FMA (this CPU lacks {' and '.join(missing)})" if missing else None
+
+
 def cpu_kernels():
-    """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
+    """The compiled module, or None when unavailable (no compiler, disabled, a CPU without
+    AVX2, build error)."""
     global _module, _tried
     if _tried:
         return _module
     _tried = True
     if os.environ.get("LEAPFROG_CPU_KERNELS", "1") == "0":
         return None
+    why = unsupported_cpu()
+    if why is not None:       # not built at all: the build would fail, a minute at every start
+        print(f"[leapfrog] CPU kernels unavailable, using the torch paths: {why}", file=sys.stderr)
+        return None
     try:
         csrc = Path(__file__).resolve().parent.parent / "csrc"
         sources = [csrc / "cpu_kernels.cpp", csrc / "decode_loop.cpp"]
         # -march=native: the build runs on the machine that uses it, so the vector width is
-        # chosen there (AVX2 + F16C + FMA kernels; plain C++ loops elsewhere). No contraction:
+        # chosen there (AVX2 + FMA kernels, AVX-512, VNNI and AMX where present). No contraction:
         # the compiler never fuses a multiply-add in one caller and not in another, so the
         # decode loop and the layer kernels compute the same bits (csrc/cpu_math.h).
         cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

@@ -293,6 +293,26 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert not lock.exists()
 
 
+def test_a_cpu_without_avx2_gets_the_torch_paths_without_a_build(monkeypatch, capsys):
+    """The kernels' vector code needs AVX2 and FMA: elsewhere nothing is compiled (a failing
+    build would cost every process a minute), and the reason is said once."""
+    import leapfrog.layers.cpu_kernels as ck
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setattr(ck, "_tried", False)
+    monkeypatch.setattr(ck, "_module", None)
+    monkeypatch.setattr(ck, "_cpu_flags", lambda: {"sse4_2", "avx", "fma"})
+    monkeypatch.setattr(ext, "load", lambda *a, **k: pytest.fail("built on a CPU without AVX2"))
+    assert ck.unsupported_cpu() == "they need AVX2 and FMA (this CPU lacks avx2)"
+    assert ck.cpu_kernels() is None and ck.cpu_kernels() is None
+    assert capsys.readouterr().err.count("lacks avx2") == 1
+    monkeypatch.setattr(ck.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in ck.unsupported_cpu()
+    monkeypatch.setattr(ck.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(ck, "_cpu_flags", lambda: None)        # cannot tell: the build is tried
+    assert ck.unsupported_cpu() is None
+
+
 def test_a_built_module_loads_without_the_extension_builder(tmp_path):
     """Once built, the kernels load straight from the recorded file in a new process: torch's
     extension builder and setuptools stay out of the server's memory. A record pointing at a
