@@ -91,6 +91,39 @@ def test_a_draft_path_is_validated_and_rolled_back(tok, llama_dir):
     assert match.sync(ids) and allowed(match, vocab) == set(tok.eos_token_ids)
 
 
+@pytest.mark.parametrize("spec", [SO(json=SCHEMA), SO(regex=r"[a-c]{2,4}x?"), SO(choice=["cat", "catnip", "dog."]),
+                                  SO(json={"type": "object", "properties": {"x": {"type": "number"}}})])
+def test_allows_agrees_with_the_mask_and_argmax_rows_keep_their_argmax(tok, llama_dir, spec):
+    """allows(t) is the mask's bit for t wherever it answers True; with argmax_only every row's
+    argmax is the fully masked row's argmax, whether its logits were masked or kept."""
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    compiler = compiler_for(tok, vocab)
+    match = compiler.matcher(spec)
+    gen = torch.Generator().manual_seed(0)
+    history: list[int] = []
+    kept = masked = 0
+    for step in range(12):
+        assert match.sync(history)
+        ok = allowed(match, vocab)
+        said = {t for t in range(vocab) if match.allows(t)}
+        assert said <= ok and ok - said <= set(tok.eos_token_ids) | {t for t in ok if t >= compiler.checkable}
+        nexts = sorted(ok - set(tok.eos_token_ids))
+        if not nexts:
+            break
+        drafts = [nexts[(step + i) % len(nexts)] for i in range(3)]
+        logits = torch.randn(4, vocab, generator=gen)
+        logits[0, nexts[0]] += 30.0                     # a row whose argmax the constraint allows
+        full, lazy = logits.clone(), logits.clone()
+        match.mask_rows(full, history, drafts)
+        match.mask_rows(lazy, history, drafts, argmax_only=True)
+        n = 1 + match.num_valid(history, drafts)         # rows the constraint reaches
+        assert full[:n].argmax(-1).tolist() == lazy[:n].argmax(-1).tolist()
+        kept += int((lazy[:n] == logits[:n]).all(-1).sum())
+        masked += int((lazy[:n] != logits[:n]).any(-1).sum())
+        history = history + [nexts[step % len(nexts)]]
+    assert kept and masked
+
+
 def _digit_tokens(tok: Tokenizer, vocab: int) -> set[int]:
     return {t for t in range(vocab) if t not in tok.eos_token_ids
             and (text := tok.decode([t])) and all(c in "0123456789" for c in text)}
