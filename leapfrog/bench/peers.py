@@ -224,29 +224,19 @@ def run_peers(args: argparse.Namespace) -> dict:
             "read_bandwidth_gb_per_s": bandwidth / 1e9, "load_average": [load_before, load_average()],
             "leapfrog_env": {k: v for k, v in os.environ.items() if k.startswith(llama_cpp.DROPPED_PREFIXES)},
             "single": single_rows(single, folder, kernel_bytes(llm.engine.model)),
-            "depths": depth_rows(depths), "prefill": prefill_rows(prompts_in), "rows": concurrency_table(rows),
+            "depths": ratio_rows(depths, "depth", "decode_tokens_per_s"),
+            "prefill": ratio_rows(prompts_in, "prompt_tokens", "prompt_tokens_per_s"), "rows": concurrency_table(rows),
             "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def prefill_rows(runs_by_length: dict[int, dict]) -> list[dict]:
-    """Prompt processing at each --prefill length: every engine's rate and leapfrog's over it."""
+def ratio_rows(runs_by_size: dict[int, dict], size_key: str, rate_key: str) -> list[dict]:
+    """One row per size (--depths' cached positions, --prefill's prompt length): every engine's
+    `rate_key` and leapfrog's over it."""
     out = []
-    for n, runs in sorted(runs_by_length.items()):
-        lf = runs["leapfrog"]["prompt_tokens_per_s"]
-        peers = {name: r["prompt_tokens_per_s"] for name, r in runs.items() if name != "leapfrog"}
-        out.append({"prompt_tokens": n, "leapfrog": lf, "peers": peers,
-                    "ratios": {name: lf / rate for name, rate in peers.items()}})
-    return out
-
-
-def depth_rows(depths: dict[int, dict]) -> list[dict]:
-    """Decode after each --depths count of cached positions: every engine's rate and leapfrog's
-    over it."""
-    out = []
-    for depth, runs in sorted(depths.items()):
-        lf = runs["leapfrog"]["decode_tokens_per_s"]
-        peers = {name: r["decode_tokens_per_s"] for name, r in runs.items() if name != "leapfrog"}
-        out.append({"depth": depth, "leapfrog": lf, "peers": peers,
+    for size, runs in sorted(runs_by_size.items()):
+        lf = runs["leapfrog"][rate_key]
+        peers = {name: r[rate_key] for name, r in runs.items() if name != "leapfrog"}
+        out.append({size_key: size, "leapfrog": lf, "peers": peers,
                     "ratios": {name: lf / rate for name, rate in peers.items()}})
     return out
 
@@ -277,20 +267,8 @@ def markdown(result: dict) -> str:
     for r in result["single"]:
         lines.append(f"| {r['engine']} | {r['decode_tokens_per_s']:.0f} | {r['ms_per_token']:.2f} | "
                      f"{r['weight_gb_per_s']:.1f} | {r['vs_leapfrog']:.2f}x |")
-    if result.get("depths"):
-        names = sorted({n for r in result["depths"] for n in r["peers"]})
-        lines += ["", "| cached positions | leapfrog tok/s |" + "".join(f" {n} tok/s | vs {n} |" for n in names),
-                  "|" + "---|" * (2 + 2 * len(names))]
-        for r in result["depths"]:
-            lines.append(f"| {r['depth']} | {r['leapfrog']:.0f} |" + "".join(
-                f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
-    if result.get("prefill"):
-        names = sorted({n for r in result["prefill"] for n in r["peers"]})
-        lines += ["", "| prompt tokens | leapfrog prompt tok/s |" + "".join(f" {n} prompt tok/s | vs {n} |" for n in names),
-                  "|" + "---|" * (2 + 2 * len(names))]
-        for r in result["prefill"]:
-            lines.append(f"| {r['prompt_tokens']} | {r['leapfrog']:.0f} |" + "".join(
-                f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
+    lines += _ratio_table(result.get("depths"), "depth", "cached positions", "tok/s")
+    lines += _ratio_table(result.get("prefill"), "prompt_tokens", "prompt tokens", "prompt tok/s")
     has_hf = any("transformers" in r for r in result["rows"])
     lines += ["", "| requests | leapfrog tok/s |" + (" transformers tok/s | leapfrog / transformers |" if has_hf else ""),
               "|" + "---|" * (4 if has_hf else 2)]
@@ -300,6 +278,19 @@ def markdown(result: dict) -> str:
             line += f" {r['transformers']:.0f} ({r['transformers_mode']}) | {r['ratio']:.2f}x |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _ratio_table(rows: list[dict] | None, size_key: str, size_title: str, unit: str) -> list[str]:
+    """The markdown of ratio_rows' rows (none: no lines)."""
+    if not rows:
+        return []
+    names = sorted({n for r in rows for n in r["peers"]})
+    lines = ["", f"| {size_title} | leapfrog {unit} |" + "".join(f" {n} {unit} | vs {n} |" for n in names),
+             "|" + "---|" * (2 + 2 * len(names))]
+    for r in rows:
+        lines.append(f"| {r[size_key]} | {r['leapfrog']:.0f} |" + "".join(
+            f" {r['peers'][n]:.0f} | {r['ratios'][n]:.2f}x |" if n in r["peers"] else " - | - |" for n in names))
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:

@@ -260,7 +260,7 @@ class GrammarMatch:
                 continue
             self.fill(bits[j])
             masked.append(j)
-        if len(masked) == rows or masked == list(range(len(masked))):
+        if masked == list(range(len(masked))):        # rows 0..k-1: one call
             if masked:
                 apply_bitmask(logits[:len(masked)], bits[:len(masked)])
         else:
