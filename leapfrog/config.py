@@ -23,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class EngineConfig:
     device: str = "auto"                     # auto: cuda when available, else cpu
     dtype: str = "auto"                      # auto: bfloat16 on cuda, float32 on cpu
-    kv_cache_dtype: str = "auto"             # auto: same as dtype
+    kv_cache_dtype: str = "auto"             # auto: same as dtype; float16 with int8 products on a cpu
     block_size: int = 16                     # tokens per KV block
     kv_cache_tokens: int | None = None       # cache size in tokens ...
     kv_cache_bytes: int | None = None        # ... or in bytes (default: enough for the batch)
@@ -108,7 +108,14 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def kv_torch_dtype(self, device: torch.device) -> torch.dtype:
-        return self.torch_dtype(device) if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        """The KV cache's dtype. `auto` is the model's dtype, except with int8 products on a CPU
+        (GGUF weights kept quantized): float16, llama.cpp's default for the same files, which the
+        CPU kernels widen as they read (half the bytes an attention step reads)."""
+        if self.kv_cache_dtype != "auto":
+            return _DTYPES[self.kv_cache_dtype]
+        if self.matmul_precision == "int8" and device.type == "cpu":
+            return torch.float16
+        return self.torch_dtype(device)
 
     def replace(self, **changes: object) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

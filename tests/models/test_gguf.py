@@ -323,6 +323,9 @@ def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
     torch.testing.assert_close(model.embed(ids), want, rtol=0, atol=0)
     expect = "int8" if linear.int8_products_available() else "float32"
     assert llm.engine.config.matmul_precision == expect
+    # int8 products keep float16 keys and values (llama.cpp's cache type); float32 products float32
+    kv = {a.k_cache.dtype for a in model.attention_layers}
+    assert kv == {torch.float16 if expect == "int8" else torch.float32}
     seen = record_logits(llm)
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     with torch.no_grad():
@@ -362,3 +365,13 @@ def test_a_packaged_models_shipped_drafters_are_named_in_its_folder(tmp_path):
     assert "drafters" not in json.loads((plain / "leapfrog.json").read_text())
     meta = json.loads((named / "leapfrog.json").read_text())
     assert meta["drafters"] == {"dspark": str(tmp_path / "dspark")} and meta["engine_options"]["matmul_precision"] == "int8"
+
+
+def test_the_kv_cache_type_follows_the_products_unless_asked():
+    from leapfrog.config import EngineConfig
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig(matmul_precision="int8").kv_torch_dtype(cpu) == torch.float16
+    assert EngineConfig(matmul_precision="int8").kv_torch_dtype(cuda) == torch.bfloat16
+    assert EngineConfig().kv_torch_dtype(cpu) == torch.float32
+    assert EngineConfig(matmul_precision="bfloat16").kv_torch_dtype(cpu) == torch.float32
+    assert EngineConfig(matmul_precision="int8", kv_cache_dtype="float32").kv_torch_dtype(cpu) == torch.float32
