@@ -88,6 +88,9 @@ class LLMEngine:
             log.warning("matmul_precision=%s needs the C++ kernels on a CPU with %s; using float32 products",
                         self.config.matmul_precision, missing)
             self.config = self.config.replace(matmul_precision="float32")
+        if self.device.type == "cpu" and self.config.kv_torch_dtype(self.device) == torch.bfloat16:
+            log.warning("kv_cache_dtype=bfloat16: the CPU kernels read float32 or float16 caches, so "
+                        "attention runs through torch, several times slower; float16 halves the cache as well")
         if self.device.type == "cpu":   # float16 checkpoints: stream half the bytes, same results
             for module in [self.model, *self.method.modules()]:
                 compact_cpu_weights(module, self.config.matmul_precision)

@@ -95,6 +95,17 @@ def test_priority_classes_are_served_first(llama_dir):
     assert order == ["high", "mid", "low"]
 
 
+def test_a_bfloat16_kv_cache_on_a_cpu_says_it_leaves_the_kernels(llama_dir, caplog):
+    """The CPU kernels read float32 and float16 caches; a bfloat16 one still decodes (through
+    torch) and the log says why it is slower."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="leapfrog"):
+        llm = LLM(str(llama_dir), kv_cache_dtype="bfloat16")
+    assert any("kv_cache_dtype=bfloat16" in r.getMessage() for r in caplog.records)
+    out = llm.generate(["Once upon"], GREEDY)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
+
+
 def test_abort_frees_kv_blocks(llama_dir):
     engine = LLMEngine(str(llama_dir), block_size=4)
     engine.add_request("Once upon a time", SamplingParams(max_tokens=50, temperature=0), request_id="a")
