@@ -111,6 +111,16 @@ def _pct(values: list[float], p: float) -> float:
 
 
 # --- fuzz ---------------------------------------------------------------------------------------
+
+def fuzz_counts(report: str, returncode: int) -> tuple[int, int]:
+    """(cases generated, unique failures) from schemathesis' summary ("2221 generated, 1 found 1
+    unique failure"); failures -1 where it failed without saying how often."""
+    generated = re.search(r"(\d+) generated", report)
+    failures = re.search(r"(\d+) found (\d+) unique failures?\b", report)
+    return (int(generated.group(1)) if generated else 0,
+            int(failures.group(2)) if failures else (0 if returncode == 0 else -1))
+
+
 def fuzz(args: argparse.Namespace, out: Path) -> dict:
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or shutil.which("st")
     if st is None:
@@ -133,10 +143,8 @@ def fuzz(args: argparse.Namespace, out: Path) -> dict:
     finally:
         code = server.stop()
     counted = {s: after.get(s, 0) - before.get(s, 0) for s in after}
-    generated = re.search(r"(\d+) generated", report)
-    failures = re.search(r"(\d+) found (\d+) unique failures", report)
-    return {"cases": int(generated.group(1)) if generated else 0,
-            "failures": int(failures.group(2)) if failures else (0 if run.returncode == 0 else -1),
+    cases, failures = fuzz_counts(report, run.returncode)
+    return {"cases": cases, "failures": failures,
             "schemathesis_exit": run.returncode, "seconds": seconds,
             "responses": {str(k): int(v) for k, v in sorted(counted.items()) if v},
             "server_5xx": int(sum(v for s, v in counted.items() if s >= 500)),

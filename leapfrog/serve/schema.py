@@ -140,7 +140,8 @@ def refine_request(name: str, schema: dict, max_n: int) -> None:
                                   {"type": "null"}]
     for branch in props.get("prompt", {}).get("anyOf", []):
         if branch.get("type") == "string":
-            branch["minLength"] = 1
+            if name != "TokenizeRequest":       # "" tokenizes (to no tokens); generation needs a prompt
+                branch["minLength"] = 1
         elif branch.get("type") == "array":
             branch["minItems"] = 1
             items = branch["items"]

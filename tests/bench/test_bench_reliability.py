@@ -57,3 +57,11 @@ def test_warm_up_ends_when_memory_settles():
     assert settled(samples, 60.0) == 300.0         # 705 is within 1% of 700, a minute before
     assert settled(samples, 420.0) == 420.0
     assert settled(samples[:3], 60.0) == 60.0      # never settles: the floor
+
+
+def test_the_fuzz_summary_is_read_in_either_number():
+    from leapfrog.bench.reliability import fuzz_counts
+    assert fuzz_counts("Test cases:\n  2221 generated, 1 found 1 unique failure\n", 1) == (2221, 1)
+    assert fuzz_counts("  3201 generated, 7 found 3 unique failures\n", 1) == (3201, 3)
+    assert fuzz_counts("  500 generated, 0 found 0 unique failures\n", 0) == (500, 0)
+    assert fuzz_counts("crashed before its summary", 2) == (0, -1)

@@ -148,6 +148,18 @@ def test_tokenize_gives_the_ids_generation_is_fed(server, llama_dir):
     assert post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
 
 
+def test_an_empty_prompt_tokenizes_as_its_schema_says(server):
+    """/tokenize takes "" (its ids: at most the BOS a prompt gets); the generation endpoints'
+    schemas keep a prompt's minimum length, and answer "" with a 400."""
+    got = post(server, "/tokenize", {"prompt": ""})
+    assert got.status_code == 200 and got.json()["count"] == len(got.json()["tokens"]) <= 1
+    doc = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    strings = lambda name: [b for b in doc[name]["properties"]["prompt"]["anyOf"] if b.get("type") == "string"]  # noqa: E731
+    assert all("minLength" not in b for b in strings("TokenizeRequest"))
+    assert all(b.get("minLength") == 1 for b in strings("CompletionRequest"))
+    assert post(server, "/v1/completions", {"prompt": "", "max_tokens": 1}).status_code == 400
+
+
 @pytest.mark.parametrize("path, body, status, code, param", [
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "missing_field", "prompt"),
     ("/tokenize", {}, 400, "missing_field", "prompt"),
