@@ -32,6 +32,10 @@ class EngineConfig:
     max_model_len: int | None = None         # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
+    # Every step's rows through the same arithmetic, whatever else shares the step: a request's
+    # tokens and logprobs then do not depend on the traffic beside it (vLLM's batch-invariant
+    # mode). CPU kernels only; prefill steps of several prompts run a few percent slower.
+    batch_invariant: bool = False
     seed: int = 0
     num_threads: int | None = None           # CPU threads for torch (default: torch's choice)
     # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's

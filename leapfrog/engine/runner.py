@@ -36,6 +36,9 @@ class ModelRunner:
         # together; a drafter's runner is driven by its method).
         self.interrupt = torch.zeros(1, dtype=torch.int32)
         self.interruptible = False
+        # One attention group a step (EngineConfig.batch_invariant): every row then runs the fused
+        # forward, as a prompt prefilled alone does, instead of torch's layer path.
+        self.one_group = False
         if device.type == "cpu":
             self.cpu_decode_kernel = cpu_kernels() is not None
 
@@ -72,6 +75,12 @@ class ModelRunner:
         return t(ids), t(pos), meta, t(logit_rows)
 
     def _groups(self, batch: Batch) -> list[AttnGroup]:
+        if self.one_group and self.cpu_decode_kernel:
+            members, row = [], 0
+            for s in batch.seqs:
+                members.append((row, s))
+                row += s.num_query
+            return [self._group(members, batch.attn_block_size, batch.attn_bidir_token)]
         small, groups, row = [], [], 0
         for s in batch.seqs:
             if s.num_query <= self.small_query:
