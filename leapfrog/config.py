@@ -34,8 +34,9 @@ class EngineConfig:
     chunked_prefill: bool = True
     # Every step's rows through the same arithmetic, whatever else shares the step: a request's
     # tokens and logprobs then do not depend on the traffic beside it (vLLM's batch-invariant
-    # mode). CPU kernels only; prefill steps of several prompts run a few percent slower.
-    batch_invariant: bool = False
+    # mode). None: wherever the CPU kernels run a single process; True: required (an error
+    # elsewhere); False: off.
+    batch_invariant: bool | None = None
     seed: int = 0
     num_threads: int | None = None           # CPU threads for torch (default: torch's choice)
     # Decode steps per call of the C++ decode loop (CPU, `ar`) while no request waits: vLLM's
@@ -98,6 +99,8 @@ class EngineConfig:
         check("kv_remote_url", self.kv_remote_url is None or (isinstance(self.kv_remote_url, str) and
               self.kv_remote_url.split("://", 1)[0] in ("redis", "rediss", "unix")),
               "expected redis://host:port/db, rediss://... or unix:///path.sock")
+        check("batch_invariant", self.batch_invariant is None or isinstance(self.batch_invariant, bool),
+              "expected true, false or null (on wherever the CPU kernels run)")
         check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and self.kv_remote_ttl >= 1,
               "must be a number of seconds >= 1")
 

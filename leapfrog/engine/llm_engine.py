@@ -107,13 +107,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
         self.runner.interruptible = max(tp_size(), pp_size()) == 1
-        if self.config.batch_invariant:
-            if not self.runner.cpu_decode_kernel or max(tp_size(), pp_size()) > 1:
-                raise ValueError("engine option batch_invariant=True: needs the CPU kernels in a single process "
-                                 f"(here: device {self.device.type}, kernels "
-                                 f"{'built' if self.runner.cpu_decode_kernel else 'unavailable'}, "
-                                 f"{max(tp_size(), pp_size())} rank(s))")
-            self.runner.one_group = True
+        invariant_here = self.runner.cpu_decode_kernel and max(tp_size(), pp_size()) == 1
+        if self.config.batch_invariant and not invariant_here:
+            raise ValueError("engine option batch_invariant=True: needs the CPU kernels in a single process "
+                             f"(here: device {self.device.type}, kernels "
+                             f"{'built' if self.runner.cpu_decode_kernel else 'unavailable'}, "
+                             f"{max(tp_size(), pp_size())} rank(s))")
+        self.runner.one_group = invariant_here and self.config.batch_invariant is not False
         if (self.config.kv_spill_bytes or self.config.kv_remote_url) and max(tp_size(), pp_size()) > 1:
             # The second and third tiers decide by clock (TTL) and by what other processes
             # published: ranks could decide differently, and their schedules must not.

@@ -61,7 +61,15 @@ def test_on_the_real_model_and_with_drafting():
         assert alone == mixed, method
 
 
-def test_without_the_cpu_kernels_the_option_is_refused(llama_dir, monkeypatch):
+def test_on_by_default_where_the_kernels_run_and_off_on_request(llama_dir):
+    assert LLM(str(llama_dir)).engine.runner.one_group
+    assert not LLM(str(llama_dir), batch_invariant=False).engine.runner.one_group
+
+
+def test_without_the_cpu_kernels_it_is_off_and_asking_for_it_is_refused(llama_dir, monkeypatch):
     monkeypatch.setattr(runner_module, "cpu_kernels", lambda: None)
+    assert not LLM(str(llama_dir)).engine.runner.one_group
     with pytest.raises(ValueError, match="batch_invariant=True: needs the CPU kernels"):
         LLM(str(llama_dir), batch_invariant=True)
+    with pytest.raises(ValueError, match="engine option batch_invariant='yes'"):
+        LLM(str(llama_dir), batch_invariant="yes")
