@@ -67,11 +67,27 @@ def check_prompt_chars(text: str, limits: Limits, param: str = "prompt") -> None
                           f"{limits.max_model_len} tokens", param, "context_length_exceeded")
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits) -> list[int]:
+def truncation(keep: int | None) -> int | None:
+    """truncate_prompt_tokens (vLLM's): None, or the number of a prompt's last tokens kept."""
+    if keep is not None and keep < 1:
+        raise bad_request(f"truncate_prompt_tokens={keep}: must be at least 1 (the prompt's last tokens kept)",
+                          "truncate_prompt_tokens", "invalid_value")
+    return keep
+
+
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM truncates from the left), or all of them."""
+    return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Any, limits: Limits, check_chars: bool = True) -> list[int]:
+    """check_chars: refuse text longer than the context could hold before tokenizing it (not
+    when the request truncates its prompt; the body limit still bounds it)."""
     if isinstance(prompt, str):
         if not prompt:      # encode("") is [BOS], which would pass as a prompt
             raise bad_request("prompt is empty", "prompt", "empty_prompt")
-        check_prompt_chars(prompt, limits)
+        if check_chars:
+            check_prompt_chars(prompt, limits)
         return tokenizer.encode(prompt)
     return list(prompt)
 
@@ -211,7 +227,8 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
         raise bad_request("prompt is empty", "prompt", "empty_prompt")
-    ids = [encode_prompt(x, tokenizer, limits) for x in prompts]
+    keep = truncation(req.truncate_prompt_tokens)
+    ids = [truncated(encode_prompt(x, tokenizer, limits, keep is None), keep) for x in prompts]
     prep = Prepared(ids)
     if req.echo:
         prep.texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts]
@@ -253,28 +270,65 @@ def chat_messages(req: Any) -> list[dict]:
     return messages
 
 
+# Template arguments leapfrog sets itself: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
+
+
 def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPlan | None = None) -> list[int]:
     messages = chat_messages(req)
-    check_prompt_chars("".join(m["content"] + m["role"] for m in messages), limits, "messages")
+    keep = truncation(getattr(req, "truncate_prompt_tokens", None))
+    if keep is None:
+        check_prompt_chars("".join(m["content"] + m["role"] for m in messages), limits, "messages")
+    cont = getattr(req, "continue_final_message", False)
+    if cont and req.add_generation_prompt:      # vLLM's rule: the two contradict each other
+        raise bad_request("continue_final_message needs add_generation_prompt: false (the reply continues the "
+                          "last message instead of starting a new one)", "continue_final_message", "invalid_value")
+    if cont and messages[-1]["role"] != "assistant":
+        raise bad_request(f"continue_final_message: the last message is a {messages[-1]['role']} message; only "
+                          "an assistant message can be continued", "continue_final_message", "invalid_value")
+    if cont and not messages[-1]["content"].strip():
+        raise bad_request("continue_final_message: the final message is empty, so there is nothing to continue "
+                          "(add_generation_prompt starts a new reply)", "continue_final_message", "invalid_value")
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs.{key}: set by the request's own fields",
+                              f"chat_template_kwargs.{key}", "invalid_value")
     templated = getattr(tokenizer, "has_chat_template", False)
     messages, extra = render_messages(messages, tools or ToolPlan(), templated and tokenizer.template_reads_tools)
     if templated:
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                 **{**kwargs, **extra})
         except Exception as exc:        # templates raise on e.g. unsupported roles
             raise bad_request(f"chat template failed: {exc}", "messages", "invalid_messages") from None
+        if cont:
+            text = open_final_message(text, messages[-1]["content"])
     else:
         if not can_spell_fallback_chat(tokenizer):
             raise bad_request("this model has no chat template, and its vocabulary cannot spell the plain "
                               "'role: content' lines used in its place; send the prompt to /v1/completions",
                               "messages", "no_chat_template")
         text = "".join(FALLBACK_CHAT.format(**m) for m in messages)
+        if cont:
+            text = text.removesuffix("\n")     # the last line left open (FALLBACK_CHAT ends each with one)
         text += "assistant:" if req.add_generation_prompt else ""
     ids = tokenizer.encode(text)
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and ids[:2] == [bos, bos]:   # template wrote <s> and encode added one
         ids = ids[1:]
-    return ids
+    return truncated(ids, keep)
+
+
+def open_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content (what the template wrote
+    after it ends the turn), as transformers' continue_final_message cuts it."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise bad_request("continue_final_message: the chat template does not write the final message's content "
+                      "as it is, so it cannot be left open", "continue_final_message", "invalid_messages")
 
 
 def can_spell_fallback_chat(tokenizer: Any) -> bool:

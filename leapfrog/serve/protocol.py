@@ -123,6 +123,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    truncate_prompt_tokens: int | None = None   # extension (vLLM's): keep only the prompt's last k tokens
 
 
 class ContentPart(StrictModel):
@@ -147,6 +148,12 @@ class ChatRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # extensions (vLLM's): the last (assistant) message left open for the model to continue;
+    # keyword arguments for the chat template (e.g. a model's enable_thinking); keep only the
+    # rendered prompt's last k tokens
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    truncate_prompt_tokens: int | None = None
     tools: list[dict] | None = Field(None, max_length=128)     # OpenAI's tool objects (serve/tools.py checks them)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True

@@ -172,3 +172,75 @@ def test_an_empty_prompt_tokenizes_as_its_schema_says(server):
 def test_tokenizer_endpoints_answer_bad_input_with_a_4xx(server, path, body, status, code, param):
     assert_error(post(server, path, body), status, code, param)
     still_works(server.url)
+
+
+# --- vLLM's chat and prompt extras: continue_final_message, chat_template_kwargs, truncation -----
+GREEDY4 = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def test_continue_final_message_feeds_the_last_message_open(server):
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "Once upon a"}]
+    resp = post(server, "/v1/chat/completions", {"messages": msgs, "add_generation_prompt": False,
+                                                 "continue_final_message": True, **GREEDY4})
+    assert resp.status_code == 200, resp.text
+    # the test template writes "<s>{role}: {content}\n" a message: the prompt stops after "a"
+    same = post(server, "/v1/completions", {"prompt": "user: hi there\n<s>assistant: Once upon a", **GREEDY4}).json()
+    assert resp.json()["usage"]["prompt_tokens"] == same["usage"]["prompt_tokens"]
+    assert resp.json()["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+    closed = post(server, "/v1/chat/completions", {"messages": msgs, "add_generation_prompt": False, **GREEDY4})
+    assert closed.json()["usage"]["prompt_tokens"] == same["usage"]["prompt_tokens"] + 1    # the "\n"
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from leapfrog.serve.openai_api import Limits, render_chat
+    from leapfrog.serve.protocol import ChatRequest
+
+    seen = {}
+
+    class Template:
+        has_chat_template, template_reads_tools, bos_token_id = True, False, None
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            seen.update(kwargs)
+            return "x"
+
+        def encode(self, text):
+            return [5]
+
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                      "chat_template_kwargs": {"enable_thinking": False, "n": 2}})
+    render_chat(req, Template(), Limits({"m"}, 256, 100, 16, {}, 1))
+    assert seen == {"enable_thinking": False, "n": 2}
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    ids = post(server, "/tokenize", {"prompt": "Once upon a time, a cat sat on a mat."}).json()["tokens"]
+    cut = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 3, **GREEDY4}).json()
+    tail = post(server, "/v1/completions", {"prompt": ids[-3:], **GREEDY4}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    text = post(server, "/v1/completions", {"prompt": "a cat sat. " * 200, "truncate_prompt_tokens": 50, **GREEDY4})
+    assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] == 50     # longer than the context
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}],
+                                                 "truncate_prompt_tokens": 2, **GREEDY4})
+    assert chat.json()["usage"]["prompt_tokens"] == 2
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": USER_HI + [{"role": "assistant", "content": "a"}],
+                              "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": USER_HI, "continue_final_message": True,
+                              "add_generation_prompt": False}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": USER_HI + [{"role": "assistant", "content": " "}],
+                              "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": USER_HI, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt"),
+    ("/v1/chat/completions", {"messages": USER_HI, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": USER_HI, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
+])
+def test_bad_chat_extras_are_a_400_naming_them(server, path, body, param):
+    assert_error(post(server, path, {**body, "max_tokens": 2}), 400, None, param)
+    still_works(server.url)
