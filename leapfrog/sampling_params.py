@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 64              # stop strings are searched in the text every
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024              # entries of logit_bias
+MAX_PREDICTION = 1 << 20           # characters (or token ids) of a prediction
 LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
 # Temperatures below this sample greedily: dividing logits by 1e-300 overflows to inf and NaN
 # (vLLM's _SAMPLING_EPS has the same role).
@@ -192,6 +193,10 @@ class SamplingParams:
     # Constrained decoding: JSON Schema, regex, choice or grammar (HTTP: response_format,
     # structured_outputs, guided_*). Drafting stays on: drafts are checked against it.
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI's Predicted Outputs: text (or token ids) the output is expected to repeat much of, such
+    # as a file being edited. The `ngram` method drafts from it as well as from the context; the
+    # output stays what decoding gives (drafts are verified), and other methods ignore it.
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -221,6 +226,13 @@ class SamplingParams:
         self._validate_logit_bias(bad)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ParamError("structured_outputs", "structured_outputs must be a StructuredOutputs")
+        if self.prediction is not None:
+            p = self.prediction
+            if not isinstance(p, (str, list)) or (isinstance(p, list) and any(
+                    not _is_int(t) or not 0 <= t <= INT64_MAX for t in p)):
+                bad("prediction", "must be a string or a list of non-negative token ids")
+            if len(p) > MAX_PREDICTION:
+                bad("prediction", f"at most {MAX_PREDICTION} characters or token ids")
         if any(not callable(f) for f in self.logits_processors):
             raise ParamError("logits_processors", "logits_processors must be callables (output_ids, logits) -> logits")
 

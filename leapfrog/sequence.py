@@ -63,6 +63,8 @@ class Sequence:
     rotary_anchor: int | None = None
     # params.structured_outputs: the request's grammar matcher (sample/grammar.py GrammarMatch)
     grammar: Any = None
+    # params.prediction as token ids (the engine tokenizes a text one without special tokens)
+    prediction_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

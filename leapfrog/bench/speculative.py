@@ -23,6 +23,9 @@ class Contender:
     method: str
     options: dict = field(default_factory=dict)
     model: str | None = None           # None: the suite's model
+    # each request carries `ar`'s reply to its prompt as its prediction (OpenAI's Predicted
+    # Outputs): what drafting from an exactly right prediction gives, an upper bound
+    predicted: bool = False
 
 
 def latency_contenders(model_dir: Path, gamma: int | list[int] | None, drafters: list[str] | None = None,
@@ -110,7 +113,7 @@ def _reset_counters(llm) -> None:
 def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamma: int | None,
                 drafters: list[str] | None = None, ignore_eos: bool = False,
                 draft_models: list[str] | None = None, engine_options: dict | None = None,
-                ngram: bool = False, prompt_set: str | None = None) -> list[dict]:
+                ngram: bool = False, prompt_set: str | None = None, prediction: bool = False) -> list[dict]:
     """engine_options apply to every row (`ar` first, the baseline). With bfloat16 products, a
     second `ar` row with float32 products shows what the precision costs or gains and how often
     its text is float32's. `ngram`: the prompt-lookup rows too."""
@@ -118,6 +121,10 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
     contenders = latency_contenders(model_dir, gamma, drafters, draft_models)
     if ngram:
         contenders += ngram_contenders([gamma] if isinstance(gamma, int) else list(gamma or [None]))
+        if prediction:
+            c = contenders[-1]
+            contenders.append(Contender(c.label + ", prediction = `ar`'s reply", c.method, dict(c.options),
+                                        predicted=True))
     if (engine_options or {}).get("matmul_precision", "float32") != "float32":
         contenders.insert(1, Contender("ar, float32 products", "ar", {"matmul_precision": "float32"}))
     engines = [_engine(model_dir, c, 1, engine_options) for c in contenders]
@@ -132,8 +139,10 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
         log(f"latency: prompt {i + 1}/{len(prompts)}")
         ref = None
         for j, llm in enumerate(engines):
+            asked = params if not contenders[j].predicted else \
+                SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=ignore_eos, prediction=list(ref))
             t0 = time.perf_counter()
-            out = llm.generate([p], params)[0]
+            out = llm.generate([p], asked)[0]
             wall[j] += time.perf_counter() - t0
             tokens[j] += out.metrics.num_output_tokens
             forwards[j] += out.metrics.num_forwards
@@ -260,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
     latency = []
     for name in sets:
         rows = run_latency(model_dir, prompts[name][:args.num_prompts], args.new_tokens, args.gamma, args.drafters,
-                           args.ignore_eos, args.draft_models, engine_options, args.ngram, name)
+                           args.ignore_eos, args.draft_models, engine_options, args.ngram, name, args.prediction)
         latency += rows
     peer = llama_cpp_row(model_dir, args)
     if peer is not None:
@@ -423,6 +432,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--throughput-drafter", default=None,
                    help="drafter folder for the concurrency rows (default: the fastest DSpark variant)")
     g.add_argument("--ngram", action="store_true", help="add `ngram` (prompt lookup) rows")
+    g.add_argument("--prediction", action="store_true",
+                   help="with --ngram: a row whose requests carry `ar`'s reply as their prediction (OpenAI's "
+                        "Predicted Outputs; exactly right, so an upper bound)")
     g.add_argument("--llama-server-spec", default=None, metavar="TYPE [FLAGS]",
                    help="with a llama.cpp build: llama-server rows without and with its own speculative "
                         "decoding, e.g. \"ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 5\"")

@@ -238,6 +238,11 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        prediction = params.prediction or []
+        if isinstance(prediction, str):
+            prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
+        elif any(t >= vocab for t in prediction):
+            raise ParamError("prediction", f"prediction: token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
                              f"{self.max_model_len} tokens")
@@ -247,6 +252,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, priority=priority,
                        eos_token_ids=tuple(self.scheduler.eos_token_ids))
         seq.grammar = grammar
+        seq.prediction_ids = list(prediction)
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.prompt_logprobs is not None:

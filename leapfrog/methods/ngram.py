@@ -3,6 +3,7 @@ that followed the latest earlier occurrence of the request's last n tokens are t
 index and confidences: docs/architecture.md, "The methods in detail"."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,16 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class NgramIndex:
     """One request's n-grams: (n-gram) -> the position of its last token, for every n-gram that
-    ends before position `indexed` (the request's last token is looked up, not indexed)."""
+    ends before position `indexed` (the request's last token is looked up, not indexed). With a
+    prediction (OpenAI's Predicted Outputs), also the prediction's n-grams -> every position
+    their last token ends at, and where the output was last aligned with it."""
     last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0
-    match_len: int = 0            # n of the last proposal's match (0: none)
+    match_len: object = 0         # the last proposal's match: n, ("prediction", n), or 0 for none
+    prediction: list[int] = field(default_factory=list)
+    pred_ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    pred_at: int = -1             # the prediction position the output's last token was matched to
+    pred_prefix: int = 0          # the output so far is prediction[:pred_prefix] (-1: it left it)
 
 
 @dataclass(slots=True)
@@ -83,7 +90,11 @@ class NgramMethod(SpeculativeMethod):
         for a in anchors:
             tokens = a.seq.token_ids + a.new_token_ids
             idx = self._index(a.seq)
-            drafts, n = self.lookup(idx, tokens, self.num_speculative_tokens)
+            drafts, n = [], 0
+            if idx.prediction:
+                drafts, n = self.lookup_prediction(idx, tokens, a.seq.num_prompt_tokens, self.num_speculative_tokens)
+            if not drafts:
+                drafts, n = self.lookup(idx, tokens, self.num_speculative_tokens)
             idx.match_len = n
             conf = self.table.row(n, len(drafts)) if drafts else None
             props.append(Proposal(a.pos, drafts, None, conf))
@@ -123,10 +134,39 @@ class NgramMethod(SpeculativeMethod):
                 return tokens[end + 1:end + 1 + k], n
         return [], 0
 
+    def lookup_prediction(self, idx: NgramIndex, tokens: list[int], num_prompt: int, k: int
+                          ) -> tuple[list[int], object]:
+        """Drafts from the request's prediction: its continuation while the output so far is its
+        start; else what follows the output's last n tokens in it (longest n first), at the first
+        occurrence from where the output was last aligned with it (the text moves forward through
+        an edited file), else the last one before."""
+        pred, out = idx.prediction, tokens[num_prompt:]
+        if idx.pred_prefix >= 0:
+            m = len(out)
+            if m <= len(pred) and out[idx.pred_prefix:] == pred[idx.pred_prefix:m]:
+                idx.pred_prefix, idx.pred_at = m, m - 1
+                if pred[m:m + k]:
+                    return pred[m:m + k], ("prediction", 0)
+            else:
+                idx.pred_prefix = -1
+        for n in range(min(self.lookup_max, len(out)), self.lookup_min - 1, -1):
+            ends = idx.pred_ends.get(tuple(tokens[len(tokens) - n:]))
+            if ends:
+                i = bisect.bisect_left(ends, idx.pred_at)
+                end = ends[i] if i < len(ends) else ends[-1]
+                if pred[end + 1:end + 1 + k]:
+                    idx.pred_at = end
+                    return pred[end + 1:end + 1 + k], ("prediction", n)
+        return [], 0
+
     def _index(self, seq: Sequence) -> NgramIndex:
         st = self.state(seq)
         if not isinstance(st.context, NgramIndex):
-            st.context = NgramIndex()
+            st.context = NgramIndex(prediction=list(seq.prediction_ids))
+            pred = st.context.prediction
+            for end in range(len(pred)):
+                for n in range(self.lookup_min, min(self.lookup_max, end + 1) + 1):
+                    st.context.pred_ends.setdefault(tuple(pred[end - n + 1:end + 1]), []).append(end)
         return st.context
 
     # --- what verification showed ----------------------------------------------------------

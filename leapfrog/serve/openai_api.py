@@ -177,6 +177,13 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
                           "stop_token_ids", "invalid_token_id")
     kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
     kw["structured_outputs"] = constraint
+    if req.prediction is not None:
+        c = req.prediction.content
+        kw["prediction"] = c if isinstance(c, str) else "".join(part.text for part in c)
+        if limits.max_prompt_chars and len(kw["prediction"]) > limits.max_prompt_chars:
+            raise bad_request(f"prediction.content has {len(kw['prediction'])} characters, more than the model's "
+                              f"context of {limits.max_model_len} tokens could hold", "prediction.content",
+                              "context_length_exceeded")
     try:
         params = SamplingParams(**kw)
     except ParamError as exc:

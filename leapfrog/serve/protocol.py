@@ -61,6 +61,7 @@ class SamplingFields(StrictModel):
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None
     speculative: SpeculativeOptions | None = None   # extension: per-request drafting cap or off
+    prediction: Prediction | None = None   # OpenAI's Predicted Outputs: text the output will repeat much of
     # Constrained decoding (vLLM's names; response_format is OpenAI's): at most one of them.
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict | str | None = None
@@ -73,6 +74,17 @@ class SpeculativeOptions(StrictModel):
     """A request's control of speculative decoding: verify at most this many drafts a step
     (0: no drafting for this request). Ignored by methods that do not draft."""
     num_speculative_tokens: int
+
+
+class PredictionPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(StrictModel):
+    """OpenAI's `prediction`: {"type": "content", "content": text or text parts}."""
+    type: Literal["content"]
+    content: str | list[PredictionPart]
 
 
 class StreamOptions(StrictModel):

@@ -129,15 +129,16 @@ def test_ngram_rows_and_prompt_sets(llama_dir, tmp_path):
     """--ngram adds prompt-lookup rows (verify all, scheduled), --prompts a table per set (open:
     chat requests through the model's template or its plain fallback), each row's output `ar`'s."""
     out = tmp_path / "res"
-    rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--ngram", "--prompts", "stories", "open",
-                     "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1", "--repeats", "1",
-                     "--threads", "1", "--ignore-eos", "--out", str(out)])
+    rc = bench.main(["--suite", "speculative", "--model", str(llama_dir), "--ngram", "--prediction", "--prompts",
+                     "stories", "open", "--num-prompts", "2", "--new-tokens", "8", "--concurrency", "1",
+                     "--repeats", "1", "--threads", "1", "--ignore-eos", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "speculative.json").read_text())
     assert res["prompt_sets"] == ["stories", "open"]
     for name in ("stories", "open"):
         rows = [r for r in res["latency"] if r["prompts"] == name]
-        assert [r["method"] for r in rows] == ["ar", "ngram, verify all", "ngram, confidence-scheduled"]
+        assert [r["method"] for r in rows] == ["ar", "ngram, verify all", "ngram, confidence-scheduled",
+                                               "ngram, confidence-scheduled, prediction = `ar`'s reply"]
         assert all(r["identical_to_ar"] == "2/2" for r in rows) and rows[0]["speedup"] == 1.0
     assert any(r["method"] == "ngram, confidence-scheduled" for r in res["throughput"])
     assert "| open | ngram, verify all |" in (out / "speculative.md").read_text()

@@ -177,3 +177,47 @@ def test_a_request_caps_or_turns_off_drafting_and_its_counts_come_back(llama_dir
         SamplingParams(num_speculative_tokens=-1)
     plain = LLM(str(llama_dir), **ENGINE).generate(PROMPTS[:1], capped)[0]      # ar: no drafting to count
     assert plain.metrics.num_drafted_tokens is None
+
+
+# --- OpenAI's Predicted Outputs: drafts from the request's prediction ----------------------------
+def test_prediction_lookup_follows_the_prediction_forward():
+    method = NgramMethod.__new__(NgramMethod)
+    method.lookup_min, method.lookup_max = 2, 3
+    pred = [10, 11, 12, 13, 10, 11, 14, 15]
+    idx = NgramIndex(prediction=pred)
+    for end in range(len(pred)):
+        for n in range(2, min(3, end + 1) + 1):
+            idx.pred_ends.setdefault(tuple(pred[end - n + 1:end + 1]), []).append(end)
+    prompt = [1, 2, 3]
+    # while the output is the prediction's start, its continuation (whatever the n-grams say)
+    assert method.lookup_prediction(idx, prompt + [10], 3, 4) == ([11, 12, 13, 10], ("prediction", 0))
+    assert method.lookup_prediction(idx, prompt + [10, 11, 12], 3, 2) == ([13, 10], ("prediction", 0))
+    # the output leaves it (a 99 written), then meets it again at "10 11": the occurrence ahead
+    # of where it was, not the first one
+    assert method.lookup_prediction(idx, prompt + [10, 11, 12, 13, 99], 3, 4) == ([], 0)
+    assert idx.pred_prefix == -1
+    assert method.lookup_prediction(idx, prompt + [10, 11, 12, 13, 99, 10, 11], 3, 4) == ([14, 15], ("prediction", 2))
+
+
+@pytest.mark.parametrize("method", ["ngram", "ar"])
+def test_a_prediction_drafts_and_the_output_stays_ars(llama_dir, ar_greedy, method):
+    llm = LLM(str(llama_dir), method=method, verify="fixed", **ENGINE) if method == "ngram" else \
+        LLM(str(llama_dir), **ENGINE)
+    # a prediction that is the output itself, one that is right for half of it, and a wrong one
+    preds = [ar_greedy[0], ar_greedy[1][:16] + [7] * 16, [5, 6] * 16]
+    params = [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prediction=p) for p in preds]
+    outs = llm.generate(PROMPTS[:2] + PROMPTS[:1], [params[0], params[1], params[2]])
+    assert [o.token_ids for o in outs] == [ar_greedy[0], ar_greedy[1], ar_greedy[0]]
+    if method == "ngram":
+        exact = outs[0].metrics
+        # every draft taken: 5 a step and the step's own token, 32 tokens in 7 forwards
+        assert exact.num_accepted_tokens == exact.num_drafted_tokens >= 20 and exact.num_forwards <= 7
+        without = llm.generate(PROMPTS[:1], GREEDY)[0].metrics
+        assert exact.num_accepted_tokens > without.num_accepted_tokens
+    text = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                                    prediction="the cat and the dog"))[0]
+    assert text.token_ids == ar_greedy[0]
+    with pytest.raises(ValueError, match="prediction"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, prediction=[10 ** 9]))
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction=[-1])

@@ -244,3 +244,26 @@ USER_HI = [{"role": "user", "content": "hi"}]
 def test_bad_chat_extras_are_a_400_naming_them(server, path, body, param):
     assert_error(post(server, path, {**body, "max_tokens": 2}), 400, None, param)
     still_works(server.url)
+
+
+def test_a_prediction_is_taken_and_leaves_the_output_as_it_was(server):
+    msgs = [{"role": "user", "content": "hi there"}]
+    plain = post(server, "/v1/chat/completions", {"messages": msgs, **GREEDY4}).json()
+    text = plain["choices"][0]["message"]["content"]
+    for content in (text, [{"type": "text", "text": text}], "something else"):
+        got = post(server, "/v1/chat/completions", {"messages": msgs, "prediction": {"type": "content", "content": content},
+                                                    **GREEDY4})
+        assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == text
+    done = post(server, "/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x"}, **GREEDY4})
+    assert done.status_code == 200
+
+
+@pytest.mark.parametrize("prediction, param", [
+    ({"type": "text", "content": "x"}, "prediction.type"), ({"type": "content", "content": 5}, "prediction.content"),
+    ({"type": "content"}, "prediction.content"), ({"type": "content", "content": [{"type": "image", "text": "x"}]},
+                                                  "prediction.content"),
+])
+def test_a_bad_prediction_is_a_400_naming_it(server, prediction, param):
+    resp = post(server, "/v1/chat/completions", {"messages": USER_HI, "prediction": prediction, "max_tokens": 2})
+    assert_error(resp, 400, None, param)
+    still_works(server.url)
