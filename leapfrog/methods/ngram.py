@@ -39,13 +39,17 @@ class AcceptanceTable:
     follows the text being written."""
     gamma: int
     prior: float = 0.5
+    # a request's own prediction (the text the client expects back) starts more trusted than a
+    # repeat found in its context
+    prediction_prior: float = 0.9
     weight: float = 4.0
     decay: float = 0.995
     counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
     def rate(self, n: int, j: int) -> float:
         acc, seen = self.counts.get((n, j), (0.0, 0.0))
-        return (acc + self.prior * self.weight) / (seen + self.weight)
+        prior = self.prediction_prior if isinstance(n, tuple) else self.prior
+        return (acc + prior * self.weight) / (seen + self.weight)
 
     def row(self, n: int, k: int) -> list[float]:
         """Conditional acceptance of drafts 1..k after a match of length n."""
