@@ -252,7 +252,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, priority=priority,
                        eos_token_ids=tuple(self.scheduler.eos_token_ids))
         seq.grammar = grammar
-        seq.prediction_ids = list(prediction)
+        seq.prediction_ids = list(prediction[:self.max_model_len])    # no reply is longer than this
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.prompt_logprobs is not None:
