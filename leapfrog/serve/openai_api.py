@@ -296,7 +296,9 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPla
     if cont and not messages[-1]["content"].strip():
         raise bad_request("continue_final_message: the final message is empty, so there is nothing to continue "
                           "(add_generation_prompt starts a new reply)", "continue_final_message", "invalid_value")
-    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    if getattr(req, "reasoning_effort", None) is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     for key in kwargs:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise bad_request(f"chat_template_kwargs.{key}: set by the request's own fields",

@@ -166,6 +166,16 @@ class ChatRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     truncate_prompt_tokens: int | None = None
+    # OpenAI's fields for its own service, taken so that clients sending them are served:
+    # reasoning_effort reaches the chat template (as vLLM hands it on); the others change nothing
+    # here (no completion is stored, there is one service tier, prefix caching needs no key)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     tools: list[dict] | None = Field(None, max_length=128)     # OpenAI's tool objects (serve/tools.py checks them)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True

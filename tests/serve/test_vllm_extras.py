@@ -191,25 +191,34 @@ def test_continue_final_message_feeds_the_last_message_open(server):
     assert closed.json()["usage"]["prompt_tokens"] == same["usage"]["prompt_tokens"] + 1    # the "\n"
 
 
+class RecordingTemplate:
+    """A tokenizer stub whose chat template records the keyword arguments it is given."""
+    has_chat_template, template_reads_tools, bos_token_id = True, False, None
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.seen.update(kwargs)
+        return "x"
+
+    def encode(self, text):
+        return [5]
+
+
+def recording_template():
+    t = RecordingTemplate()
+    return t.seen, t
+
+
 def test_chat_template_kwargs_reach_the_template():
     from leapfrog.serve.openai_api import Limits, render_chat
     from leapfrog.serve.protocol import ChatRequest
 
-    seen = {}
-
-    class Template:
-        has_chat_template, template_reads_tools, bos_token_id = True, False, None
-
-        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
-            seen.update(kwargs)
-            return "x"
-
-        def encode(self, text):
-            return [5]
-
+    seen, template = recording_template()
     req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                       "chat_template_kwargs": {"enable_thinking": False, "n": 2}})
-    render_chat(req, Template(), Limits({"m"}, 256, 100, 16, {}, 1))
+    render_chat(req, template, Limits({"m"}, 256, 100, 16, {}, 1))
     assert seen == {"enable_thinking": False, "n": 2}
 
 
@@ -267,3 +276,29 @@ def test_a_bad_prediction_is_a_400_naming_it(server, prediction, param):
     resp = post(server, "/v1/chat/completions", {"messages": USER_HI, "prediction": prediction, "max_tokens": 2})
     assert_error(resp, 400, None, param)
     still_works(server.url)
+
+
+def test_openais_service_fields_are_taken(server):
+    body = {"messages": USER_HI, **GREEDY4}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    extra = {"reasoning_effort": "low", "verbosity": "low", "metadata": {"run": "7"}, "store": False,
+             "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1"}
+    got = post(server, "/v1/chat/completions", {**body, **extra})
+    assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == plain
+    assert_error(post(server, "/v1/chat/completions", {**body, "reasoning_effort": "max"}), 400, None,
+                 "reasoning_effort")
+    assert_error(post(server, "/v1/chat/completions", {**body, "metadata": {"k": 1}}), 400, None, "metadata.k")
+
+
+def test_reasoning_effort_reaches_the_template():
+    from leapfrog.serve.openai_api import Limits, render_chat
+    from leapfrog.serve.protocol import ChatRequest
+
+    seen, template = recording_template()
+    limits = Limits({"m"}, 256, 100, 16, {}, 1)
+    render_chat(ChatRequest.model_validate({"messages": USER_HI, "reasoning_effort": "high"}), template, limits)
+    assert seen == {"reasoning_effort": "high"}
+    seen.clear()       # chat_template_kwargs say it first
+    render_chat(ChatRequest.model_validate({"messages": USER_HI, "reasoning_effort": "high",
+                                            "chat_template_kwargs": {"reasoning_effort": "low"}}), template, limits)
+    assert seen == {"reasoning_effort": "low"}
