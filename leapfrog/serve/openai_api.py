@@ -238,7 +238,8 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
     ids = [truncated(encode_prompt(x, tokenizer, limits, keep is None), keep) for x in prompts]
     prep = Prepared(ids)
     if req.echo:
-        prep.texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts]
+        # the prompt the engine was fed: a truncated one decoded from its kept ids
+        prep.texts = [x if isinstance(x, str) and keep is None else tokenizer.decode(i) for x, i in zip(prompts, ids)]
     constraint = requested_constraint(req)
     compile_constraint(constraint, tokenizer, limits)
     for prompt_ids in ids:

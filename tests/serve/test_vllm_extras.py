@@ -227,6 +227,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
     cut = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 3, **GREEDY4}).json()
     tail = post(server, "/v1/completions", {"prompt": ids[-3:], **GREEDY4}).json()
     assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    echoed = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 3, "echo": True,
+                                              **GREEDY4}).json()["choices"][0]["text"]
+    assert echoed == post(server, "/detokenize", {"tokens": ids[-3:]}).json()["prompt"] + cut["choices"][0]["text"]
     text = post(server, "/v1/completions", {"prompt": "a cat sat. " * 200, "truncate_prompt_tokens": 50, **GREEDY4})
     assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] == 50     # longer than the context
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}],
