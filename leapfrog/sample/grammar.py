@@ -202,7 +202,8 @@ class GrammarMatch:
 
     def sync(self, history: list[int]) -> bool:
         """Stand after `history` (the request's output tokens, then drafts); False when some of
-        it breaks the constraint (the matcher then stands after its longest valid prefix)."""
+        it breaks the constraint (the matcher then stands after its longest valid prefix). End
+        tokens after the constraint has ended are allowed and not fed to the matcher."""
         n = 0
         limit = min(len(self.consumed), len(history))
         while n < limit and self.consumed[n] == history[n]:
@@ -215,7 +216,11 @@ class GrammarMatch:
             return True
         took = self.matcher.try_consume_tokens(rest)
         self.consumed.extend(rest[:took])
-        return took == len(rest)
+        if took == len(rest):
+            return True
+        # Past the constraint's end (ignore_eos keeps a request going): the mask of a stopped
+        # matcher allows only the end tokens, and those change nothing.
+        return self.matcher.is_stopped() and all(t in self.eos for t in rest[took:])
 
     def num_valid(self, output: list[int], drafts: list[int]) -> int:
         """How many of `drafts`, after `output`, the constraint allows in a row."""

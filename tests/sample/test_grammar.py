@@ -293,3 +293,25 @@ def test_the_decode_loop_masks_as_the_python_sampler_does(llama_dir, monkeypatch
     monkeypatch.setattr(dl, "eligible", lambda seq: seq.params.structured_outputs is None)
     stepped = LLM(str(llama_dir), **ENGINE).generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in stepped]
+
+
+def test_ignore_eos_after_the_constraint_ends_gives_end_tokens_on_every_path(llama_dir, monkeypatch):
+    """With ignore_eos a constrained request runs to max_tokens; once the constraint has ended,
+    its mask allows only the end tokens, so the text stays the constrained text, and the C++
+    loop and the one-step path (where a step is shared with arriving prompts) agree."""
+    import leapfrog.engine.decode_loop as dl
+    llm = LLM(str(llama_dir), **ENGINE)
+    eos = set(llm.engine.scheduler.eos_token_ids)
+    specs = (SO(choice=["yes", "no"]), SO(json={"type": "integer", "minimum": 0, "maximum": 99}), SO(regex=r"[a-z]{2,4}"))
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=2, ignore_eos=True, structured_outputs=s)
+              for t in (0, 0.9) for s in specs]
+    prompts = (PROMPTS * 2)[:len(params)]
+    looped = llm.generate(prompts, params)
+    monkeypatch.setattr(dl, "eligible", lambda seq: False)
+    stepped = LLM(str(llama_dir), **ENGINE).generate(prompts, params)
+    for a, b, p in zip(looped, stepped, params):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+        end = next((i for i, t in enumerate(a.token_ids) if t in eos), None)
+        assert end is not None, (p.structured_outputs, a.text, a.token_ids)
+        assert set(a.token_ids[end:]) <= eos, a.token_ids
+        assert a.finish_reason == "length"
