@@ -315,7 +315,7 @@ class SpeculativeMethod(Method):
                 result[i] = greedy_accept(argmax[offsets[i]:offsets[i + 1]], drafts)
                 continue
             if seq.params.greedy:        # row j penalized after drafts[:j], as ar would have seen it
-                penalized = penalize_drafted_rows(rows[i].clone(), seq, drafts, argmax_only=True)
+                penalized = penalize_drafted_rows(rows[i].clone(), seq, drafts)
                 result[i] = greedy_accept(penalized.argmax(-1).tolist(), drafts)
                 continue
             p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0], drafts)

@@ -111,7 +111,6 @@ class GrammarCompiler:
         self.compile_seconds: list[float] = []      # of each cache miss, for the benchmark's p50/p99
         self.num_hits = 0
         self.digits = DigitRuns(self.lltok, self.vocab_size)
-        self.checkable = int(self.lltok.vocab_size)     # token ids the matcher can check one by one
         self.eos = frozenset(eos)
 
     def compile(self, spec: StructuredOutputs) -> Any:
@@ -141,7 +140,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
         """A fresh matcher of `spec` for one request (JSON kinds with the digit-run cap)."""
         digits = self.digits if spec.kind in ("json", "json_object") else None
-        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.checkable, self.eos)
+        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.eos)
 
 
 class DigitRuns:
@@ -188,16 +187,15 @@ def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
 
 class GrammarMatch:
     """One request's matcher and the tokens it has consumed (its output, then perhaps drafts)."""
-    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "checkable", "eos")
+    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "eos")
 
-    def __init__(self, matcher: Any, vocab_size: int, digits: DigitRuns | None = None, checkable: int = 0,
+    def __init__(self, matcher: Any, vocab_size: int, digits: DigitRuns | None = None,
                  eos: frozenset = frozenset()) -> None:
         self.matcher = matcher
         self.consumed: list[int] = []
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.digits = digits            # JSON kinds: end digit runs at MAX_DIGIT_RUN
-        self.checkable = checkable      # tokens below this can be checked alone (allows)
         self.eos = eos
 
     def sync(self, history: list[int]) -> bool:
@@ -238,39 +236,23 @@ class GrammarMatch:
             if bool(kept.any()):
                 row.copy_(kept)
 
-    def allows(self, token: int) -> bool:
-        """Whether the mask of the current state would keep `token`, checked for it alone; False
-        where that cannot be told without the mask (the end token, a token past the matcher's
-        vocabulary, a digit at the digit-run cap)."""
-        if token >= self.checkable or token < 0 or token in self.eos:
-            return False
-        if self.digits is not None and self.digits.whole[token] and self.digits.run(self.consumed) >= MAX_DIGIT_RUN:
-            return False
-        return self.matcher.validate_tokens([token]) == 1
-
-    def mask_rows(self, logits: torch.Tensor, output: list[int], drafts: list[int], argmax_only: bool = False) -> None:
+    def mask_rows(self, logits: torch.Tensor, output: list[int], drafts: list[int]) -> None:
         """Row j of `logits` (one request's verify step, or its one row) becomes the constrained
         distribution after output + drafts[:j], in place. Rows after a draft the constraint
-        rejects are left as they are: verification never reaches them. argmax_only (greedy
-        verification, which reads each row's argmax alone): a row whose argmax the constraint
-        allows keeps its logits, since masking would leave that argmax where it is."""
+        rejects are left as they are: verification never reaches them. Every row reached gets
+        the whole mask, greedy ones too: llguidance's check of one token (validate_tokens) can
+        pass a token its mask bans (a `"` where the mask wants `":`), so an unmasked argmax the
+        check allows is not always the masked argmax."""
         rows = logits.shape[0]
         bits = torch.zeros(rows, self.words, dtype=torch.int32)
-        top = logits.argmax(-1).tolist() if argmax_only else None
-        masked = []
+        reached = 0
         for j in range(rows):
             if not self.sync(output + drafts[:j]):
                 break
-            if top is not None and self.allows(top[j]):
-                continue
             self.fill(bits[j])
-            masked.append(j)
-        if masked == list(range(len(masked))):        # rows 0..k-1: one call
-            if masked:
-                apply_bitmask(logits[:len(masked)], bits[:len(masked)])
-        else:
-            for j in masked:
-                apply_bitmask(logits[j:j + 1], bits[j:j + 1])
+            reached += 1
+        if reached:
+            apply_bitmask(logits[:reached], bits[:reached])
 
 
 class LoopMasks:

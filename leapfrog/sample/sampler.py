@@ -22,13 +22,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int],
-                          argmax_only: bool = False) -> torch.Tensor:
+def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
     """The penalties of apply_penalties for the rows of one request's verify step, in place: row
     j is the distribution after drafts[:j], so it is penalized as if those drafts had been
-    committed (what `ar` would have seen there). argmax_only: the caller reads each row's argmax
-    and nothing else (greedy verification), so a constraint masks only the rows whose argmax it
-    does not allow (GrammarMatch.mask_rows)."""
+    committed (what `ar` would have seen there)."""
     p = seq.params
     rows, vocab = logits.shape
     dev = logits.device
@@ -65,11 +62,11 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
             for process in p.logits_processors:
                 logits[j].copy_(process(history, logits[j]))
     if seq.grammar is not None:
-        seq.grammar.mask_rows(logits, seq.output_ids, drafts, argmax_only)
+        seq.grammar.mask_rows(logits, seq.output_ids, drafts)
         if before_ban is not None:      # a grammar that allows only the end: it wins over min_tokens
             dead = torch.isneginf(logits).all(-1)
             if bool(dead.any()):
-                seq.grammar.mask_rows(before_ban, seq.output_ids, drafts, argmax_only)
+                seq.grammar.mask_rows(before_ban, seq.output_ids, drafts)
                 logits[dead] = before_ban[dead]
     return logits
 
