@@ -318,11 +318,16 @@ class SpeculativeMethod(Method):
                 penalized = penalize_drafted_rows(rows[i].clone(), seq, drafts)
                 result[i] = greedy_accept(penalized.argmax(-1).tolist(), drafts)
                 continue
-            p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0], drafts)
             st: SpecState | None = seq.method_state
             prop = st.proposal if st is not None else None   # gone if aborted mid-step
             q = prop.probs if s.num_extra and prop is not None else None
             q = q[:s.num_extra] if q is not None else None
+            if q is None:            # picked drafts: ar's own draws decide (Sampler.verify_picked)
+                toks = self.sampler.verify_picked(rows[i], seq, drafts)
+                if toks is not None:
+                    result[i] = toks
+                    continue
+            p = self.sampler.probs(rows[i], [seq] * rows[i].shape[0], drafts)
             ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
             result[i] = verify_drafts(p, ids, q, seq.generator or self.sampler.generator)
         return result

@@ -165,6 +165,27 @@ class Sampler:
                 torch.tensor([self.sample_key(s) for s in seqs], dtype=torch.long, device=dev),
                 torch.tensor(counters, dtype=torch.long, device=dev))
 
+    def verify_picked(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> list[int] | None:
+        """Verification of drafts that were picked rather than sampled (their q is one-hot:
+        n-gram lookups, predictions, argmax drafters) for a sampled request: row j is sampled as
+        `ar` samples that output position (the request's key and draw counter, the C++ sampler),
+        and drafts are kept while they equal those draws. Accepting d with probability p(d) and
+        otherwise drawing from p without d is the lossless rule for a one-hot q, so this is that
+        rule with `ar`'s own noise: a seeded request writes what `ar` writes, whatever was
+        drafted and whatever shares its steps. None where the C++ sampler does not run."""
+        mod = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if mod is None:
+            return None
+        rows = logits.shape[0]
+        if seq.params.needs_penalties:
+            logits = penalize_drafted_rows(logits.clone(), seq, drafts)
+        draws = mod.sample_rows(logits, *self.row_settings([seq] * rows)).tolist()
+        n = 0
+        while n < min(len(drafts), rows - 1) and drafts[n] == draws[n]:
+            n += 1
+        seq.num_draws += n + 1
+        return drafts[:n] + [draws[n]]
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
         """logits [N, V] fp32, one row per sequence -> token ids (and logprobs if asked)."""
         mod = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None

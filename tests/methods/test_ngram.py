@@ -3,6 +3,7 @@ decoding alone (`ar`) for greedy output, and the target's own distribution (its 
 sampled output."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -113,6 +114,28 @@ def test_sampled_ngram_keeps_the_targets_distribution():
     stat = float(((obs_t - exp_t) ** 2 / exp_t).sum())
     assert len(obs) >= 4
     assert stat < chi_square_bound(len(obs) - 1), (stat, obs, exp)
+
+
+def test_a_seeded_sampled_request_writes_ars_tokens_whatever_was_drafted():
+    """Picked drafts (n-gram lookups, predictions) are verified with `ar`'s own draws
+    (Sampler.verify_picked): a seeded sampled request writes exactly `ar`'s tokens, alone, beside
+    other requests, and with `ar`'s output given as its prediction."""
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    if cpu_kernels() is None:
+        pytest.skip("no C++ sampler")
+    prompts = ["Tom had a big red ball. He liked to play. Tom had a big red ball. He",
+               "Lily saw a cat. The cat was big. Lily saw a cat. The cat", "Once upon a time"]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=1),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=2, top_p=0.9, presence_penalty=0.3),
+              SamplingParams(max_tokens=24, temperature=0.7, seed=3, top_k=20, repetition_penalty=1.1)]
+    want = [o.token_ids for o in LLM("stories", **ENGINE).generate(prompts, params)]
+    llm = LLM("stories", method="ngram", verify="fixed", num_speculative_tokens=4, prompt_lookup_min=1, **ENGINE)
+    alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    predicted = llm.generate(prompts, [dataclasses.replace(sp, prediction=w) for sp, w in zip(params, want)])
+    assert alone == want and together == want and [o.token_ids for o in predicted] == want
+    assert all(o.metrics.num_accepted_tokens >= 15 for o in predicted)      # 4 of every 5 tokens
+    assert llm.engine.method.stats()["num_accepted_tokens"] > 0
 
 
 def _no_repeat_bigrams(history: list[int], row: torch.Tensor) -> torch.Tensor:
