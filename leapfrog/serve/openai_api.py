@@ -267,7 +267,15 @@ def chat_messages(req: Any) -> list[dict]:
             raise bad_request(f"messages.{i}.content: a {m.role} message needs content (null only on an "
                               "assistant message with tool_calls)", f"messages.{i}.content", "missing_field")
         if isinstance(content, list):
-            content = "".join(part.text or "" for part in content if part.type == "text")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise bad_request(f"messages.{i}.content.{j}.type: {shorten(part.type)} parts are not "
+                                      "supported; this server's models read text parts only",
+                                      f"messages.{i}.content.{j}.type", "unsupported")
+                if part.text is None:
+                    raise bad_request(f"messages.{i}.content.{j}.text: a text part needs its text",
+                                      f"messages.{i}.content.{j}.text", "missing_field")
+            content = "".join(part.text for part in content)
         message = {"role": m.role, "content": content or ""}
         for key in ("tool_calls", "tool_call_id", "name"):
             if getattr(m, key, None) is not None:

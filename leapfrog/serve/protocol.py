@@ -139,6 +139,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(StrictModel):
+    # extra allowed so an image or audio part reaches chat_messages, which names it in its 400
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
 
@@ -176,6 +178,7 @@ class ChatRequest(SamplingFields):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    modalities: list[Literal["text"]] | None = Field(None, max_length=1)    # a text reply is what there is
     tools: list[dict] | None = Field(None, max_length=128)     # OpenAI's tool objects (serve/tools.py checks them)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True

@@ -89,10 +89,26 @@ def test_stop_token_ids_outside_the_vocabulary_are_400(server):
     ([{"role": "user", "content": None}], "messages.0.content"),
     ([{"role": "system", "content": "be brief"}, {"role": "user"}], "messages.1.content"),
     ([{"role": "assistant", "content": None}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}],
+     "messages.0.content.1.type"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+     "messages.0.content.0.type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
 ])
 def test_unknown_chat_roles_and_missing_content_are_400(server, messages, param):
     err = assert_error(post(server, "/v1/chat/completions", {"messages": messages}), 400, param=param)
     assert param in err["message"]
+
+
+def test_text_parts_are_joined_as_openai_sends_them(server):
+    """A content list of text parts is the same prompt as its text joined (an image part is a
+    400 above, not dropped without a word)."""
+    def reply(content):
+        r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                                   "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+    assert reply([{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]) == reply("Once upon a time")
 
 
 def test_an_assistant_turn_that_called_tools_may_have_no_content(server):

@@ -285,12 +285,14 @@ def test_openais_service_fields_are_taken(server):
     body = {"messages": USER_HI, **GREEDY4}
     plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     extra = {"reasoning_effort": "low", "verbosity": "low", "metadata": {"run": "7"}, "store": False,
-             "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1"}
+             "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1", "modalities": ["text"]}
     got = post(server, "/v1/chat/completions", {**body, **extra})
     assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == plain
     assert_error(post(server, "/v1/chat/completions", {**body, "reasoning_effort": "max"}), 400, None,
                  "reasoning_effort")
     assert_error(post(server, "/v1/chat/completions", {**body, "metadata": {"k": 1}}), 400, None, "metadata.k")
+    assert_error(post(server, "/v1/chat/completions", {**body, "modalities": ["text", "audio"]}), 400, None,
+                 "modalities")
 
 
 def test_reasoning_effort_reaches_the_template():
