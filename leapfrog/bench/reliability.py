@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,9 +47,13 @@ class Server:
     def __init__(self, flags: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # files a benchmark uploads (the fuzzer's among them) stay out of the user's own store
+        self.batch_dir = None if "--batch-dir" in flags else tempfile.mkdtemp(prefix="leapfrog-bench-batches-")
+        store = ["--batch-dir", self.batch_dir] if self.batch_dir else []
         cmd = [sys.executable, "-m", "leapfrog", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning", *flags]
         self.command = "leapfrog serve " + " ".join(cmd[4:])
+        cmd += store
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -73,6 +78,8 @@ class Server:
             self.proc.kill()
             code = self.proc.wait()
         self.log.close()
+        if self.batch_dir:
+            shutil.rmtree(self.batch_dir, ignore_errors=True)
         return code
 
     def metrics(self) -> str:

@@ -65,3 +65,35 @@ def test_the_fuzz_summary_is_read_in_either_number():
     assert fuzz_counts("  3201 generated, 7 found 3 unique failures\n", 1) == (3201, 3)
     assert fuzz_counts("  500 generated, 0 found 0 unique failures\n", 0) == (500, 0)
     assert fuzz_counts("crashed before its summary", 2) == (0, -1)
+
+
+def test_a_benchmarks_server_keeps_its_files_out_of_the_users_store(tmp_path, monkeypatch):
+    """The fuzzer uploads files: a bench server gets a batch store of its own, removed when it
+    stops (the user's default store once filled up to max_files that way)."""
+    from pathlib import Path
+
+    from leapfrog.bench import reliability
+
+    started = []
+
+    class FakeProcess:
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+        def send_signal(self, sig):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(reliability.subprocess, "Popen", FakeProcess)
+    server = reliability.Server(["--model", "stories"], tmp_path / "s.log")
+    cmd = started[0]
+    store = Path(cmd[cmd.index("--batch-dir") + 1])
+    assert store.is_dir() and "--batch-dir" not in server.command
+    server.stop()
+    assert not store.exists()
+    own = reliability.Server(["--batch-dir", str(tmp_path / "mine")], tmp_path / "t.log")
+    assert started[1].count("--batch-dir") == 1 and own.batch_dir is None
