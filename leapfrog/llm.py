@@ -1,15 +1,19 @@
-"""The offline API: LLM(model, method, draft_model, **engine_options).generate(prompts, params)."""
+"""The offline API, vLLM's: LLM(model, method, draft_model, **engine_options).generate(prompts,
+sampling_params) and .chat(messages, sampling_params)."""
 from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import replace
+from typing import Any
 from typing import Sequence as Seq
 
 from tqdm import tqdm
 
 from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SamplingParams, defaults_for_model
+from leapfrog.sampling_params import SEED_RANGE, SamplingParams, defaults_for_model
+from leapfrog.tokenizer import encode_chat, open_final_message
 
 
 class LLM:
@@ -42,39 +46,105 @@ class LLM:
         if stop is not None:
             stop()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: int | Seq[int] = 0) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts may be strings or token-id lists."""
-        if isinstance(prompts, (str, int)) or prompts is None or (prompts and isinstance(prompts[0], int)):
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's name)."""
+        return self.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: int | Seq[int] = 0, *,
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or
+        vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}); one prompt or a list.
+        `sampling_params` (or `params`, this API's older name): one for all, or one per prompt;
+        with n > 1 a prompt's completions come back in RequestOutput.outputs."""
+        if params is not None:
+            if sampling_params is not None:
+                raise TypeError("give sampling_params or params, not both")
+            sampling_params = params
+        if isinstance(prompts, (str, dict, int)) or prompts is None or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt_input(p, i) for i, p in enumerate(prompts)]
         n = len(prompts)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * n
+        sp = sampling_params
+        params_list = list(sp) if isinstance(sp, (list, tuple)) else [sp or self.get_default_sampling_params()] * n
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params_list) != n or len(prios) != n:
-            raise ValueError("params and priority lists must have one entry per prompt")
-        ids: list[str] = []
+            raise ValueError("sampling_params and priority lists must have one entry per prompt")
+        ids: list[list[str]] = []        # per prompt, its completions' request ids
         try:        # add_request checks each prompt and its params (ValueError, TypeError naming it)
-            for p, sp, pr in zip(prompts, params_list, prios):
-                ids.append(self.engine.add_request(p, sp, priority=pr, stream=False))
+            for p, one, pr in zip(prompts, params_list, prios):
+                if not isinstance(one, SamplingParams):
+                    raise TypeError(f"sampling_params must be SamplingParams, not {type(one).__name__}")
+                ids.append([])
+                for choice in _completions(one):
+                    ids[-1].append(self.engine.add_request(p, choice, priority=pr, stream=False))
         except BaseException:
-            for rid in ids:       # a bad prompt refuses the whole call: none of it stays queued
+            for rid in (r for group in ids for r in group):   # a bad prompt refuses the whole call
                 self.engine.abort(rid)
             raise
-        wanted = set(ids)
+        wanted = {r for group in ids for r in group}
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, disable=not use_tqdm, file=sys.stderr, desc="generate")
-        while len(results) < n:
+        while len(results) < len(wanted):
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     results[out.request_id] = out
-                    bar.update(1)
+                    if all(r in results for r in next(g for g in ids if out.request_id in g)):
+                        bar.update(1)
         bar.close()
-        return [results[i] for i in ids]
+        outs = []
+        for group in ids:
+            first = results[group[0]]
+            first.other_completions = [results[r] for r in group[1:]]
+            outs.append(first)
+        return outs
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             **kwargs: object) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
+             *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             params: SamplingParams | Seq[SamplingParams] | None = None,
+             priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate (vLLM's
+        LLM.chat: one conversation or a list). `tools` and `chat_template_kwargs` reach the
+        template; continue_final_message (with add_generation_prompt=False) leaves the last
+        assistant message open for the reply to continue."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        return self.generate(prompts, params, **kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False (the reply continues "
+                             "the last message instead of starting a new one)")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
+            if continue_final_message:
+                if conv[-1].get("role") != "assistant":
+                    raise ValueError("continue_final_message: only an assistant message can be continued")
+                text = open_final_message(text, conv[-1].get("content") or "")
+            prompts.append(encode_chat(self.tokenizer, text))
+        return self.generate(prompts, sampling_params, use_tqdm, priority, params=params)
+
+
+def _prompt_input(prompt: Any, index: int) -> str | list[int]:
+    """A prompt as add_request takes it: text or token ids (vLLM's TextPrompt and TokensPrompt
+    dicts unwrapped); TypeError naming the prompt otherwise."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            return list(prompt["prompt_token_ids"])
+        raise TypeError(f"prompt {index}: a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' "
+                        f"(a list of ids), not {sorted(prompt)}")
+    return prompt
+
+
+def _completions(params: SamplingParams) -> list[SamplingParams]:
+    """A prompt's n sequences: choice j of a seeded request draws with seed + j (in 64 bits)."""
+    if params.n == 1:
+        return [params]
+    seeds = [None if params.seed is None else (params.seed + j) % (1 << 64) if params.seed + j > SEED_RANGE[1]
+             else params.seed + j for j in range(params.n)]
+    return [replace(params, n=1, seed=seed) for seed in seeds]

@@ -21,6 +21,17 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput): RequestOutput.outputs[j]."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None      # the sum of the chosen tokens' logprobs (with logprobs)
+    logprobs: list[dict] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -35,3 +46,13 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     # SamplingParams.prompt_logprobs: an entry per prompt token, None for the first
     prompt_logprobs: list[dict | None] | None = None
+    # SamplingParams.n > 1 (LLM.generate): completions 1..n-1; this output is completion 0
+    other_completions: list["RequestOutput"] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every completion, vLLM's way (`outputs[0].text` is `text`)."""
+        return [CompletionOutput(j, o.text, o.token_ids, None if o.logprobs is None else
+                                 sum(entry["logprob"] for entry in o.logprobs if entry),
+                                 o.logprobs, o.finish_reason)
+                for j, o in enumerate([self, *self.other_completions])]

@@ -13,6 +13,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024              # entries of logit_bias
 MAX_PREDICTION = 1 << 20           # characters (or token ids) of a prediction
+MAX_N = 1024                       # completions a prompt in LLM.generate
 LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
 # Temperatures below this sample greedily: dividing logits by 1e-300 overflows to inf and NaN
 # (vLLM's _SAMPLING_EPS has the same role).
@@ -69,7 +70,8 @@ BOUNDS: dict[str, Bound] = {
     "num_speculative_tokens": Bound(0, MAX_SPECULATIVE_TOKENS, "must be an integer between 0 (no drafting) and "
                                     f"{MAX_SPECULATIVE_TOKENS}", integer=True),
 }
-OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "num_speculative_tokens")   # None: not asked for
+OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "num_speculative_tokens",   # None: not asked for
+            "max_tokens")                                                      # None: the context's room
 MAX_GRAMMAR_CHARS = 100_000        # of a schema, regex, grammar or the choices together
 MAX_CHOICES = 1024
 
@@ -159,7 +161,7 @@ class SamplingParams:
     temperature 0 means greedy. `seed` makes a request's sampling independent of whatever
     else shares its batch: each seeded request owns a torch.Generator.
     """
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS    # None: as many as the model's context leaves
     temperature: float = 1.0
     top_k: int = 0                     # 0 or -1: off
     top_p: float = 1.0
@@ -197,6 +199,10 @@ class SamplingParams:
     # as a file being edited. The `ngram` method drafts from it as well as from the context; the
     # output stays what decoding gives (drafts are verified), and other methods ignore it.
     prediction: str | list[int] | None = None
+    # Completions to sample for each prompt (vLLM's `n`): LLM.generate runs n sequences, choice j
+    # of a seeded request with seed + j, and returns them in RequestOutput.outputs. The engine
+    # and the server take one sequence a request (the server fans its own `n` out).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,9 +215,11 @@ class SamplingParams:
         whole batch's step, not just this request)."""
         def bad(name: str, why: str) -> None:
             raise ParamError(name, f"{name}={shorten(getattr(self, name))}: {why}")
-        for name in ("max_tokens", "min_tokens", "top_k"):
-            if not _is_int(getattr(self, name)):
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
+            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 bad(name, "must be an integer")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be between 1 and {MAX_N}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if not _is_finite(getattr(self, name)):
@@ -220,7 +228,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in OPTIONAL) and not bound.holds(value):
                 bad(name, bound.text)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)

@@ -389,6 +389,26 @@ class Tokenizer:
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
 
 
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    """The ids of a rendered chat: encoded with the special tokens, less the second BOS where the
+    template wrote one and encoding added another."""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def open_final_message(text: str, final: str) -> str:
+    """A rendered chat cut right after its final message's content (what the template wrote after
+    it ends the turn), as transformers' continue_final_message cuts it; ValueError where the
+    template does not write that content as it is."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the final message's content "
+                     "as it is, so it cannot be left open")
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text pieces.
 

@@ -246,6 +246,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context is "
                              f"{self.max_model_len} tokens")
+        if params.n != 1:
+            raise ParamError("n", f"n={params.n}: the engine takes one sequence a request; LLM.generate "
+                                  "(and the server) run n of them")
+        if params.max_tokens is None:       # as many as the context leaves (vLLM's None)
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

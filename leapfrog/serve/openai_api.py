@@ -18,6 +18,7 @@ from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamE
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
 from leapfrog.serve.tools import ToolPlan, check_history, check_tool_schemas, parse_reply, plan_tools, render_messages
+from leapfrog.tokenizer import encode_chat, open_final_message
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
@@ -321,7 +322,10 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPla
         except Exception as exc:        # templates raise on e.g. unsupported roles
             raise bad_request(f"chat template failed: {exc}", "messages", "invalid_messages") from None
         if cont:
-            text = open_final_message(text, messages[-1]["content"])
+            try:
+                text = open_final_message(text, messages[-1]["content"])
+            except ValueError as exc:
+                raise bad_request(str(exc), "continue_final_message", "invalid_messages") from None
     else:
         if not can_spell_fallback_chat(tokenizer):
             raise bad_request("this model has no chat template, and its vocabulary cannot spell the plain "
@@ -331,22 +335,7 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPla
         if cont:
             text = text.removesuffix("\n")     # the last line left open (FALLBACK_CHAT ends each with one)
         text += "assistant:" if req.add_generation_prompt else ""
-    ids = tokenizer.encode(text)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and ids[:2] == [bos, bos]:   # template wrote <s> and encode added one
-        ids = ids[1:]
-    return truncated(ids, keep)
-
-
-def open_final_message(text: str, final: str) -> str:
-    """The rendered chat cut right after the final message's content (what the template wrote
-    after it ends the turn), as transformers' continue_final_message cuts it."""
-    for needle in (final, final.strip()):
-        at = text.rfind(needle) if needle else -1
-        if at >= 0:
-            return text[:at + len(needle)]
-    raise bad_request("continue_final_message: the chat template does not write the final message's content "
-                      "as it is, so it cannot be left open", "continue_final_message", "invalid_messages")
+    return truncated(encode_chat(tokenizer, text), keep)
 
 
 def can_spell_fallback_chat(tokenizer: Any) -> bool:

@@ -144,6 +144,49 @@ def test_chat_template(llm):
     assert out.prompt_token_ids[:1] == [1]
 
 
+def test_vllms_offline_api_runs_as_written(llm):
+    """vLLM's quickstart: generate(prompts, sampling_params=...), output.outputs[0].text, n
+    completions (choice j seeded with seed + j), its prompt dicts, max_tokens=None, get_tokenizer
+    and chat's keywords."""
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3, logprobs=0)
+    outs = llm.generate(PROMPTS[:2], sampling_params=sp)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    first = outs[0].outputs
+    assert first[0].text == outs[0].text and [c.index for c in first] == [0, 1, 2]
+    for j, c in enumerate(first):     # choice j is the seeded request with seed + j
+        alone = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.8, seed=3 + j, logprobs=0))[0]
+        assert c.token_ids == alone.token_ids and c.text == alone.text
+        assert c.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in alone.logprobs))
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    by_ids, by_text = llm.generate([{"prompt_token_ids": ids}, {"prompt": PROMPTS[0]}], GREEDY)
+    assert by_ids.token_ids == by_text.token_ids == llm.generate(PROMPTS[0], params=GREEDY)[0].token_ids
+    with pytest.raises(TypeError, match="prompt 0: a prompt dict holds either"):
+        llm.generate({"text": "x"}, GREEDY)
+    long = llm.generate(ids, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(ids) + len(long.token_ids) == llm.engine.max_model_len and long.finish_reason == "length"
+    with pytest.raises(ValueError, match="n=2: the engine takes one sequence a request"):
+        llm.engine.add_request("hi", SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n=0: must be between 1 and"):
+        SamplingParams(n=0)
+    assert not llm.engine.has_unfinished()
+
+
+def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, monkeypatch):
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    out = llm.chat(conv, sampling_params=SamplingParams(max_tokens=2, temperature=0),
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    text = llm.tokenizer.decode(out.prompt_token_ids)
+    assert text.rstrip().endswith("Once upon")
+    with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
+        llm.chat(conv, continue_final_message=True)
+    seen = {}
+    original = llm.tokenizer.apply_chat_template
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template",
+                        lambda m, add_generation_prompt=True, **kw: seen.update(kw) or original(m, add_generation_prompt))
+    llm.chat(conv[:1], SamplingParams(max_tokens=1), tools=[{"type": "function"}], chat_template_kwargs={"x": 1})
+    assert seen == {"tools": [{"type": "function"}], "x": 1}
+
+
 def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
