@@ -20,6 +20,7 @@ from typing import Any, Callable
 import uvicorn
 from fastapi import FastAPI
 
+from leapfrog.checkpoint.gguf import CheckpointError
 from leapfrog.config import resolve_model
 from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.serve import app as http_core
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for view in cfg.views():      # fail before binding the port, not in the background
             resolve_model(view.model)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CheckpointError) as exc:     # no such model, or a broken file named
         print(f"leapfrog serve: {exc}", file=sys.stderr)
         return 2
     follower = torchrun_role(cfg)

@@ -134,6 +134,15 @@ def test_cli_missing_model_fails_fast(tmp_path, capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
+def test_cli_names_a_broken_gguf_file_without_a_traceback(tmp_path, capsys):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    assert main(["--model", str(broken), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("leapfrog serve: ") and "broken.gguf: not a readable GGUF file" in err
+    assert "Traceback" not in err
+
+
 def test_served_models_default_both_builtins_and_repeat_model():
     """No model named: `stories` (first, the default of requests naming none), `couplets` and `smollm2`;
     --model once: that model alone; --model repeated: those, the first taking the method."""
