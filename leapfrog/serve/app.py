@@ -470,14 +470,26 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(render_all([m.metrics for m in state.servers], (state.responses,)),
                                  media_type=METRICS_CONTENT_TYPE)
 
+    def card(m: ModelServer) -> dict:
+        return {"id": m.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
+                "max_model_len": m.engine.info.max_model_len, "method": m.engine.info.method,
+                **{k: v for fields in state.model_card_fields for k, v in fields(m).items()}}
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         state.authenticate(request)
-        cards = [{"id": m.model_id, "object": "model", "created": int(state.started), "owned_by": "leapfrog",
-                  "max_model_len": m.engine.info.max_model_len, "method": m.engine.info.method,
-                  **{k: v for fields in state.model_card_fields for k, v in fields(m).items()}}
-                 for m in state.servers]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [card(m) for m in state.servers]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> JSONResponse:
+        """One model's card (OpenAI's models.retrieve), or 404 naming the models served."""
+        state.authenticate(request)
+        server = state.models.get(model)
+        if server is None:
+            ids = ", ".join(repr(m.model_id) for m in state.servers)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {ids}",
+                           "invalid_request_error", "model", "model_not_found")
+        return JSONResponse(card(server))
 
 
 def _add_generate_route(app: FastAPI, state: ServerState) -> None:

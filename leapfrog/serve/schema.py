@@ -92,9 +92,10 @@ def response_schemas() -> dict[str, dict]:
                                     "choices": {"type": "array", "items": choice}}),
         "ChatCompletionResponse": obj({**head, "object": {"const": "chat.completion"},
                                         "choices": {"type": "array", "items": chat_choice}}),
-        "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": obj(
-            {"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR},
-            {"max_model_len": INT, "method": STR})}}),
+        "ModelCard": obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR},
+                         {"max_model_len": INT, "method": STR}),
+        "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": {
+            "$ref": REF_TEMPLATE.format(model="ModelCard")}}}),
         "Status": obj({"status": STR}),
         "TokenizeResponse": obj({"count": INT, "max_model_len": INT,
                                   "tokens": {"type": "array", "items": INT}}),
@@ -111,7 +112,7 @@ RESPONSE_BODIES = {     # path -> the 200 answer's JSON schema(s) (the stream's 
     "/generate": ["GenerateResponse"],
     "/v1/completions": ["CompletionResponse"],
     "/v1/chat/completions": ["ChatCompletionResponse"],
-    "/v1/models": ["ModelList"],
+    "/v1/models": ["ModelList"], "/v1/models/{model}": ["ModelCard"],
     "/tokenize": ["TokenizeResponse"], "/detokenize": ["DetokenizeResponse"],
     "/health": ["Status"], "/healthz": ["Status"], "/ready": ["Status"],
 }
@@ -217,7 +218,7 @@ def build_openapi(app: FastAPI, auth_enabled: bool, max_n: int = 16, extensions:
     schemas.update(response_schemas())
     for ext in extensions:
         schemas.update(ext.response_schemas)
-        schemas["ModelList"]["properties"]["data"]["items"]["properties"].update(ext.model_card)
+        schemas["ModelCard"]["properties"].update(ext.model_card)
     tables = _Document.merge(extensions)
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
@@ -270,6 +271,8 @@ def _complete(path: str, method: str, op: dict, schemas: dict, auth_enabled: boo
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
     if path == "/v1/models":
         responses.update(_error_responses({"401": GENERATION_ERRORS["401"]}))
+    if path == "/v1/models/{model}":
+        responses.update(_error_responses({c: GENERATION_ERRORS[c] for c in ("401", "404")}))
 
 
 def install(app: FastAPI, auth_enabled: bool, max_n: int = 16, extensions: list[Extension] | None = None) -> None:

@@ -194,3 +194,12 @@ def test_a_request_that_would_wait_past_max_queue_wait_s_gets_429_with_that_wait
     finally:
         engine.num_in_flight -= phantom
         engine.drain, primary.cfg.max_queue_wait_s = saved
+
+
+def test_one_model_is_retrieved_as_openai_retrieves_it(server):
+    listed = httpx.get(server.url + "/v1/models").json()["data"]
+    for card in listed:
+        r = httpx.get(server.url + f"/v1/models/{card['id']}")
+        assert r.status_code == 200 and r.json() == card
+    err = assert_error(httpx.get(server.url + "/v1/models/no-such-model"), 404, "model_not_found", "model")
+    assert listed[0]["id"] in err["message"]
