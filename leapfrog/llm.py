@@ -83,14 +83,14 @@ class LLM:
             for rid in (r for group in ids for r in group):   # a bad prompt refuses the whole call
                 self.engine.abort(rid)
             raise
-        wanted = {r for group in ids for r in group}
+        group_of = {r: group for group in ids for r in group}
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, disable=not use_tqdm, file=sys.stderr, desc="generate")
-        while len(results) < len(wanted):
+        while len(results) < len(group_of):
             for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
+                if out.finished and out.request_id in group_of:
                     results[out.request_id] = out
-                    if all(r in results for r in next(g for g in ids if out.request_id in g)):
+                    if all(r in results for r in group_of[out.request_id]):
                         bar.update(1)
         bar.close()
         outs = []
@@ -117,7 +117,7 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
-        prompts = []
+        prompts, texts = [], []
         for conv in convs:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
             if continue_final_message:
@@ -125,7 +125,12 @@ class LLM:
                     raise ValueError("continue_final_message: only an assistant message can be continued")
                 text = open_final_message(text, conv[-1].get("content") or "")
             prompts.append(encode_chat(self.tokenizer, text))
-        return self.generate(prompts, sampling_params, use_tqdm, priority, params=params)
+            texts.append(text)
+        outs = self.generate(prompts, sampling_params, use_tqdm, priority, params=params)
+        for out, text in zip(outs, texts):       # the rendered conversation, as vLLM reports it
+            for one in (out, *out.other_completions):
+                one.prompt = text
+        return outs
 
 
 def _prompt_input(prompt: Any, index: int) -> str | list[int]:

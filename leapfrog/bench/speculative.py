@@ -135,6 +135,8 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
     tokens = [0] * len(engines)
     forwards = [0] * len(engines)
     same = [0] * len(engines)
+    decode_wall = [0.0] * len(engines)     # after each request's first token: what drafting can speed up
+    decode_tokens = [0] * len(engines)
     for i, p in enumerate(prompts):
         log(f"latency: prompt {i + 1}/{len(prompts)}")
         ref = None
@@ -145,14 +147,18 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
             out = llm.generate([p], asked)[0]
             wall[j] += time.perf_counter() - t0
             tokens[j] += out.metrics.num_output_tokens
+            if out.metrics.time_to_first_token is not None and out.metrics.total_time is not None:
+                decode_wall[j] += out.metrics.total_time - out.metrics.time_to_first_token
+                decode_tokens[j] += out.metrics.num_output_tokens - 1
             forwards[j] += out.metrics.num_forwards
             ref = out.token_ids if j == 0 else ref
             same[j] += out.token_ids == ref
     rows = []
-    for c, llm, w, n, f, s in zip(contenders, engines, wall, tokens, forwards, same):
+    for c, llm, w, n, f, s, dw, dn in zip(contenders, engines, wall, tokens, forwards, same, decode_wall,
+                                          decode_tokens):
         stats = llm.engine.method.stats()
         row = {"method": c.label, "kind": c.method, "draft_model": c.options.get("draft_model"), "prompts": prompt_set,
-               "tokens_per_s": n / w, "output_tokens": n,
+               "tokens_per_s": n / w, "output_tokens": n, "decode_tokens_per_s": dn / dw if dw > 0 else None,
                "tokens_per_forward": n / max(1, f), "tau": stats.get("acceptance_length"),
                "identical_to_ar": f"{s}/{len(prompts)}",
                "matmul_precision": llm.engine.config.matmul_precision,
@@ -166,9 +172,10 @@ def run_latency(model_dir: Path, prompts: list[list[int]], new_tokens: int, gamm
             if stats.get("num_verify_steps"):       # drafts verified per verify step (scheduled: chosen)
                 row["mean_verified"] = stats["num_drafted_tokens"] / stats["num_verify_steps"]
         rows.append(row)
-    base = rows[0]["tokens_per_s"]
+    base, decode_base = rows[0]["tokens_per_s"], rows[0]["decode_tokens_per_s"]
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base
+        r["decode_speedup"] = r["decode_tokens_per_s"] / decode_base if decode_base and r["decode_tokens_per_s"] else None
     return rows
 
 
@@ -357,16 +364,19 @@ def markdown(result: dict) -> str:
     lat = result["latency"]
     peer = any("vs_llama_cpp" in r for r in lat)
     sets = len({r.get("prompts") for r in lat if r.get("prompts")}) > 1
-    head = (("| prompts " if sets else "") + "| method | drafter layers | γ | tok/s | speed-up vs ar | τ | "
-            "tokens / target forward | same output as ar |" + (" vs llama.cpp |" if peer else ""))
-    lines = [head, ("|---" if sets else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if peer else "")]
+    head = (("| prompts " if sets else "") + "| method | drafter layers | γ | tok/s | speed-up vs ar | "
+            "decode tok/s | decode speed-up | τ | tokens / target forward | same output as ar |"
+            + (" vs llama.cpp |" if peer else ""))
+    lines = [head, ("|---" if sets else "") + "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peer else "")]
     for r in lat:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "—"
+        decode = f"{r['decode_tokens_per_s']:.0f}" if r.get("decode_tokens_per_s") else "—"
         gamma = r.get("gamma", "—")
         if "verify" in r["method"] or "scheduled" in r["method"]:
             gamma = f"≤{gamma}, {r['mean_verified']:.1f} verified" if r.get("mean_verified") else gamma
         lines.append((f"| {r.get('prompts') or '—'} " if sets else "") + f"| {r['method']} | {r.get('drafter_layers', '—')} | {gamma} | "
-                     f"{r['tokens_per_s']:.0f} | {_x(r.get('speedup'))} | {tau} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {_x(r.get('speedup'))} | {decode} | "
+                     f"{_x(r.get('decode_speedup'))} | {tau} | {r['tokens_per_forward']:.2f} | "
                      f"{r['identical_to_ar']} |" + (f" {_x(r.get('vs_llama_cpp'))} |" if peer else ""))
     lines += ["", "| concurrent requests | method | output tok/s | vs ar | τ | request-steps verifying drafts |",
               "|---|---|---|---|---|---|"]

@@ -140,5 +140,7 @@ def test_ngram_rows_and_prompt_sets(llama_dir, tmp_path):
         assert [r["method"] for r in rows] == ["ar", "ngram, verify all", "ngram, confidence-scheduled",
                                                "ngram, confidence-scheduled, prediction = `ar`'s reply"]
         assert all(r["identical_to_ar"] == "2/2" for r in rows) and rows[0]["speedup"] == 1.0
+        # decode: the 7 tokens after each prompt's first, over the time after it
+        assert rows[0]["decode_speedup"] == 1.0 and all(r["decode_tokens_per_s"] > r["tokens_per_s"] for r in rows)
     assert any(r["method"] == "ngram, confidence-scheduled" for r in res["throughput"])
     assert "| open | ngram, verify all |" in (out / "speculative.md").read_text()

@@ -176,7 +176,7 @@ def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, mo
     out = llm.chat(conv, sampling_params=SamplingParams(max_tokens=2, temperature=0),
                    add_generation_prompt=False, continue_final_message=True)[0]
     text = llm.tokenizer.decode(out.prompt_token_ids)
-    assert text.rstrip().endswith("Once upon")
+    assert text.rstrip().endswith("Once upon") and out.prompt.endswith("Once upon")
     with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
         llm.chat(conv, continue_final_message=True)
     seen = {}
