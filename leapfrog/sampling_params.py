@@ -335,14 +335,16 @@ def model_sampling_defaults(folder) -> dict:
 
 def defaults_for_model(model, warn) -> dict:
     """model_sampling_defaults for a built-in name or folder: {} when the model cannot be found
-    (whoever loads it reports that), and {} after ``warn(message)`` for a malformed
+    or its file is broken (whoever loads it reports that), and {} after ``warn(message)`` for a malformed
     generation_config.json, so a bad file never stops serving."""
     # deferred: config loads torch, which `import leapfrog` must not
     from leapfrog.config import resolve_model
     try:
-        return model_sampling_defaults(resolve_model(model))
-    except FileNotFoundError:
+        path = resolve_model(model)
+    except (FileNotFoundError, ValueError):      # not there, or a broken checkpoint file
         return {}
+    try:
+        return model_sampling_defaults(path)
     except ValueError as exc:
         warn(f"ignoring the model's sampling defaults: {exc}")
         return {}

@@ -93,3 +93,13 @@ def test_generate_cli_takes_the_models_defaults(llama_dir, tmp_path, capsys):
     plain = capsys.readouterr().out
     assert main(["Once upon a time", "--model", *args, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_generate_cli_names_a_broken_file_once(tmp_path, capsys):
+    """A broken GGUF file is the loader's one error, not also a warning about sampling defaults."""
+    from leapfrog.generate import main
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF but not really")
+    assert main(["hi", "--model", str(broken)]) != 0
+    err = capsys.readouterr().err
+    assert "broken.gguf" in err and "sampling defaults" not in err and err.count("broken.gguf") == 1
