@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 64              # stop strings are searched in the text every
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024              # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 20    # entries of allowed_token_ids
 MAX_PREDICTION = 1 << 20           # characters (or token ids) of a prediction
 MAX_N = 1024                       # completions a prompt in LLM.generate
 LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
@@ -183,6 +184,9 @@ class SamplingParams:
     # token id -> added to its logit before sampling, at every step (OpenAI's and vLLM's
     # logit_bias); a request with it samples in Python, like penalties (drafts verified row by row).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these token ids may be sampled (vLLM's allowed_token_ids): every other logit is -inf,
+    # applied where logit_bias is (Python sampling; drafts verified row by row).
+    allowed_token_ids: list[int] | None = None
     # Called in order on each step's logits row of this request, as processor(output_ids, row)
     # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
     # A request with processors samples in Python (not in the decode loop); verified drafts get
@@ -232,6 +236,15 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, list) or not a or len(a) > MAX_ALLOWED_TOKEN_IDS or any(
+                    not _is_int(t) or not 0 <= t <= INT64_MAX for t in a):
+                bad("allowed_token_ids", f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                                         "non-negative token ids")
+            if self.structured_outputs is not None:
+                bad("allowed_token_ids", "cannot be combined with a structured output constraint (the "
+                                         "constraint decides which tokens may follow)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ParamError("structured_outputs", "structured_outputs must be a StructuredOutputs")
         if self.prediction is not None:
@@ -276,6 +289,7 @@ class SamplingParams:
         and grammar masks included); else its steps return logits to the Python sampler."""
         return (self.logprobs is None and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty and not self.logits_processors and not self.logit_bias
+                and self.allowed_token_ids is None
                 and (self.structured_outputs is None or self.min_tokens == 0))
 
     @property
@@ -283,7 +297,7 @@ class SamplingParams:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors)
-                or bool(self.logit_bias) or self.structured_outputs is not None)
+                or bool(self.logit_bias) or self.structured_outputs is not None or self.allowed_token_ids is not None)
 
 
 def _is_int(value: object) -> bool:

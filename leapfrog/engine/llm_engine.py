@@ -238,6 +238,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
+            raise ParamError("allowed_token_ids", f"allowed_token_ids: token ids must be in [0, {vocab})")
         prediction = params.prediction or []
         if isinstance(prediction, str):
             prediction = self.tokenizer.encode(prediction, add_special_tokens=False)

@@ -12,7 +12,7 @@ _U64 = 1 << 64
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
-    penalties (OpenAI) over the output only, as vLLM does; then logit_bias; before `min_tokens` output tokens,
+    penalties (OpenAI) over the output only, as vLLM does; then logit_bias and allowed_token_ids; before `min_tokens` output tokens,
     the end-of-text and stop token ids are banned (vLLM's min_tokens); then the logits processors.
     In place, row i for seqs[i]. Diffusion steps score several positions with one request's rows:
     the ban then holds for the whole step."""
@@ -52,8 +52,13 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
         ids = torch.tensor(list(p.logit_bias), device=dev, dtype=torch.long)
         logits.index_add_(1, ids, torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
                           .expand(rows, -1).contiguous())
+    if p.allowed_token_ids is not None:
+        banned = torch.ones(vocab, dtype=torch.bool, device=dev)
+        banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
+        logits.masked_fill_(banned, float("-inf"))
     ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-    before_ban = logits.clone() if seq.grammar is not None and ban and seq.num_output_tokens < p.min_tokens else None
+    narrowed = seq.grammar is not None or p.allowed_token_ids is not None
+    before_ban = logits.clone() if narrowed and ban and seq.num_output_tokens < p.min_tokens else None
     for j in range(rows):
         if seq.num_output_tokens + j < p.min_tokens and ban:
             logits[j, ban] = float("-inf")
@@ -63,11 +68,12 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
                 logits[j].copy_(process(history, logits[j]))
     if seq.grammar is not None:
         seq.grammar.mask_rows(logits, seq.output_ids, drafts)
-        if before_ban is not None:      # a grammar that allows only the end: it wins over min_tokens
-            dead = torch.isneginf(logits).all(-1)
-            if bool(dead.any()):
+    if before_ban is not None:      # a grammar or allowed set that leaves only the end: it wins over min_tokens
+        dead = torch.isneginf(logits).all(-1)
+        if bool(dead.any()):
+            if seq.grammar is not None:
                 seq.grammar.mask_rows(before_ban, seq.output_ids, drafts)
-                logits[dead] = before_ban[dead]
+            logits[dead] = before_ban[dead]
     return logits
 
 

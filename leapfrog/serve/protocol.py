@@ -57,6 +57,7 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None   # token id (a decimal string, as JSON keys are) -> bias
+    allowed_token_ids: list[int] | None = None   # extension (vLLM's): only these may be sampled
     stream: bool = False
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None

@@ -148,13 +148,14 @@ def _no_repeat_bigrams(history: list[int], row: torch.Tensor) -> torch.Tensor:
 
 CONTROLS = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5),
             dict(logit_bias={5: 4.0, 7: -100.0}), dict(min_tokens=20), dict(logits_processors=[_no_repeat_bigrams]),
-            dict(repetition_penalty=1.1, temperature=0.7, seed=3)]
+            dict(repetition_penalty=1.1, temperature=0.7, seed=3),
+            dict(allowed_token_ids=list(range(3, 40)) + [2], min_tokens=4)]
 
 
 @pytest.mark.parametrize("method,extra", [("ngram", dict(verify="fixed", prompt_lookup_min=1)), ("draft", dict(num_speculative_tokens=4))],
                          ids=["ngram", "draft-self"])
 @pytest.mark.parametrize("control", CONTROLS, ids=["repetition", "presence-frequency", "logit_bias", "min_tokens",
-                                                   "processor", "sampled-repetition"])
+                                                   "processor", "sampled-repetition", "allowed"])
 def test_sampling_controls_keep_drafting_and_ars_output(llama_dir, method, extra, control):
     """Penalties, logit_bias, min_tokens and logits processors apply at every verified row as
     if the drafts before it were committed: greedy output is `ar`'s token for token, drafts are
@@ -174,6 +175,8 @@ def test_sampling_controls_keep_drafting_and_ars_output(llama_dir, method, extra
         assert [o.token_ids for o in got] == want
     else:
         assert all(len(o.token_ids) == 32 for o in got)
+    if "allowed_token_ids" in control:
+        assert all(set(o.token_ids) <= set(control["allowed_token_ids"]) for o in got)
 
 
 def test_a_request_caps_or_turns_off_drafting_and_its_counts_come_back(llama_dir, ar_greedy):

@@ -4,6 +4,8 @@ drafted method, and the HTTP contract) and the /tokenize and /detokenize endpoin
 checkpoint's tokenizer loaded by transformers, and against what generation counts)."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
@@ -307,3 +309,26 @@ def test_reasoning_effort_reaches_the_template():
     render_chat(ChatRequest.model_validate({"messages": USER_HI, "reasoning_effort": "high",
                                             "chat_template_kwargs": {"reasoning_effort": "low"}}), template, limits)
     assert seen == {"reasoning_effort": "low"}
+
+
+def test_allowed_token_ids_keep_sampling_to_those_ids(server):
+    """vLLM's allowed_token_ids: every sampled token is one of them, greedy or not; ids outside
+    the vocabulary and an empty list are 400s naming the field."""
+    vocab = server.state.engine.info.vocab_size
+    allowed = [5, 9, 11, 12, 40]
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        r = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
+                                            "allowed_token_ids": allowed, **extra})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        pieces = {post(server, "/detokenize", {"tokens": [t]}).json()["prompt"] for t in allowed}
+        assert text and re.fullmatch("(" + "|".join(map(re.escape, sorted(pieces, key=len, reverse=True))) + ")+",
+                                     text), text
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "allowed_token_ids": [vocab]}), 400,
+                 "invalid_token_id", "allowed_token_ids")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}), 400, None,
+                 "allowed_token_ids")
+    assert_error(post(server, "/v1/chat/completions", {"messages": USER_HI, "allowed_token_ids": [5],
+                                                       "response_format": {"type": "json_object"}}), 400, None,
+                 "allowed_token_ids")
+    still_works(server.url)
