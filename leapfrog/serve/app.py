@@ -647,6 +647,7 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
     sent_lp, offsets, counts, started, lasts = [0] * n, [0] * n, [0] * n, [False] * n, [None] * n
+    sent_ids = [0] * n
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     scoring = req.max_tokens == 0      # echo only: the one decoded token is left out
@@ -673,6 +674,11 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
         if first and req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                              tok, req.prompt_logprobs)
+        if req.return_token_ids:     # the prompt's ids in a choice's first chunk; new ids in each
+            if first:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = [] if scoring else out.token_ids[sent_ids[i]:]
+            sent_ids[i] = len(out.token_ids)
         return {**head, "choices": [choice]}
 
     return stream_events(gen, render, usage_tail(req, head, prep, counts, lasts))
@@ -682,6 +688,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
                  rid: str, created: int, model: str) -> AsyncIterator[str]:
     n = len(prep.requests)
     sent_lp, counts, started, lasts = [0] * n, [0] * n, [False] * n, [None] * n
+    sent_ids = [0] * n
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     tools = [ToolStream(prep.tools) for _ in range(n)]
 
@@ -705,7 +712,13 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
             if i == 0 and req.prompt_logprobs is not None:     # vLLM's, once for the request
                 chunk["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                                 tok, req.prompt_logprobs)
-        return {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+            if i == 0 and req.return_token_ids:
+                chunk["prompt_token_ids"] = out.prompt_token_ids
+        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        if req.return_token_ids:
+            choice["token_ids"] = out.token_ids[sent_ids[i]:]
+            sent_ids[i] = len(out.token_ids)
+        return {**chunk, "choices": [choice]}
 
     return stream_events(gen, render, usage_tail(req, head, prep, counts, lasts))
 

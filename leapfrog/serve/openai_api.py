@@ -522,6 +522,9 @@ def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, pre
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs or [], out.prompt_token_ids,
                                                              tok, req.prompt_logprobs)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = out.token_ids if req.max_tokens != 0 else []
         choices.append(choice)
     n_out = sum(len(o.token_ids) for o in final.values()) if req.max_tokens != 0 else 0
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -540,9 +543,13 @@ def chat_body(final: dict[int, RequestOutput], req: ChatRequest, prep: Prepared,
             message["tool_calls"] = calls
         choices.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else finish_reason(out)})
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = out.token_ids
     n_out = sum(len(o.token_ids) for o in final.values())
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prep, n_out, final.values())}
+    if req.return_token_ids:     # vLLM's: once for the request (every choice shares the prompt)
+        body["prompt_token_ids"] = final[0].prompt_token_ids
     if req.prompt_logprobs is not None:     # vLLM's: one list for the request (all choices share the prompt)
         body["prompt_logprobs"] = prompt_logprobs_body(final[0].prompt_logprobs or [], final[0].prompt_token_ids,
                                                        tok, req.prompt_logprobs)

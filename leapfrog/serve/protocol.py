@@ -137,6 +137,7 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     truncate_prompt_tokens: int | None = None   # extension (vLLM's): keep only the prompt's last k tokens
+    return_token_ids: bool = False         # extension (vLLM's): each choice's prompt_token_ids and token_ids
 
 
 class ContentPart(StrictModel):
@@ -169,6 +170,7 @@ class ChatRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     truncate_prompt_tokens: int | None = None
+    return_token_ids: bool = False         # extension (vLLM's): prompt_token_ids, each choice's token_ids
     # OpenAI's fields for its own service, taken so that clients sending them are served:
     # reasoning_effort reaches the chat template (as vLLM hands it on); the others change nothing
     # here (no completion is stored, there is one service tier, prefix caching needs no key)

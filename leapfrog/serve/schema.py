@@ -76,11 +76,12 @@ def response_schemas() -> dict[str, dict]:
     ref = REF_TEMPLATE.format
     completion_logprobs = {"type": ["object", "null"], "required": ["tokens", "token_logprobs", "text_offset"]}
     prompt_logprobs = {"type": ["array", "null"], "items": {"type": ["object", "null"]}}
+    ids = {"type": "array", "items": INT}       # return_token_ids (vLLM's)
     choice = obj({"index": INT, "text": STR, "logprobs": completion_logprobs, "finish_reason": _NULLABLE_STR},
-                  {"prompt_logprobs": prompt_logprobs})
+                  {"prompt_logprobs": prompt_logprobs, "prompt_token_ids": ids, "token_ids": ids})
     message = obj({"role": {"const": "assistant"}, "content": STR})
     chat_choice = obj({"index": INT, "message": message, "logprobs": {"type": ["object", "null"]},
-                        "finish_reason": _NULLABLE_STR})
+                        "finish_reason": _NULLABLE_STR}, {"token_ids": ids})
     head = {"id": STR, "created": INT, "model": STR, "usage": {"$ref": ref(model="Usage")}}
     return {
         "Usage": _USAGE,
@@ -91,7 +92,8 @@ def response_schemas() -> dict[str, dict]:
         "CompletionResponse": obj({**head, "object": {"const": "text_completion"},
                                     "choices": {"type": "array", "items": choice}}),
         "ChatCompletionResponse": obj({**head, "object": {"const": "chat.completion"},
-                                        "choices": {"type": "array", "items": chat_choice}}),
+                                        "choices": {"type": "array", "items": chat_choice}},
+                                       {"prompt_token_ids": ids}),
         "ModelCard": obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR},
                          {"max_model_len": INT, "method": STR}),
         "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": {

@@ -4,6 +4,7 @@ drafted method, and the HTTP contract) and the /tokenize and /detokenize endpoin
 checkpoint's tokenizer loaded by transformers, and against what generation counts)."""
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -332,3 +333,42 @@ def test_allowed_token_ids_keep_sampling_to_those_ids(server):
                                                        "response_format": {"type": "json_object"}}), 400, None,
                  "allowed_token_ids")
     still_works(server.url)
+
+
+def _streamed(server, path: str, body: dict) -> tuple[list, list[int], str]:
+    """(prompt_token_ids seen, the token_ids deltas joined, the text joined) of a stream."""
+    prompts, ids, text = [], [], ""
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                prompts += [c["prompt_token_ids"]] if "prompt_token_ids" in c else []
+                ids += c["token_ids"]
+                text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            prompts += [chunk["prompt_token_ids"]] if "prompt_token_ids" in chunk else []
+    return prompts, ids, text
+
+
+def test_return_token_ids_gives_the_prompt_and_reply_ids_whole_and_streamed(server):
+    """vLLM's return_token_ids: completions carry prompt_token_ids and token_ids per choice, chat
+    the prompt's ids once and each choice's token_ids; streamed, the prompt's ids come once and
+    the token_ids deltas join into the whole reply's."""
+    base = {"prompt": "Once upon a time", **GREEDY4, "max_tokens": 6, "return_token_ids": True}
+    whole = post(server, "/v1/completions", base).json()
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == post(server, "/tokenize", {"prompt": "Once upon a time"}).json()["tokens"]
+    assert len(choice["token_ids"]) == 6 == whole["usage"]["completion_tokens"]
+    assert post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    prompts, ids, text = _streamed(server, "/v1/completions", base)
+    assert prompts == [choice["prompt_token_ids"]] and ids == choice["token_ids"] and text == choice["text"]
+    plain = post(server, "/v1/completions", {**base, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    chat = {"messages": USER_HI, **GREEDY4, "max_tokens": 6, "return_token_ids": True}
+    body = post(server, "/v1/chat/completions", chat).json()
+    assert body["prompt_token_ids"] == post(server, "/tokenize", {"messages": USER_HI}).json()["tokens"]
+    assert len(body["choices"][0]["token_ids"]) == 6
+    prompts, ids, text = _streamed(server, "/v1/chat/completions", chat)
+    assert prompts == [body["prompt_token_ids"]] and ids == body["choices"][0]["token_ids"]
+    assert text == body["choices"][0]["message"]["content"]
