@@ -13,6 +13,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024              # entries of logit_bias
 MAX_ALLOWED_TOKEN_IDS = 1 << 20    # entries of allowed_token_ids
+MAX_CACHE_SALT_CHARS = 1024
 MAX_PREDICTION = 1 << 20           # characters (or token ids) of a prediction
 MAX_N = 1024                       # completions a prompt in LLM.generate
 LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
@@ -187,6 +188,9 @@ class SamplingParams:
     # Only these token ids may be sampled (vLLM's allowed_token_ids): every other logit is -inf,
     # applied where logit_bias is (Python sampling; drafts verified row by row).
     allowed_token_ids: list[int] | None = None
+    # Prefix-cache isolation (vLLM's cache_salt): cached blocks are shared only between requests
+    # with the same salt (engine/block_manager.py, chain_root).
+    cache_salt: str | None = None
     # Called in order on each step's logits row of this request, as processor(output_ids, row)
     # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
     # A request with processors samples in Python (not in the decode loop); verified drafts get
@@ -236,6 +240,9 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.allowed_token_ids is not None:
             a = self.allowed_token_ids
             if not isinstance(a, list) or not a or len(a) > MAX_ALLOWED_TOKEN_IDS or any(

@@ -3,6 +3,7 @@ prefix caching by chained hashes of full blocks.
 (What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,18 @@ def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
     same in every process (unlike hash(None), which 3.11 derives from an address), so replicas
     sharing the third tier name a prefix alike."""
     return hash((ROOT if prev is None else prev, token_ids))
+
+
+def chain_root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: ROOT, or for a request with a cache_salt (vLLM's)
+    a digest of the salt, so that only requests with the same salt share cached prefixes (one
+    tenant cannot time another's prompts through the cache). A stable digest, not hash(): str
+    hashes differ between processes, and replicas sharing the third tier must agree."""
+    salt = seq.params.cache_salt
+    if salt is None:
+        return None
+    root = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little", signed=True)
+    return root if root != ROOT else ROOT - 1
 
 
 class BlockManager:
@@ -82,7 +95,7 @@ class BlockManager:
             return 0          # (prompt logprobs need every prompt position's logits computed)
         bs = self.block_size
         max_blocks = (len(seq.token_ids) - 1) // bs
-        prev: int | None = None
+        prev: int | None = chain_root(seq)
         self.num_prefix_queries += len(seq.token_ids)
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -175,7 +188,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(min(seq.num_computed, len(seq.token_ids)) // bs, len(seq.block_table))
         i = seq.num_hashed_blocks
-        prev = self.blocks[seq.block_table[i - 1]].hash if i else None
+        prev = self.blocks[seq.block_table[i - 1]].hash if i else chain_root(seq)
         for i in range(i, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -58,6 +58,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None   # token id (a decimal string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None   # extension (vLLM's): only these may be sampled
+    cache_salt: str | None = None          # extension (vLLM's): share cached prefixes only under this salt
     stream: bool = False
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None

@@ -256,6 +256,25 @@ def test_match_prefix_skips_sequence_with_blocks_and_disabled_cache(cached16):
     assert off.num_prefix_queries == 0 and bm.num_prefix_queries == before
 
 
+def test_a_cache_salt_shares_prefixes_only_with_the_same_salt(cached16):
+    """vLLM's cache_salt: a salted prompt does not hit the unsalted blocks, a second prompt with
+    the same salt hits the first's, another salt hits neither; unsalted requests are unchanged."""
+    bm, base, toks = cached16
+
+    def salted(salt, rid):
+        return Sequence(rid, toks + [1], SamplingParams(cache_salt=salt))
+    first = salted("tenant-a", "a1")
+    assert bm.match_prefix(first) == 0
+    compute(bm, first)
+    again = salted("tenant-a", "a2")
+    assert bm.match_prefix(again) == 4 * BS and again.block_table == first.block_table[:4]
+    assert bm.match_prefix(salted("tenant-b", "b1")) == 0
+    plain = make_seq(toks + [1], "p")
+    assert bm.match_prefix(plain) == 4 * BS and plain.block_table == base.block_table[:4]
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_prefix_counters(cached16):
     bm, _, toks = cached16
     assert (bm.num_prefix_queries, bm.num_prefix_hits) == (0, 0)

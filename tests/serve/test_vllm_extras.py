@@ -372,3 +372,14 @@ def test_return_token_ids_gives_the_prompt_and_reply_ids_whole_and_streamed(serv
     prompts, ids, text = _streamed(server, "/v1/chat/completions", chat)
     assert prompts == [body["prompt_token_ids"]] and ids == body["choices"][0]["token_ids"]
     assert text == body["choices"][0]["message"]["content"]
+
+
+def test_cache_salt_is_taken_and_checked(server):
+    """vLLM's cache_salt (the prefix cache's isolation is tested on the block manager): a salted
+    request is served as an unsalted one would be; an empty salt is a 400 naming it."""
+    body = {"prompt": "Once upon a time, a cat", **GREEDY4}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    for salt in ("tenant-a", "tenant-a", "tenant-b"):
+        r = post(server, "/v1/completions", {**body, "cache_salt": salt})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
+    assert_error(post(server, "/v1/completions", {**body, "cache_salt": ""}), 400, None, "cache_salt")
