@@ -14,6 +14,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024              # entries of logit_bias
 MAX_ALLOWED_TOKEN_IDS = 1 << 20    # entries of allowed_token_ids
 MAX_CACHE_SALT_CHARS = 1024
+MAX_BAD_WORDS = 1024
 MAX_PREDICTION = 1 << 20           # characters (or token ids) of a prediction
 MAX_N = 1024                       # completions a prompt in LLM.generate
 LOGIT_BIAS_RANGE = 100.0           # OpenAI's: -100 bans a token, +100 all but forces it
@@ -191,6 +192,10 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's cache_salt): cached blocks are shared only between requests
     # with the same salt (engine/block_manager.py, chain_root).
     cache_salt: str | None = None
+    # Words that may not be written (vLLM's bad_words): each is tokenized as it is and after a
+    # space, and the last token of such a sequence is banned wherever the output so far ends
+    # with the rest of it. Applied where logit_bias is (Python sampling, every verified row).
+    bad_words: list[str] = field(default_factory=list)
     # Called in order on each step's logits row of this request, as processor(output_ids, row)
     # -> row (vLLM's per-request logits processors): constrained decoding (the couplet rules).
     # A request with processors samples in Python (not in the decode loop); verified drafts get
@@ -240,6 +245,10 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         self._validate_stops(bad)
         self._validate_logit_bias(bad)
+        if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS or any(
+                not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_CHARS for w in self.bad_words):
+            bad("bad_words", f"must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} "
+                             "characters")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
@@ -296,7 +305,7 @@ class SamplingParams:
         and grammar masks included); else its steps return logits to the Python sampler."""
         return (self.logprobs is None and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty and not self.logits_processors and not self.logit_bias
-                and self.allowed_token_ids is None
+                and self.allowed_token_ids is None and not self.bad_words
                 and (self.structured_outputs is None or self.min_tokens == 0))
 
     @property
@@ -304,7 +313,8 @@ class SamplingParams:
         """Anything that rewrites logits per request (min_tokens bans end tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logits_processors)
-                or bool(self.logit_bias) or self.structured_outputs is not None or self.allowed_token_ids is not None)
+                or bool(self.logit_bias) or self.structured_outputs is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 def _is_int(value: object) -> bool:

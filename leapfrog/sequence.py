@@ -65,6 +65,8 @@ class Sequence:
     grammar: Any = None
     # params.prediction as token ids (the engine tokenizes a text one without special tokens)
     prediction_ids: list[int] = field(default_factory=list)
+    # params.bad_words as token sequences (the engine tokenizes each, with and without a leading space)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 from numbers import Integral
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,17 @@ def release_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as written (leading spaces stripped) and
+    after a space (how it reads after another word); every distinct sequence is kept."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [ids for ids in (plain, spaced) if ids and ids not in out]
+    return out
 
 
 class LLMEngine:
@@ -259,6 +270,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, priority=priority,
                        eos_token_ids=tuple(self.scheduler.eos_token_ids))
         seq.grammar = grammar
+        seq.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
         seq.prediction_ids = list(prediction[:self.max_model_len])    # no reply is longer than this
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)

@@ -60,6 +60,12 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
     narrowed = seq.grammar is not None or p.allowed_token_ids is not None
     before_ban = logits.clone() if narrowed and ban and seq.num_output_tokens < p.min_tokens else None
     for j in range(rows):
+        if seq.bad_words_ids:
+            history = seq.output_ids + drafts[:j]
+            banned_next = [w[-1] for w in seq.bad_words_ids
+                           if 0 <= w[-1] < vocab and (len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1])]
+            if banned_next:
+                logits[j, banned_next] = float("-inf")
         if seq.num_output_tokens + j < p.min_tokens and ban:
             logits[j, ban] = float("-inf")
         if p.logits_processors:

@@ -178,6 +178,7 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
                           "stop_token_ids", "invalid_token_id")
     kw["logit_bias"] = logit_bias(req.logit_bias, limits.vocab_size)
     kw["cache_salt"] = req.cache_salt
+    kw["bad_words"] = list(req.bad_words or [])
     if req.allowed_token_ids is not None:
         if any(not 0 <= t < limits.vocab_size for t in req.allowed_token_ids):
             raise bad_request(f"allowed_token_ids must be token ids of this model, in [0, {limits.vocab_size})",

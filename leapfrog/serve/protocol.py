@@ -59,6 +59,7 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None   # token id (a decimal string, as JSON keys are) -> bias
     allowed_token_ids: list[int] | None = None   # extension (vLLM's): only these may be sampled
     cache_salt: str | None = None          # extension (vLLM's): share cached prefixes only under this salt
+    bad_words: list[str] | None = None     # extension (vLLM's): words that may not be written
     stream: bool = False
     priority: int = 0                      # extension (vLLM's): lower runs first
     user: str | None = None

@@ -187,6 +187,27 @@ def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, mo
     assert seen == {"tools": [{"type": "function"}], "x": 1}
 
 
+def test_bad_words_are_never_written():
+    """vLLM's bad_words on `stories` (a model that writes "the" in every sentence): each word's
+    token sequences (as written and after a space) never appear in the output, which otherwise
+    holds them; the other words keep being written."""
+    from leapfrog.engine.llm_engine import bad_words_ids
+    llm = LLM("stories")
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    free = llm.generate(PROMPTS[:2], params)
+    banned = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
+                                                       bad_words=["the", "and"]))
+    seqs = bad_words_ids(llm.tokenizer, ["the", "and"])
+
+    def holds(ids, w):
+        return any(ids[i:i + len(w)] == w for i in range(len(ids) - len(w) + 1))
+    assert any(holds(o.token_ids, w) for o in free for w in seqs)
+    assert not any(holds(o.token_ids, w) for o in banned for w in seqs)
+    assert all(len(o.token_ids) == 48 for o in banned)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+
+
 def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),

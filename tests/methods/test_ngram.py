@@ -149,13 +149,14 @@ def _no_repeat_bigrams(history: list[int], row: torch.Tensor) -> torch.Tensor:
 CONTROLS = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5),
             dict(logit_bias={5: 4.0, 7: -100.0}), dict(min_tokens=20), dict(logits_processors=[_no_repeat_bigrams]),
             dict(repetition_penalty=1.1, temperature=0.7, seed=3),
-            dict(allowed_token_ids=list(range(3, 40)) + [2], min_tokens=4)]
+            dict(allowed_token_ids=list(range(3, 40)) + [2], min_tokens=4),
+            dict(bad_words=["the", "cat and", "a b"])]
 
 
 @pytest.mark.parametrize("method,extra", [("ngram", dict(verify="fixed", prompt_lookup_min=1)), ("draft", dict(num_speculative_tokens=4))],
                          ids=["ngram", "draft-self"])
 @pytest.mark.parametrize("control", CONTROLS, ids=["repetition", "presence-frequency", "logit_bias", "min_tokens",
-                                                   "processor", "sampled-repetition", "allowed"])
+                                                   "processor", "sampled-repetition", "allowed", "bad_words"])
 def test_sampling_controls_keep_drafting_and_ars_output(llama_dir, method, extra, control):
     """Penalties, logit_bias, min_tokens and logits processors apply at every verified row as
     if the drafts before it were committed: greedy output is `ar`'s token for token, drafts are

@@ -383,3 +383,21 @@ def test_cache_salt_is_taken_and_checked(server):
         r = post(server, "/v1/completions", {**body, "cache_salt": salt})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain
     assert_error(post(server, "/v1/completions", {**body, "cache_salt": ""}), 400, None, "cache_salt")
+
+
+def test_bad_words_over_http(server):
+    """vLLM's bad_words reach the engine (its token sequences are tested there): a token the
+    greedy reply writes, banned as a word, is gone; a blank word is a 400 naming the field."""
+    body = {"prompt": "Once upon a time", **GREEDY4, "max_tokens": 16, "return_token_ids": True}
+    ids = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    word = None
+    for t in ids:          # a token that is a word of its own: its text tokenizes back to it
+        text = post(server, "/detokenize", {"tokens": [t]}).json()["prompt"]
+        if text.strip() and text.isascii() and \
+                post(server, "/tokenize", {"prompt": text.strip(), "add_special_tokens": False}).json()["tokens"] == [t]:
+            word = (t, text.strip())
+            break
+    assert word is not None, ids
+    banned = post(server, "/v1/completions", {**body, "bad_words": [word[1]]}).json()["choices"][0]["token_ids"]
+    assert word[0] not in banned and len(banned) == 16
+    assert_error(post(server, "/v1/completions", {**body, "bad_words": [" "]}), 400, None, "bad_words")
