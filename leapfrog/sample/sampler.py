@@ -12,8 +12,9 @@ _U64 = 1 << 64
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (Keskar et al. 2019) over prompt + output; presence and frequency
-    penalties (OpenAI) over the output only, as vLLM does; then logit_bias and allowed_token_ids; before `min_tokens` output tokens,
-    the end-of-text and stop token ids are banned (vLLM's min_tokens); then the logits processors.
+    penalties (OpenAI) over the output only, as vLLM does; then logit_bias, allowed_token_ids and
+    bad_words; before `min_tokens` output tokens, the end-of-text and stop token ids are banned
+    (vLLM's min_tokens); then the logits processors.
     In place, row i for seqs[i]. Diffusion steps score several positions with one request's rows:
     the ban then holds for the whole step."""
     for i, seq in enumerate(seqs):
