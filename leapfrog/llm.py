@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import SEED_RANGE, SamplingParams, defaults_for_model
+from leapfrog.sampling_params import SamplingParams, choice_seed, defaults_for_model
 from leapfrog.tokenizer import encode_chat, open_final_message
 
 
@@ -150,6 +150,5 @@ def _completions(params: SamplingParams) -> list[SamplingParams]:
     """A prompt's n sequences: choice j of a seeded request draws with seed + j (in 64 bits)."""
     if params.n == 1:
         return [params]
-    seeds = [None if params.seed is None else (params.seed + j) % (1 << 64) if params.seed + j > SEED_RANGE[1]
-             else params.seed + j for j in range(params.n)]
-    return [replace(params, n=1, seed=seed) for seed in seeds]
+    return [replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, j))
+            for j in range(params.n)]

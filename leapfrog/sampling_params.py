@@ -79,6 +79,14 @@ MAX_GRAMMAR_CHARS = 100_000        # of a schema, regex, grammar or the choices 
 MAX_CHOICES = 1024
 
 
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice j of a seeded request with n choices (the server's `n` and
+    LLM.generate's alike): seed + j, wrapped into 64 bits; a seed already out of range is left
+    so that validation names it."""
+    s = seed + j
+    return s % (1 << 64) if seed <= SEED_RANGE[1] < s else s
+
+
 class ParamError(ValueError):
     """A request field's bad value: `field` names it (the HTTP error's `param`), the message
     quotes the value and says what it must be."""

@@ -13,8 +13,8 @@ from typing import Any
 
 from leapfrog.outputs import RequestOutput
 from leapfrog.sample.grammar import compiler_for
-from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, SEED_RANGE, ParamError, SamplingParams,
-                                      StructuredOutputs, shorten)
+from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, ParamError, SamplingParams,
+                                      StructuredOutputs, choice_seed, shorten)
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
 from leapfrog.serve.tools import ToolPlan, check_history, check_tool_schemas, parse_reply, plan_tools, render_messages
@@ -162,9 +162,8 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
             value = limits.defaults.get(name)
         if value is not None:
             kw[name] = value
-    if req.seed is not None:      # choice j of n draws with seed + j, wrapped into 64 bits
-        seed = req.seed + seed_offset
-        kw["seed"] = seed % (1 << 64) if req.seed <= SEED_RANGE[1] < seed else seed
+    if req.seed is not None:
+        kw["seed"] = choice_seed(req.seed, seed_offset)
     if req.speculative is not None:
         n = req.speculative.num_speculative_tokens
         if not 0 <= n <= MAX_SPECULATIVE_TOKENS:
