@@ -234,7 +234,8 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         ids = self.model.prompt_ids(ids)
         if params.logits_processors and not self.method.supports_logits_processors:
-            raise ValueError(f"logits_processors: the {self.method.name} method does not support them")
+            raise ParamError("logits_processors", f"logits_processors: the {self.method.name} method does not "
+                                                  "support them")
         grammar = None
         if params.structured_outputs is not None:
             field = params.structured_outputs.field
@@ -242,13 +243,13 @@ class LLMEngine:
                 raise ParamError(field, f"{field}: the {self.method.name} method cannot constrain its output")
             grammar = compiler_for(self.tokenizer, self.hf_config["vocab_size"]).matcher(params.structured_outputs)
         if params.prompt_logprobs is not None and not self.method.supports_prompt_logprobs:
-            raise ValueError(f"prompt_logprobs: the {self.method.name} method has no next-token "
-                             "distribution per prompt token")
+            raise ParamError("prompt_logprobs", f"prompt_logprobs: the {self.method.name} method has no "
+                                                "next-token distribution per prompt token")
         vocab = self.hf_config["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+            raise ParamError("logit_bias", f"logit_bias: token ids must be in [0, {vocab})")
         if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
             raise ParamError("allowed_token_ids", f"allowed_token_ids: token ids must be in [0, {vocab})")
         prediction = params.prediction or []

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from leapfrog.engine.llm_engine import LLMEngine
-from leapfrog.sampling_params import defaults_for_model
+from leapfrog.sampling_params import ParamError, defaults_for_model
 from leapfrog.serve import schema as server_schema
 from leapfrog.serve.auth import AuthError, Authenticator, RateLimiter, retry_after_header
 from leapfrog.serve.config import ServerConfig
@@ -77,7 +77,7 @@ class ModelServer:
         info = self.engine.info
         return Limits({self.cfg.model_id, str(self.cfg.model)}, info.max_model_len, info.vocab_size,
                       self.cfg.default_max_tokens, self.sampling_defaults, self.cfg.max_n,
-                      info.max_prompt_chars)
+                      info.max_prompt_chars, info.method, info.constrains, info.scores_prompt)
 
     def check_ready(self) -> None:
         if not self.engine.ready.is_set():
@@ -309,6 +309,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RequestTimeout):
         return APIError(504, str(exc), "timeout_error", None, "request_timeout")
+    if isinstance(exc, ParamError):
+        return bad_request(str(exc), exc.field)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return APIError(500, f"internal error: {exc}", "server_error", None, "internal_error")

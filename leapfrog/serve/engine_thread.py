@@ -66,6 +66,8 @@ class EngineInfo:
     method: str = ""
     vocab_size: int = 0
     max_prompt_chars: int = 0          # a longer prompt cannot fit the context: refused untokenized
+    constrains: bool = True            # the method applies token masks (structured outputs)
+    scores_prompt: bool = True         # the method gives prompt_logprobs
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -214,9 +216,12 @@ class AsyncEngine:
             self.engine = self._factory()
             self.tokenizer = self.engine.tokenizer
             e = self.engine
+            method = getattr(e, "method", None)
             self.info = EngineInfo(e.model_name, e.max_model_len, e.method_name,
                                    int(e.hf_config.get("vocab_size", 0)),
-                                   max_prompt_chars(self.tokenizer, e.max_model_len))
+                                   max_prompt_chars(self.tokenizer, e.max_model_len),
+                                   constrains=bool(getattr(method, "supports_logits_processors", True)),
+                                   scores_prompt=bool(getattr(method, "supports_prompt_logprobs", True)))
             self._warmup()
             if self.on_loaded is not None:
                 self.on_loaded()

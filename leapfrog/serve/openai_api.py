@@ -36,6 +36,11 @@ class Limits:
     defaults: dict
     max_n: int
     max_prompt_chars: int = 0       # 0: no limit
+    # what the engine's decoding method can do (a diffusion method neither constrains its
+    # output nor scores a prompt token by token): refused here, before a stream's headers go out
+    method: str = ""
+    constrains: bool = True
+    scores_prompt: bool = True
 
 
 @dataclass(slots=True)
@@ -140,6 +145,19 @@ def compile_constraint(spec: StructuredOutputs | None, tokenizer: Any, limits: L
         raise bad_request(str(exc), exc.field, "invalid_grammar") from None
     except ValueError as exc:           # a model whose tokenizer no grammar engine reads
         raise bad_request(f"{spec.field}: {exc}", spec.field, "unsupported") from None
+
+
+def check_method(limits: Limits, constraint: StructuredOutputs | None, prompt_k: int | None,
+                 prompt_field: str = "prompt_logprobs") -> None:
+    """A request for what the engine's method cannot do is a 400 here, before anything is queued
+    (and before a stream's headers go out): a constraint, or the prompt's logprobs."""
+    if constraint is not None and not limits.constrains:
+        raise bad_request(f"{constraint.field}: the {limits.method} method cannot constrain its output",
+                          constraint.field, "unsupported")
+    if prompt_k is not None and not limits.scores_prompt:
+        what = "prompt_logprobs" if prompt_field == "prompt_logprobs" else "echo with logprobs (the prompt's logprobs)"
+        raise bad_request(f"{what}: the {limits.method} method has no next-token distribution per prompt token",
+                          prompt_field, "unsupported")
 
 
 def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_tokens: int | None,
@@ -248,6 +266,7 @@ def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -
         # the prompt the engine was fed: a truncated one decoded from its kept ids
         prep.texts = [x if isinstance(x, str) and keep is None else tokenizer.decode(i) for x, i in zip(prompts, ids)]
     constraint = requested_constraint(req)
+    check_method(limits, constraint, prompt_k, "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
     compile_constraint(constraint, tokenizer, limits)
     for prompt_ids in ids:
         check_prompt(prompt_ids, limits)
@@ -367,6 +386,7 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
         raise bad_request(f"{constraint.field}: tool_choice {plan.mode} already constrains the reply to tool calls",
                           constraint.field, "invalid_value")
     constraint = constraint or plan.constraint()
+    check_method(limits, constraint, req.prompt_logprobs)
     compile_constraint(constraint, tokenizer, limits)
     ids = render_chat(req, tokenizer, limits, plan)
     check_prompt(ids, limits, "messages")

@@ -401,3 +401,36 @@ def test_bad_words_over_http(server):
     banned = post(server, "/v1/completions", {**body, "bad_words": [word[1]]}).json()["choices"][0]["token_ids"]
     assert word[0] not in banned and len(banned) == 16
     assert_error(post(server, "/v1/completions", {**body, "bad_words": [" "]}), 400, None, "bad_words")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_a_diffusion_method_cannot_do_is_a_400_naming_the_field_streamed_too(stream):
+    """Refused before anything is queued, so a streamed request gets a 400 too, not a 200 with
+    the error in the event stream; the field the client sent is the one named."""
+    from leapfrog.config import resolve_model
+    s = ServerThread(resolve_model("stories-diffusion"), max_batch_size=2).start()
+    try:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+        cases = [
+            ("/v1/completions", {"prompt": "Once", "max_tokens": 4, "stream": stream,
+                                 "response_format": {"type": "json_object"}}, "response_format"),
+            ("/v1/completions", {"prompt": "Once", "max_tokens": 4, "stream": stream, "guided_regex": "[a-z]+"},
+             "guided_regex"),
+            ("/v1/completions", {"prompt": "Once", "max_tokens": 4, "stream": stream, "echo": True, "logprobs": 1},
+             "echo"),
+            ("/v1/completions", {"prompt": "Once", "max_tokens": 4, "stream": stream, "prompt_logprobs": 1},
+             "prompt_logprobs"),
+            ("/v1/chat/completions", {**chat, "prompt_logprobs": 0}, "prompt_logprobs"),
+            ("/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "required"}, "tools"),
+        ]
+        for path, body, param in cases:
+            r = post(s, path, body)
+            assert r.status_code == 400, (param, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and param in err["message"] and "diffusion" in err["message"]
+        # what it can do still runs: tools offered with tool_choice auto, a plain stream
+        r = post(s, "/v1/chat/completions", {**chat, "stream": False, "tools": tools})
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
