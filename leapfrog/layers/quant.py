@@ -9,13 +9,24 @@ from torch import nn
 QBLOCK = 32
 PANEL = 16
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
-QUANT_TYPES = tuple(BLOCK_BYTES)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8}
+# K-quants: super-blocks of 256 weights, eight sub-blocks of 32 with 6-bit scales and minimums
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}
+QUANT_TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8}
+
+
+class InexactScales(ValueError):
+    """K-quant sub-block scales that float16 (the panels' scale type) holds only as subnormals or
+    not at all: such a weight keeps the dequantized path."""
 
 
 def unpack_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF blocks [N, row bytes] -> (q [N, K] uint8, d [N, K/32] float16, m [N, K/32] float16)
-    with every weight = d * q + m."""
+    with every weight = d * q + m. For the K-quants d and m are a sub-block's scale and minimum
+    (the super-block's float16 factor times the 6-bit integer) rounded to float16; InexactScales
+    when that rounding would lose more than float16's own precision."""
+    if kind in K_BLOCK_BYTES:
+        return unpack_k_blocks(kind, raw)
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
@@ -40,6 +51,45 @@ def unpack_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     if m is None:
         m = (np.float16(offset) * d).astype(np.float16)
     return q.astype(np.uint8).reshape(n, -1), d, m
+
+
+def k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of a K-quant super-block's sub-block scales -> (scales [..., 8], minimums
+    [..., 8]), 6-bit integers: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+    (minimums); sub-blocks 4-7 with their low 4 bits in bytes 8-11 (scale in the low nibble,
+    minimum in the high one) and their top 2 bits in the top bits of bytes 0-3 and 4-7."""
+    first, second, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([first & 0x3F, (low & 0x0F) | ((first >> 6) << 4)], axis=-1)
+    mins = np.concatenate([second & 0x3F, (low >> 4) | ((second >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def unpack_k_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks as 32-weight blocks (unpack_blocks). A super-block: float16 d and
+    dmin, the packed scales, for Q5_K 32 bytes of fifth bits (bit j of byte l: weight l of
+    sub-block j), then 128 bytes of 4-bit values, 32 bytes per pair of sub-blocks (sub-block 2i
+    in the low nibbles, 2i + 1 in the high). Weight = d * scale * q - dmin * minimum."""
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(n, -1, K_BLOCK_BYTES[kind])
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales, mins = k_scales(b[..., 4:16])
+    nib = b[..., -128:].reshape(n, -1, 4, 1, 32)
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=3).reshape(n, -1, 8, 32)      # [N, S, sub-block, 32]
+    if kind == "Q5_K":
+        fifth = b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = q | ((fifth & 1) << 4)
+    sub_d = (d[..., None] * scales.astype(np.float32)).reshape(n, -1)      # exact in float32
+    sub_m = (-(dmin[..., None] * mins.astype(np.float32))).reshape(n, -1)
+    out = []
+    for exact in (sub_d, sub_m):
+        half = exact.astype(np.float16)
+        wide = half.astype(np.float32)
+        normal = (wide == 0) | (np.abs(wide) >= np.finfo(np.float16).tiny)
+        if not (np.all(np.isfinite(wide)) and np.all(normal[exact != 0]) and np.all((wide == 0) == (exact == 0))):
+            raise InexactScales(f"{kind} sub-block scales outside float16's normal range")
+        out.append(half)
+    return q.reshape(n, -1).astype(np.uint8), out[0], out[1]
 
 
 def pack_quant_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> torch.Tensor:
@@ -80,14 +130,18 @@ def quant_panels(parts: list[tuple[str, np.ndarray]]) -> torch.Tensor | None:
     """The panels of a linear stored as `parts` (a packed linear's shards, in order; each (GGUF
     type, blocks [rows, row bytes])), or None when the kernels cannot read them together."""
     kinds = {kind for kind, _ in parts}
-    if len(kinds) != 1 or not kinds <= set(QUANT_TYPES):
+    if not kinds <= set(QUANT_TYPES):
         return None
-    kind = kinds.pop()
     if len(parts) > 1 and any(raw.shape[0] % PANEL for _, raw in parts):
         return None                    # a shard's rows would share a panel with the next's
-    unpacked = [unpack_blocks(kind, raw) for _, raw in parts]
+    try:
+        unpacked = [unpack_blocks(kind, raw) for kind, raw in parts]
+    except InexactScales:
+        return None
     q, d, m = (np.concatenate([u[i] for u in unpacked]) for i in range(3))
-    return pack_quant_panels(q, d, m, BITS[kind])
+    # shards of different types (a Q4_K_M file's q, k and v) share the widest one's panels: every
+    # block is d * q + m whatever its type, and 4-bit values are 8-bit values below 16
+    return pack_quant_panels(q, d, m, max(BITS[kind] for kind in kinds))
 
 
 def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarray]]) -> int:

@@ -17,10 +17,21 @@ mod = cpu_kernels()
 pytestmark = pytest.mark.skipif(mod is None, reason="the C++ CPU kernels did not build")
 
 
-def blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+K_BYTES = {"Q4_K": 144, "Q5_K": 176}
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0, k_scale: float = 2.0 ** -9) -> tuple[np.ndarray, torch.Tensor]:
+    """(GGUF blocks [n, row bytes], the gguf package's dequantized weights [n, k']). K-quants
+    (which gguf-py cannot quantize) are random super-blocks, k' rounded up to 256; with a
+    power-of-two `k_scale` as their d and dmin every sub-block's scale is exact in float16."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-    raw = gguf.quants.quantize(w, T[kind])
+    if kind in K_BYTES:
+        k = -(-k // 256) * 256
+        raw = rng.integers(0, 256, (n, k // 256, K_BYTES[kind]), dtype=np.uint8)
+        raw[..., 0:4] = np.array([k_scale, k_scale / 2], np.float16).view(np.uint8)
+        raw = raw.reshape(n, -1)
+    else:
+        raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), T[kind])
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).astype(np.float32))
 
 
@@ -28,6 +39,7 @@ def blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.
 def test_unpacked_blocks_are_the_dequantized_weights(kind):
     raw, ref = blocks(kind, 5, 64)
     q, d, m = unpack_blocks(kind, raw)
+    assert q.shape == ref.shape
     got = d.astype(np.float32).repeat(32, 1) * q.astype(np.float32) + m.astype(np.float32).repeat(32, 1)
     np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=1e-6)
 
@@ -37,6 +49,7 @@ def test_unpacked_blocks_are_the_dequantized_weights(kind):
 def test_products_equal_dequantize_then_matmul(kind, rows):
     n, k = 40, 96                                   # 40 columns: the last panel is padded
     raw, w = blocks(kind, n, k, seed=rows)
+    k = w.shape[1]
     panels = quant_panels([(kind, raw)])
     x = torch.randn(rows, k)
     bias = torch.randn(n)
@@ -53,9 +66,35 @@ def test_a_packed_linears_shards_stack_their_panels():
     x = torch.randn(3, 64)
     torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), 48), x @ torch.cat([wa, wb]).T,
                                rtol=1e-5, atol=1e-5)
-    assert quant_panels([("Q4_1", a), ("Q8_0", blocks("Q8_0", 16, 64)[0])]) is None      # mixed types
     assert quant_panels([("Q4_1", blocks("Q4_1", 8, 64)[0]), ("Q4_1", b)]) is None        # 8 rows: shared panel
     assert quant_panels([("Q6_K", a)]) is None
+
+
+def test_shards_of_different_types_share_the_widest_types_panels():
+    """A Q4_K_M file's q, k and v come in different types (Q4_K, Q5_0, Q6_K fall-backs): 4-bit and
+    8-bit shards are read from one 8-bit panel set, each block still d * q + m."""
+    parts = [blocks("Q4_K", 32, 256, 1), blocks("Q8_0", 16, 256, 2), blocks("Q5_0", 16, 256, 3)]
+    panels = quant_panels([(kind, raw) for kind, (raw, _) in zip(("Q4_K", "Q8_0", "Q5_0"), parts)])
+    x = torch.randn(3, 256)
+    w = torch.cat([w for _, w in parts])
+    torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), 64), x @ w.T, rtol=1e-5, atol=1e-5)
+    four = quant_panels([("Q4_K", parts[0][0]), ("Q4_0", blocks("Q4_0", 16, 256, 4)[0])])
+    assert four.shape[-1] == 64 + 32 * 16 // 2                  # all 4-bit: 4-bit panels
+
+
+def test_k_quant_scales_are_rounded_to_float16_or_left_dequantized():
+    """A K-quant sub-block's scale (float16 d times a 6-bit integer) is rounded to float16 for the
+    panels: within float16's precision of the file's value. Scales float16 holds only as
+    subnormals keep the weight on the dequantized path (no panels)."""
+    raw, w = blocks("Q4_K", 16, 256, 5, k_scale=0.0021)
+    q, d, m = unpack_blocks("Q4_K", raw)
+    got = d.astype(np.float32).repeat(32, 1) * q + m.astype(np.float32).repeat(32, 1)
+    assert np.abs(got - w.numpy()).max() <= 2.0 ** -10 * np.abs(w.numpy()).max()
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(mod.panel_linear(x, quant_panels([("Q4_K", raw)]), torch.empty(0), 16),
+                               x @ torch.from_numpy(got).T, rtol=1e-5, atol=1e-5)    # the rounded weights
+    tiny, _ = blocks("Q5_K", 16, 256, 6, k_scale=2.0 ** -20)
+    assert quant_panels([("Q5_K", tiny)]) is None
 
 
 @pytest.mark.parametrize("kind", QUANT_TYPES)
@@ -67,6 +106,7 @@ def test_int8_products_are_llama_cpp_s_scheme(kind, rows):
     from leapfrog.layers.quant import int8_layout
     n, k = 40, 96
     raw, w = blocks(kind, n, k, seed=rows)
+    k = w.shape[1]
     q, d, m = unpack_blocks(kind, raw)
     panels = int8_layout(quant_panels([(kind, raw)]))
     assert panels.dtype == torch.int8
@@ -117,7 +157,7 @@ def test_amx_is_used_only_where_the_cpu_has_it():
 
 @pytest.mark.skipif(mod is None or not mod.amx_available(),
                     reason="needs AMX-INT8 with the tile state granted by the OS (arch_prctl)")
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [4, 8, 16, 17, 40])
 def test_amx_tiles_give_the_vnni_tiles_bits(kind, rows):
     """Products of 4 rows or more run on AMX tiles where the OS grants them: the same bits as the
@@ -125,6 +165,7 @@ def test_amx_tiles_give_the_vnni_tiles_bits(kind, rows):
     from leapfrog.layers.quant import int8_layout
     n, k = 40, 96
     raw, w = blocks(kind, n, k, seed=rows)
+    k = w.shape[1]
     panels = int8_layout(quant_panels([(kind, raw)]))
     x = torch.randn(rows, k)
     try:
@@ -155,3 +196,8 @@ def test_the_avx2_build_passes_these_tests_too():
 def test_int8_products_run_at_speed_on_avx2_and_wider():
     if " avx2" in open("/proc/cpuinfo").read():
         assert mod.int8_dot_available()
+
+
+def test_the_loader_asks_int8_products_for_exactly_the_types_the_kernels_read():
+    from leapfrog.checkpoint.gguf import KERNEL_TYPES
+    assert set(KERNEL_TYPES) == set(QUANT_TYPES)

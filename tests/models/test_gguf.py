@@ -42,10 +42,12 @@ def vocabulary() -> list[str]:
 
 def random_k_blocks(rows: int, cols: int, kind: T, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks (gguf-py has no K-quant quantizer) with small fp16 scales, so that
-    the dequantized weights are of a trained model's size."""
+    the dequantized weights are of a trained model's size. A power of two: Q4_K and Q5_K
+    sub-block scales (d times a 6-bit integer) are then exact in the float16 of leapfrog's
+    panels, which otherwise round them (tests/layers/test_quant_kernels.py bounds that)."""
     size = K_BLOCK[kind]
     blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    scale = np.array([0.002], dtype=np.float16).view(np.uint8)
+    scale = np.array([2.0 ** -9], dtype=np.float16).view(np.uint8)
     if kind == T.Q6_K:                      # ql, qh, int8 scales, then d
         blocks[..., 208:210] = scale
     else:                                   # d, dmin first
@@ -155,7 +157,14 @@ TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T
 def test_every_tensor_type_gives_transformers_logits(tmp_path, kind):
     path = tmp_path / f"tiny-{kind.name}.gguf"
     write_gguf(path, "llama", kind)
-    assert_logits_match(path)
+    llm, _ = assert_logits_match(path)
+    from leapfrog.layers.cpu_kernels import cpu_kernels
+    from leapfrog.layers.quant import QUANT_TYPES
+    if cpu_kernels() is not None:      # the block types the kernels read are kept in their blocks
+        quant = [name for name, m in llm.engine.model.named_modules() if m.__dict__.get("_quant_panels")]
+        # (a K-quant file's FFN down projections are Q8_0 here; Q6_K stays dequantized)
+        expect = 4 * LAYERS + 1 if kind.name in QUANT_TYPES else LAYERS if kind in K_BLOCK else 0
+        assert len(quant) == expect, quant
 
 
 @pytest.mark.parametrize("arch,kind", [("qwen2", T.Q4_1), ("qwen3", T.Q6_K), ("llama", T.Q4_K)],
