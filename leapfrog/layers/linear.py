@@ -112,11 +112,25 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
         raise ValueError(f"matmul precision {precision!r}: expected float32, bfloat16 or int8")
     n = 0
     mod = cpu_kernels()
+    head = getattr(model, "lm_head", None)
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or not isinstance(w, torch.Tensor):
             continue
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+            continue
+        if precision == "int8" and module.__dict__.pop("_requantize", False) and mod is not None:
+            # a GGUF weight in blocks the panels cannot hold (Q6_K): 8-bit panels quantized
+            # again from it, and its float32 weight gives way to a placeholder (the head keeps
+            # its: it may be the embedding), as layers/quant.py attach_quant_panels does
+            # deferred: layers.quant loads only for GGUF weights
+            from leapfrog.layers.quant import int8_layout, requantized_panels
+            panels = int8_layout(requantized_panels(w))
+            if module is not head:
+                module.weight = nn.Parameter(torch.zeros(1, dtype=w.dtype).expand(w.shape), requires_grad=False)
+                w = module.weight
+            module._panels = (panels, w, w._version)
+            module._quant_panels = True
             continue
         panels = kernel_panels(module) if module.__dict__.get("_quant_panels") else None
         if panels is not None:       # a GGUF weight's quantized panels (layers/quant.py) stay, relaid for int8

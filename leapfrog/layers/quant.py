@@ -110,6 +110,18 @@ def pack_quant_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) ->
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
+def requantized_panels(w: torch.Tensor) -> torch.Tensor:
+    """8-bit panels of a dequantized weight [N, K] (K a multiple of 32) quantized again as Q8_0
+    is: per 32 weights d = max |w| / 127 in float16, q = w / d rounded to nearest. Each weight
+    moves by at most half of its block's d."""
+    v = w.detach().to(torch.float32).numpy().reshape(w.shape[0], -1, QBLOCK)
+    d = (np.abs(v).max(-1) / 127).astype(np.float16)
+    inv = np.divide(1, d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d > 0)
+    q = np.clip(np.rint(v * inv[..., None]), -127, 127).astype(np.int16) + 128
+    m = (np.float16(-128) * d).astype(np.float16)
+    return pack_quant_panels(q.astype(np.uint8).reshape(w.shape[0], -1), d, m, 8)
+
+
 def int8_layout(panels: torch.Tensor) -> torch.Tensor:
     """Quantized panels relaid for the integer products (matmul_precision="int8", csrc/cpu_math.h):
     each block's values as 8 groups of 4 k, [16 columns][4 k] each; 4-bit values pair groups 2i
@@ -170,6 +182,10 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
         if not all(k in blocks for k in keys):
             continue
         panels = quant_panels([blocks[k] for k in keys])
+        if panels is None and w.shape[1] % QBLOCK == 0:
+            # a block type the panels cannot hold exactly (Q6_K): requantized to 8 bits per 32
+            # weights if the engine multiplies in int8 (layers/linear.py compact_cpu_weights)
+            module.__dict__["_requantize"] = True
         if panels is None or panels.shape[1] * QBLOCK != w.shape[1] or panels.shape[0] != -(-w.shape[0] // PANEL):
             continue              # (a tensor-parallel rank's share, for one)
         if name != "lm_head":

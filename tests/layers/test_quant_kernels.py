@@ -201,3 +201,17 @@ def test_int8_products_run_at_speed_on_avx2_and_wider():
 def test_the_loader_asks_int8_products_for_exactly_the_types_the_kernels_read():
     from leapfrog.checkpoint.gguf import KERNEL_TYPES
     assert set(KERNEL_TYPES) == set(QUANT_TYPES)
+
+
+def test_requantized_panels_move_each_weight_by_at_most_half_a_step():
+    from leapfrog.layers.quant import requantized_panels
+    raw, w = blocks("Q4_K", 24, 256, 7, k_scale=0.0021)        # any float weight will do
+    w[3, 32:64] = 0                                            # an all-zero block
+    panels = requantized_panels(w)
+    q = panels[..., 64:].reshape(2, 8, 32, 16).permute(0, 3, 1, 2).reshape(32, 256)[:24].float()
+    d = panels[..., :32].contiguous().view(torch.float16).float().permute(0, 2, 1).reshape(32, 8)[:24]
+    back = (q - 128) * d.repeat_interleave(32, 1)
+    assert ((back - w).abs() <= d.repeat_interleave(32, 1) / 2 + 1e-7).all()
+    assert (back[3, 32:64] == 0).all()
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(mod.panel_linear(x, panels, torch.empty(0), 24), x @ back.T, rtol=1e-5, atol=1e-5)

@@ -344,6 +344,29 @@ def test_a_quantized_file_decodes_with_its_blocks_and_int8_by_default(tmp_path):
     assert (got - ref[n0 - 1]).abs().max() <= 0.03 * ref[n0 - 1].abs().max()
 
 
+def test_q6_k_weights_are_quantized_again_to_8_bits_for_int8_products(tmp_path):
+    """Q6_K (scales per 16 weights; the panels' blocks are 32) is dequantized, then, where the
+    engine multiplies in int8, quantized again per 32 weights as Q8_0: every linear reads
+    panels, the logits stay near transformers' float32 ones; float32 products keep it exact
+    (test_every_tensor_type_gives_transformers_logits)."""
+    from leapfrog.layers import linear
+    if not linear.int8_products_available():
+        pytest.skip("int8 products need the C++ kernels with AVX512-VNNI or AVX2")
+    path = tmp_path / "q6k.gguf"
+    write_gguf(path, "llama", T.Q6_K, seed=4)
+    llm = LLM(str(path))
+    assert llm.engine.config.matmul_precision == "int8"
+    model = llm.engine.model
+    quant = [name for name, m in model.named_modules() if m.__dict__.get("_quant_panels")]
+    assert len(quant) == 4 * LAYERS + 1
+    seen = record_logits(llm)
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = transformers_model(path)(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+    n0 = len(out.prompt_token_ids)
+    assert (seen[out.request_id][0] - ref[n0 - 1]).abs().max() <= 0.03 * ref[n0 - 1].abs().max()
+
+
 def test_a_model_loaded_for_training_keeps_every_weight_as_floats(tmp_path):
     """load_model(quantized=False): no panels, no placeholders (a drafter's training reads the
     embedding and back-propagates through the head), the same logits as the quantized load
