@@ -113,6 +113,7 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
     n = 0
     mod = cpu_kernels()
     head = getattr(model, "lm_head", None)
+    head_requantized = False
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or not isinstance(w, torch.Tensor):
@@ -131,6 +132,7 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
                 w = module.weight
             module._panels = (panels, w, w._version)
             module._quant_panels = True
+            head_requantized |= module is head
             continue
         panels = kernel_panels(module) if module.__dict__.get("_quant_panels") else None
         if panels is not None:       # a GGUF weight's quantized panels (layers/quant.py) stay, relaid for int8
@@ -151,6 +153,9 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
         source = half if exact else w.detach()
         if mod is not None and source.numel() * source.element_size() <= PANEL_MAX_BYTES:
             module._panels = (mod.pack_panels(source), w, w._version)
+    if head_requantized:         # a tied embedding reads its rows from the head's new panels
+        from leapfrog.layers.quant import read_embedding_from_head
+        read_embedding_from_head(model)
     return n
 
 

@@ -213,17 +213,36 @@ def attach_embedding_panels(model: nn.Module, blocks: dict[str, tuple[str, np.nd
         return False
     head = getattr(model, "lm_head", None)
     tied = head is not None and head.weight is emb.weight
-    own = None
-    if not (tied and head.__dict__.get("_quant_panels")):
-        own = quant_panels([blocks[key]])
-        if own is None or own.shape[1] * QBLOCK != emb.weight.shape[1] or own.shape[0] * PANEL < emb.weight.shape[0]:
-            return False
+    if tied and head.__dict__.get("_quant_panels"):
+        return read_embedding_from_head(model)
+    own = quant_panels([blocks[key]])
+    if own is None or own.shape[1] * QBLOCK != emb.weight.shape[1] or own.shape[0] * PANEL < emb.weight.shape[0]:
+        return False
     placeholder = nn.Parameter(torch.zeros(1, dtype=emb.weight.dtype).expand(emb.weight.shape), requires_grad=False)
     emb.weight = placeholder
     if tied:
         head.weight = placeholder
-        if head.__dict__.get("_quant_panels"):
-            head._panels = (head._panels[0], placeholder, placeholder._version)
     emb.__dict__["_own_panels"] = own
-    emb.__dict__["_tied_head"] = head if own is None else None      # not a submodule of the embedding
+    emb.__dict__["_tied_head"] = None
+    return True
+
+
+def read_embedding_from_head(model: nn.Module) -> bool:
+    """A token embedding tied to an LM head that reads quantized panels looks its rows up in the
+    head's panels, and the float32 table they share becomes a placeholder of its shape. Also
+    after the engine gives a Q6_K head 8-bit panels (layers/linear.py compact_cpu_weights)."""
+    # deferred: layers.parallel loads only when embedding panels are attached
+    from leapfrog.layers import parallel as tp
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if (not isinstance(emb, nn.Embedding) or head is None or head.weight is not emb.weight
+            or not head.__dict__.get("_quant_panels") or emb.weight.device.type != "cpu"
+            or emb.weight.dtype != torch.float32 or tp.world_size() > 1):
+        return False
+    placeholder = nn.Parameter(torch.zeros(1, dtype=emb.weight.dtype).expand(emb.weight.shape), requires_grad=False)
+    emb.weight = placeholder
+    head.weight = placeholder
+    head._panels = (head._panels[0], placeholder, placeholder._version)
+    emb.__dict__["_own_panels"] = None
+    emb.__dict__["_tied_head"] = head           # not a submodule of the embedding
     return True

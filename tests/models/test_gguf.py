@@ -359,6 +359,9 @@ def test_q6_k_weights_are_quantized_again_to_8_bits_for_int8_products(tmp_path):
     model = llm.engine.model
     quant = [name for name, m in model.named_modules() if m.__dict__.get("_quant_panels")]
     assert len(quant) == 4 * LAYERS + 1
+    # the tied embedding reads its rows from the head's new panels: no float32 table is kept
+    emb = model.model.embed_tokens
+    assert emb.weight.stride(0) == 0 and linear.embedding_panels(emb) is linear.kernel_panels(model.lm_head)
     seen = record_logits(llm)
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     with torch.no_grad():
