@@ -26,7 +26,8 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")
 
 # GGUF tensor names -> Hugging Face names (per layer: "blk.{i}." -> "model.layers.{i}.")
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
