@@ -14,7 +14,7 @@ import numpy as np
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "gguf_source.json"
-FORMAT = 3                 # bump when the folder made from a file changes
+FORMAT = 4                 # bump when the folder made from a file changes
 # Block types whose weights the CPU kernels keep quantized (layers/quant.py): a file holding
 # them decodes with int8 products by default (llama.cpp's scheme; float32 products on request).
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
+# Llama 3.1's rope scaling: divisors of the rotary frequencies (model_config), not a weight
+ROPE_FREQS = "rope_freqs.weight"
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
                 "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")
 
@@ -152,8 +154,6 @@ def model_config(reader: Any, path: Path) -> dict:
     if scaling not in (None, "none"):
         raise CheckpointError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (Llama 3.1's rope scaling) is not supported")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     class_name, model_type = ARCHITECTURES[arch]
@@ -175,9 +175,24 @@ def model_config(reader: Any, path: Path) -> dict:
     }
     if arch == "qwen3":
         config["use_qk_norm"] = True
+    if ROPE_FREQS in names:
+        config["rope_scaling"] = {"rope_type": "default", "freq_factors": rope_freq_factors(reader, path, config)}
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
     return config
+
+
+def rope_freq_factors(reader: Any, path: Path, config: dict) -> list[float]:
+    """Llama 3.1's rope scaling as llama.cpp's converter stores it: the tensor `rope_freqs.weight`,
+    one divisor per rotary frequency (1 for the high ones, the scaling factor for the low ones, a
+    blend between), the config's parameters themselves left out of the metadata."""
+    t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    values = np.asarray(t.data, dtype=np.float64).reshape(-1)
+    half = config["head_dim"] // 2
+    if values.size != half or not np.all(np.isfinite(values)) or not np.all(values > 0):
+        raise CheckpointError(f"{path}: tensor {ROPE_FREQS!r} must hold {half} positive frequency factors "
+                              f"(head_dim / 2), not {values.size} values")
+    return [float(v) for v in values]
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -233,6 +248,8 @@ def read_tensors(path: Path, config: dict, blocks: dict | None = None) -> Iterat
     unpermute = config.get("model_type") == "llama"
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:             # in the config (model_config)
+            continue
         name = hf_name(t.name)
         if name is None:
             raise CheckpointError(f"{path}: unexpected tensor {t.name!r}")

