@@ -14,10 +14,10 @@ import numpy as np
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "gguf_source.json"
-FORMAT = 4                 # bump when the folder made from a file changes
+FORMAT = 5                 # bump when the folder made from a file changes
 # Block types whose weights the CPU kernels keep quantized (layers/quant.py): a file holding
 # them decodes with int8 products by default (llama.cpp's scheme; float32 products on request).
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")
 
 # general.architecture -> (config.json architecture, model_type). llama.cpp's converter writes
 # Mistral models (and TinyLlama, Llama 2 and 3, SmolLM) as `llama`.

@@ -11,8 +11,12 @@ PANEL = 16
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 # K-quants: super-blocks of 256 weights, eight sub-blocks of 32 with 6-bit scales and minimums
 K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}
-QUANT_TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8}
+# 4-bit indices into a fixed grid of 16 int8 values: per 32 weights (IQ4_NL), or super-blocks of
+# 256 with 6-bit sub-block scales (IQ4_XS); held in bytes, the grid value itself
+IQ4_BLOCK_BYTES = {"IQ4_NL": 18, "IQ4_XS": 136}
+IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+QUANT_TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES, *IQ4_BLOCK_BYTES)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "IQ4_NL": 8, "IQ4_XS": 8}
 
 
 class InexactScales(ValueError):
@@ -27,6 +31,8 @@ def unpack_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     when that rounding would lose more than float16's own precision."""
     if kind in K_BLOCK_BYTES:
         return unpack_k_blocks(kind, raw)
+    if kind in IQ4_BLOCK_BYTES:
+        return unpack_iq4_blocks(kind, raw)
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
@@ -81,15 +87,42 @@ def unpack_k_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray,
         q = q | ((fifth & 1) << 4)
     sub_d = (d[..., None] * scales.astype(np.float32)).reshape(n, -1)      # exact in float32
     sub_m = (-(dmin[..., None] * mins.astype(np.float32))).reshape(n, -1)
-    out = []
-    for exact in (sub_d, sub_m):
-        half = exact.astype(np.float16)
-        wide = half.astype(np.float32)
-        normal = (wide == 0) | (np.abs(wide) >= np.finfo(np.float16).tiny)
-        if not (np.all(np.isfinite(wide)) and np.all(normal[exact != 0]) and np.all((wide == 0) == (exact == 0))):
-            raise InexactScales(f"{kind} sub-block scales outside float16's normal range")
-        out.append(half)
-    return q.reshape(n, -1).astype(np.uint8), out[0], out[1]
+    return q.reshape(n, -1).astype(np.uint8), _half_factors(sub_d, kind), _half_factors(sub_m, kind)
+
+
+def _half_factors(exact: np.ndarray, kind: str) -> np.ndarray:
+    """Sub-block factors exact in float32, rounded to the panels' float16; InexactScales where
+    float16 holds one only as a subnormal (or not at all)."""
+    half = exact.astype(np.float16)
+    wide = half.astype(np.float32)
+    normal = (wide == 0) | (np.abs(wide) >= np.finfo(np.float16).tiny)
+    if not (np.all(np.isfinite(wide)) and np.all(normal[exact != 0]) and np.all((wide == 0) == (exact == 0))):
+        raise InexactScales(f"{kind} sub-block scales outside float16's normal range")
+    return half
+
+
+def unpack_iq4_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_NL / IQ4_XS blocks as 8-bit blocks (unpack_blocks): q = the grid value + 128, m = -128 d.
+    IQ4_NL: float16 d, then 16 bytes of indices (weight j in the low nibble of byte j, weight
+    16 + j in the high one). IQ4_XS: float16 d, the sub-blocks' 6-bit scales (2 high bits each in
+    a 16-bit word, 4 low bits in 4 bytes, two a byte), then 16 bytes of indices per 32 weights as
+    IQ4_NL's; a sub-block's factor is d * (scale - 32), rounded to float16 as the K-quants'."""
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(n, -1, IQ4_BLOCK_BYTES[kind])
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "IQ4_NL":
+        idx, factor = b[..., 2:18], d                                          # [N, B, 16], [N, B]
+    else:
+        high = b[..., 2:4].copy().view(np.uint16)[..., 0:1] >> (2 * np.arange(8, dtype=np.uint16))   # [N, S, 8]
+        low = b[..., 4:8, None] >> np.array([0, 4], np.uint8)                                      # [N, S, 4, 2]
+        scale = (low.reshape(n, -1, 8) & 0x0F).astype(np.int32) | ((high & 3).astype(np.int32) << 4)
+        idx = b[..., 8:136].reshape(n, -1, 8, 16)
+        factor = d[..., None] * (scale - 32).astype(np.float32)                                     # [N, S, 8]
+    idx = idx.reshape(n, -1, 16)
+    q = np.concatenate([idx & 0x0F, idx >> 4], axis=-1)                       # [N, blocks, 32]
+    q = (IQ4_GRID[q] + 128).astype(np.uint8).reshape(n, -1)
+    dh = _half_factors(factor.reshape(n, -1).astype(np.float32), kind)
+    return q, dh, _half_factors(np.float32(-128) * dh.astype(np.float32), kind)
 
 
 def pack_quant_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> torch.Tensor:

@@ -17,18 +17,22 @@ mod = cpu_kernels()
 pytestmark = pytest.mark.skipif(mod is None, reason="the C++ CPU kernels did not build")
 
 
-K_BYTES = {"Q4_K": 144, "Q5_K": 176}
+RANDOM_BLOCKS = ("Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")
 
 
-def blocks(kind: str, n: int, k: int, seed: int = 0, k_scale: float = 2.0 ** -9) -> tuple[np.ndarray, torch.Tensor]:
-    """(GGUF blocks [n, row bytes], the gguf package's dequantized weights [n, k']). K-quants
-    (which gguf-py cannot quantize) are random super-blocks, k' rounded up to 256; with a
-    power-of-two `k_scale` as their d and dmin every sub-block's scale is exact in float16."""
+def blocks(kind: str, n: int, k: int, seed: int = 0, k_scale: float | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """(GGUF blocks [n, row bytes], the gguf package's dequantized weights [n, k']). K-quants and
+    i-quants (which gguf-py cannot quantize) are random blocks, k' rounded up to their block; with
+    a power-of-two `k_scale` as their d (and dmin) every sub-block's factor is exact in float16."""
     rng = np.random.default_rng(seed)
-    if kind in K_BYTES:
-        k = -(-k // 256) * 256
-        raw = rng.integers(0, 256, (n, k // 256, K_BYTES[kind]), dtype=np.uint8)
-        raw[..., 0:4] = np.array([k_scale, k_scale / 2], np.float16).view(np.uint8)
+    if k_scale is None:       # weights of a trained model's size (the i-quants' grid runs to 127)
+        k_scale = 2.0 ** (-9 if kind.endswith("_K") else -13)
+    if kind in RANDOM_BLOCKS:
+        per, size = gguf.GGML_QUANT_SIZES[T[kind]]
+        k = -(-k // per) * per
+        raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+        raw[..., 0:4 if kind.endswith("_K") else 2] = np.array([k_scale, k_scale / 2] if kind.endswith("_K") else [k_scale],
+                                                               np.float16).view(np.uint8)
         raw = raw.reshape(n, -1)
     else:
         raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), T[kind])
@@ -157,7 +161,7 @@ def test_amx_is_used_only_where_the_cpu_has_it():
 
 @pytest.mark.skipif(mod is None or not mod.amx_available(),
                     reason="needs AMX-INT8 with the tile state granted by the OS (arch_prctl)")
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [4, 8, 16, 17, 40])
 def test_amx_tiles_give_the_vnni_tiles_bits(kind, rows):
     """Products of 4 rows or more run on AMX tiles where the OS grants them: the same bits as the
