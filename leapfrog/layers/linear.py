@@ -121,7 +121,7 @@ def compact_cpu_weights(model: nn.Module, precision: str = "float32") -> int:
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             continue
         if precision == "int8" and module.__dict__.pop("_requantize", False) and mod is not None:
-            # a GGUF weight in blocks the panels cannot hold (Q6_K, Q2_K, Q3_K, the i-quants,
+            # a GGUF weight in blocks the panels cannot hold (Q6_K, Q2_K, Q3_K, the i-quants below IQ4,
             # or shards the panels cannot stack): 8-bit panels quantized
             # again from it, and its float32 weight gives way to a placeholder (the head keeps
             # its: it may be the embedding), as layers/quant.py attach_quant_panels does

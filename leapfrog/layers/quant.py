@@ -217,7 +217,7 @@ def attach_quant_panels(model: nn.Module, blocks: dict[str, tuple[str, np.ndarra
         panels = quant_panels([blocks[k] for k in keys])
         if panels is None and w.shape[1] % QBLOCK == 0:
             # blocks the panels cannot hold exactly (Q6_K's 16-weight scales, Q2_K, Q3_K, the
-            # i-quants' grids): requantized to 8 bits per 32
+            # i-quants below IQ4): requantized to 8 bits per 32
             # weights if the engine multiplies in int8 (layers/linear.py compact_cpu_weights)
             module.__dict__["_requantize"] = True
         if panels is None or panels.shape[1] * QBLOCK != w.shape[1] or panels.shape[0] != -(-w.shape[0] // PANEL):
