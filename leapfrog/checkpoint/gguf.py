@@ -12,9 +12,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from leapfrog.checkpoint.build import cache_root
+
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "gguf_source.json"
 FORMAT = 5                 # bump when the folder made from a file changes
+TABLE_FORMAT = 1           # bump when tensor_table's entries change
 # Block types whose weights the CPU kernels keep quantized (layers/quant.py): a file holding
 # them decodes with int8 products by default (llama.cpp's scheme; float32 products on request).
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")
@@ -25,6 +28,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # Llama 3.1's rope scaling: divisors of the rotary frequencies (model_config), not a weight
 ROPE_FREQS = "rope_freqs.weight"
@@ -44,6 +48,15 @@ LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's layers have four norms; llama.cpp's `ffn_norm` is the one before the MLP in both.
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# llama.cpp's Gemma 3: every sixth layer global, the others a sliding window (its local layers'
+# rotary base is fixed, not in the metadata); the 27B model (62 layers) scales queries by
+# hidden / heads instead of the head size.
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
+
 # How llama.cpp's pre-tokenizer names split text, where transformers' converter does not know it:
 # SmolLM's splits every digit apart before the GPT-2 pattern.
 DIGIT_SPLIT_PRE = {"smollm"}
@@ -64,6 +77,27 @@ def _reader(path: Path) -> Any:
         return GGUFReader(str(path))
     except Exception as e:        # truncated files, bad magic, offsets past the end
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def tensor_table(path: Path, reader: Any = None) -> list[dict]:
+    """Where each tensor of the file lies, as the gguf package's reader found it: name, type,
+    shape, and the dtype, shape, offset and size of its data. Kept in the cache per file version:
+    the reader builds a view of every metadata value, the vocabulary's included, which takes
+    seconds for a vocabulary of 262k tokens, and loading needs only this."""
+    st = path.stat()
+    key = f"{TABLE_FORMAT}:{path}:{st.st_size}:{st.st_mtime_ns}"
+    out = cache_root() / "gguf" / "tables" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    if out.is_file():
+        return json.loads(out.read_text())
+    reader = reader if reader is not None else _reader(path)
+    table = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in t.shape],
+              "dtype": t.data.dtype.str, "data_shape": [int(n) for n in t.data.shape],
+              "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(table))
+    tmp.rename(out)
+    return table
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -114,6 +148,7 @@ def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dic
             meta["drafters"] = dict(drafters)
         if meta:
             _write_json(tmp / "leapfrog.json", meta)
+        tensor_table(path, reader)            # while the reader is at hand (loading reads it)
         _write_json(tmp / SOURCE_FILE, {"path": str(path), "size": st.st_size})
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -151,7 +186,7 @@ def model_config(reader: Any, path: Path) -> dict:
     def need(name: str) -> Any:
         return _require(reader, path, f"{arch}.{name}")
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "linear"):
         raise CheckpointError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
@@ -173,8 +208,19 @@ def model_config(reader: Any, path: Path) -> dict:
         "eos_token_id": _int_or_none(_field(reader, "tokenizer.ggml.eos_token_id")),
         "gguf_name": str(_field(reader, "general.name", path.stem)),
     }
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     if arch == "qwen3":
         config["use_qk_norm"] = True
+    if arch == "gemma3":
+        n, window = config["num_hidden_layers"], get("attention.sliding_window")
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      tie_word_embeddings=True, rope_local_base_freq=GEMMA3_LOCAL_BASE,
+                      query_pre_attn_scalar=hidden // heads if n == GEMMA3_27B_LAYERS else config["head_dim"],
+                      layer_types=["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 or not window
+                                   else "sliding_attention" for i in range(n)])
+        if get("final_logit_softcapping") is not None:
+            config["final_logit_softcapping"] = float(get("final_logit_softcapping"))
     if ROPE_FREQS in names:
         config["rope_scaling"] = {"rope_type": "default", "freq_factors": rope_freq_factors(reader, path, config)}
     if get("attention.sliding_window") is not None:
@@ -244,46 +290,51 @@ def read_tensors(path: Path, config: dict, blocks: dict | None = None) -> Iterat
     # deferred: torch and the gguf package load only when tensors are read
     import torch
     from gguf import GGMLQuantizationType, dequantize
-    reader = _reader(path)
+    table = tensor_table(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     unpermute = config.get("model_type") == "llama"
+    gemma = config.get("model_type") == "gemma3_text"
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for t in reader.tensors:
-        if t.name == ROPE_FREQS:             # in the config (model_config)
+    for t in table:
+        if t["name"] == ROPE_FREQS:             # in the config (model_config)
             continue
-        name = hf_name(t.name)
+        name = hf_name(t["name"], GEMMA_LAYER_NAMES if gemma else LAYER_NAMES)
         if name is None:
-            raise CheckpointError(f"{path}: unexpected tensor {t.name!r}")
-        kind = GGMLQuantizationType(t.tensor_type).name
+            raise CheckpointError(f"{path}: unexpected tensor {t['name']!r}")
+        kind = GGMLQuantizationType(t["type"]).name
         if kind not in TENSOR_TYPES:
-            raise CheckpointError(f"{path}: tensor {t.name!r} has type {kind}, which is not supported "
+            raise CheckpointError(f"{path}: tensor {t['name']!r} has type {kind}, which is not supported "
                                   f"(supported: {', '.join(TENSOR_TYPES)})")
         try:
-            values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            data = mapped[t["offset"]:t["offset"] + t["bytes"]].view(np.dtype(t["dtype"])).reshape(t["data_shape"])
+            values = np.ascontiguousarray(dequantize(data, t["type"]), dtype=np.float32)
         except Exception as e:
-            raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}) unreadable ({e})") from None
-        shape = tuple(int(n) for n in reversed(t.shape))
+            raise CheckpointError(f"{path}: tensor {t['name']!r} ({kind}) unreadable ({e})") from None
+        shape = tuple(int(n) for n in reversed(t["shape"]))
         values = values.reshape(shape)
         if not values.flags.writeable:       # F32 tensors come as views of the read-only mapping
             values = values.copy()
+        if gemma and name.endswith("norm.weight"):
+            values -= 1          # llama.cpp stores Gemma's scale 1 + w; Hugging Face's weight is w
         permute = unpermute and name.endswith(("q_proj.weight", "k_proj.weight"))
         if permute:
             values = unpermute_rows(values, heads if "q_proj" in name else kv_heads)
         if blocks is not None and kind not in ("F32", "F16", "BF16") and len(shape) == 2:
-            raw = np.asarray(t.data).reshape(shape[0], -1)
+            raw = np.asarray(data).reshape(shape[0], -1)
             blocks[name] = (kind, unpermute_rows(raw, heads if "q_proj" in name else kv_heads) if permute else raw)
         yield name, torch.from_numpy(values)
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, layer_names: dict[str, str] = LAYER_NAMES) -> str | None:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     head, _, rest = name.partition(".")
     if head != "blk":
         return None
     layer, _, part = rest.partition(".")
-    if not layer.isdigit() or part not in LAYER_NAMES:
+    if not layer.isdigit() or part not in layer_names:
         return None
-    return f"model.layers.{layer}.{LAYER_NAMES[part]}"
+    return f"model.layers.{layer}.{layer_names[part]}"
 
 
 def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:

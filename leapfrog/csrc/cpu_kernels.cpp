@@ -30,12 +30,18 @@ static inline int64_t grain_for(int64_t work_per_item, int64_t min_work = kMinPa
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_item));
 }
 
+// The first key a query row at context length n sees under a sliding window of `window` keys
+// (0: no window, every key).
+static inline int64_t window_start(int64_t n, int64_t window) {
+  return window > 0 && n > window ? n - window : 0;
+}
+
 // One task per (sequence, query head); online over the context: scores, softmax, weighted sum.
 template <typename scalar_t>
 static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
                           const int64_t* tables, const int64_t* ctx_lens, float* out,
                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                          int64_t block_size, float scale) {
+                          int64_t block_size, float scale, int64_t window) {
   const int64_t group = H / KVH;
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
@@ -45,12 +51,12 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
     std::vector<float> acc(D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H, g = h / group;
-      const int64_t n = ctx_lens[b];
+      const int64_t n = ctx_lens[b], p0 = window_start(n, window);
       const float* qv = q + (b * H + h) * D;
       const int64_t* table = tables + b * max_blocks;
-      scores.resize(n);
+      scores.assign(n, 0.f);
       float mx = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
+      for (int64_t p = p0; p < n; ++p) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
         const scalar_t* kv = k + (slot * KVH + g) * D;
         float s = 0.f;
@@ -61,12 +67,12 @@ static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,
         mx = s > mx ? s : mx;
       }
       float denom = 0.f;
-      for (int64_t p = 0; p < n; ++p) {
+      for (int64_t p = p0; p < n; ++p) {
         scores[p] = std::exp(scores[p] - mx);
         denom += scores[p];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < n; ++p) {
+      for (int64_t p = p0; p < n; ++p) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
         const scalar_t* vv = v + (slot * KVH + g) * D;
         const float w = scores[p];
@@ -91,30 +97,32 @@ template <typename kv_t>
 static void decode_kernel_gqa(const float* q, const kv_t* k, const kv_t* v,
                               const int64_t* tables, const int64_t* ctx_lens, float* out,
                               int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                              int64_t block_size, float scale) {
+                              int64_t block_size, float scale, int64_t window) {
   const int64_t group = H / KVH;
   int64_t total_ctx = 0;
-  for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b];
+  for (int64_t b = 0; b < B; ++b) total_ctx += ctx_lens[b] - window_start(ctx_lens[b], window);
   const int64_t grain = grain_for(2 * D * group * std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)));
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t bg = begin; bg < end; ++bg) {
       // rows taken first, last, second, second-to-last...: a thread's range of tasks mixes the
       // short and long contexts of a prompt's causal rows instead of holding all the long ones
-      const int64_t j = bg / KVH, g = bg % KVH, b = j % 2 == 0 ? j / 2 : B - 1 - j / 2, n = ctx_lens[b];
+      const int64_t j = bg / KVH, g = bg % KVH, b = j % 2 == 0 ? j / 2 : B - 1 - j / 2;
+      const int64_t start = window_start(ctx_lens[b], window), n = ctx_lens[b] - start;
       scratch.resize(attn_scratch_floats(n, group, D));
       attend_group(q + b * H * D, k, v, tables + b * max_blocks, n, block_size, KVH, D, g, group,
-                   scale, out + b * H * D, scratch.data());
+                   scale, out + b * H * D, scratch.data(), start);
     }
   });
 }
 #endif
 
 // q: [B, H, D] float32; k_cache, v_cache: [S, KVH, D]; block_tables: [B, MB] int64;
-// ctx_lens: [B] int64 (>= 1). Returns [B, H, D] float32.
+// ctx_lens: [B] int64 (>= 1); window > 0: each row sees its last `window` keys only (a sliding
+// window's layer). Returns [B, H, D] float32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "q must be [B,H,D], caches [S,KVH,D]");
   auto qf = q.to(torch::kFloat32).contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
@@ -127,14 +135,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   if (simd_ok && k_cache.scalar_type() == torch::kFloat32) {
     decode_kernel_gqa<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                             B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+                             B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale), window);
     return out;
   }
 #if defined(__F16C__)
   if (simd_ok && k_cache.scalar_type() == torch::kHalf) {
     decode_kernel_gqa<at::Half>(qf.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(),
                                 tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                                B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+                                B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale), window);
     return out;
   }
 #endif
@@ -142,7 +150,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(qf.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                            B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale));
+                            B, H, KVH, D, tables.size(1), block_size, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -458,7 +466,7 @@ static torch::Tensor attend_rows(const torch::Tensor& qkv, torch::Tensor& k_cach
     }
   });
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale);
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale, 0);
 }
 
 static torch::Tensor layer_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
@@ -580,7 +588,7 @@ torch::Tensor draft_layer(torch::Tensor x, std::vector<torch::Tensor> w, torch::
   auto tables = torch::zeros({T, 1}, torch::kInt64);
   auto lens = torch::full({T}, n + T, torch::kInt64);
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  return out_mlp(x, paged_decode_attention(q, keys, values, tables, lens, n + T, scale), w, eps);
+  return out_mlp(x, paged_decode_attention(q, keys, values, tables, lens, n + T, scale, 0), w, eps);
 }
 
 // The context keys/values of a DFlash/DSpark drafter for T committed positions (§2.1 Eq. 2-3):
@@ -736,7 +744,9 @@ void register_decode_loop(pybind11::module& m);   // decode_loop.cpp
 // while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("ctx_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)", nogil);
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer over the paged cache (CPU, float32)", nogil);
   m.def("attention_partial", &attention_partial,

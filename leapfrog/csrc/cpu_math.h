@@ -459,15 +459,18 @@ static inline int64_t attn_scratch_floats(int64_t n, int64_t group, int64_t D) {
 }
 
 // Chunk c of the context 0..n-1 (positions c*kAttnChunk .. at most n) for the query heads of KV
-// head g: scores (group x len, in `scores`), then the partial `part`.
+// head g: scores (group x len, in `scores`), then the partial `part`. With `start`, the context
+// is the sequence's keys start..start+n-1 (a sliding window's).
 template <typename kv_t>
 static void attend_chunk(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
                          int64_t n, int64_t c, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
-                         int64_t group, float scale, float* scores, float* part, bool whole_slot = false) {
+                         int64_t group, float scale, float* scores, float* part, bool whole_slot = false,
+                         int64_t start = 0) {
   const int64_t nd = D / 8, h0 = g * group;
   const int64_t c0 = c * kAttnChunk, c1 = std::min(n, c0 + kAttnChunk), len = c1 - c0;
   KVRows<kv_t> krows(k, table, block_size, KVH, D, g), vrows(v, table, block_size, KVH, D, g);
   krows.whole_slot = vrows.whole_slot = whole_slot;
+  krows.offset = start;
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t p0 = c0;
   for (; p0 + 8 <= c1; p0 += 8) {
@@ -526,7 +529,7 @@ static void attend_chunk(const float* qb, const kv_t* k, const kv_t* v, const in
     pm[j] = mx;
     ps[j] = denom;
   }
-  vrows.offset = c0;
+  vrows.offset = start + c0;
   if (nd == 8 && group == 1) weighted_values<1, 8>(vrows, scores, len, acc);
   else if (nd == 8 && group == 2) weighted_values<2, 8>(vrows, scores, len, acc);
 #if defined(LEAPFROG_AVX512)      // 24 or 32 accumulators: the 32 vector registers of AVX-512
@@ -576,16 +579,17 @@ static inline void attend_combine(const float* parts, int64_t chunks, int64_t D,
 }
 
 // Decode attention of one query row's heads that share KV head g (heads g*group ..
-// (g+1)*group - 1) over keys 0..n-1 of its sequence: every chunk in turn, then their merge.
-// scratch: attn_scratch_floats(n, group, D) floats.
+// (g+1)*group - 1) over keys start..start+n-1 of its sequence: every chunk in turn, then their
+// merge. scratch: attn_scratch_floats(n, group, D) floats.
 template <typename kv_t>
 static void attend_group(const float* qb, const kv_t* k, const kv_t* v, const int64_t* table,
                          int64_t n, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
-                         int64_t group, float scale, float* ob, float* scratch) {
+                         int64_t group, float scale, float* ob, float* scratch, int64_t start = 0) {
   const int64_t chunks = attn_chunks(n), pf = attn_part_floats(group, D);
   float* parts = scratch + group * kAttnChunk;
   for (int64_t c = 0; c < chunks; ++c)
-    attend_chunk(qb, k, v, table, n, c, block_size, KVH, D, g, group, scale, scratch, parts + c * pf);
+    attend_chunk(qb, k, v, table, n, c, block_size, KVH, D, g, group, scale, scratch, parts + c * pf,
+                 false, start);
   attend_combine(parts, chunks, D, g, group, ob);
 }
 #endif

@@ -52,12 +52,17 @@ class StepInterrupted(Exception):
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """`window` > 0: a sliding window's layer (Gemma 3's local layers, Mistral's), where a query
+    at position i sees keys i - window + 1 .. i only."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self._window_mask: tuple | None = None     # (the group's mask, that mask within the window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttnMetadata | None) -> torch.Tensor:
@@ -90,13 +95,32 @@ class Attention(nn.Module):
         flat = g.kv_slots.view(-1)
         kg = self.k_cache.index_select(0, flat).view(b, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
         vg = self.v_cache.index_select(0, flat).view(b, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
+        mask = g.mask if self.window <= 0 else self._windowed(g.mask, b, qg.shape[1], kg.shape[1])
         o = F.scaled_dot_product_attention(
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         o = o.transpose(1, 2)
         if g.q_index is None:
             return o.reshape(-1, self.num_heads, self.head_dim)
         return o[g.q_valid]
+
+    def _windowed(self, mask: torch.Tensor | None, b: int, lq: int, lk: int) -> torch.Tensor | None:
+        """A group's mask narrowed to the window. A causal row's last visible key is its own
+        position, so it keeps the `window` keys ending there; the layers of a step share the
+        result (one mask object per step)."""
+        cached = self._window_mask
+        if cached is not None and cached[0] is mask and cached[1] == (b, lq, lk):
+            return cached[2]
+        idx = torch.arange(lk, device=self.k_cache.device)
+        if mask is None:
+            if lk <= self.window:
+                return None
+            out = (idx >= lk - self.window).expand(b, 1, lq, lk)
+        else:
+            last = torch.where(mask, idx, -1).amax(dim=-1, keepdim=True)
+            out = mask & (idx > last - self.window)
+        self._window_mask = (mask, (b, lq, lk), out)
+        return out
 
     def _paged_decode(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
         # deferred: cpu_kernels loads only when a paged decode runs
@@ -104,11 +128,17 @@ class Attention(nn.Module):
         b = g.ctx_lens.shape[0]
         qg = q[g.row_start:g.row_start + b] if g.out_rows is None else q.index_select(0, g.out_rows)
         o = cpu_kernels().paged_decode_attention(
-            qg, self.k_cache, self.v_cache, g.block_tables, g.ctx_lens, g.block_size, self.scale)
+            qg, self.k_cache, self.v_cache, g.block_tables, g.ctx_lens, g.block_size, self.scale, self.window)
         return o.to(q.dtype)
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[1]
+        mask = None
+        if 0 < self.window < t:
+            i = torch.arange(t, device=q.device)
+            d = i.unsqueeze(1) - i.unsqueeze(0)
+            mask = (d >= 0) & (d < self.window)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask is None,
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return o.transpose(1, 2)

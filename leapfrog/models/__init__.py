@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Fast_dLLM_QwenForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("leapfrog.models.llama", "Qwen2ForCausalLM"),   # MoE layers from config
     "Qwen3MoeForCausalLM": ("leapfrog.models.llama", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("leapfrog.models.gemma3", "Gemma3ForCausalLM"),
     "LLaDA2MoeModelLM": ("leapfrog.models.llada2_moe", "LLaDA2MoeModelLM"),
 }
 

@@ -81,7 +81,13 @@ class MLP(nn.Module):
         return tp.all_reduce(out) if self.split else out
 
 
+# The MLP computes SiLU(gate) * up; HF's ACT2FN has "swish" as another name for it.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
 class DecoderLayer(nn.Module):
+    activation = ("hidden_act", SUPPORTED_ACTIVATIONS, "silu")     # check_config's
+
     def __init__(self, cfg: dict, flavour: str, layer_idx: int = 0) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -160,19 +166,20 @@ class PipelineGap(nn.Module):
     """Where a decoder layer of another pipeline stage would be: no weights, never called."""
 
 
-# The MLP computes SiLU(gate) * up; HF's ACT2FN has "swish" as another name for it.
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
-def check_config(cfg: dict) -> None:
+def check_config(cfg: dict, activation: tuple[str, tuple[str, ...], str] = ("hidden_act", SUPPORTED_ACTIVATIONS, "silu")
+                 ) -> None:
     """Refuse config.json values this decoder would misread or fail on only in a request: an
     activation it does not compute (the weights would load and the text would be wrong), a
     non-numeric or non-positive size, norm epsilon or context length, a flag that is not a JSON
-    boolean. ValueError naming the key."""
-    act = cfg.get("hidden_act") or "silu"
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"hidden_act {act!r} is not supported (the MLP computes SiLU: "
-                         f"{' or '.join(map(repr, SUPPORTED_ACTIVATIONS))})")
+    boolean. ValueError naming the key. `activation`: (the key naming the MLP's activation, the
+    names it computes, the default)."""
+    key, names, default = activation
+    act = cfg.get(key) or default
+    if act not in names:
+        raise ValueError(f"{key} {act!r} is not supported (the MLP computes {names[0]}: "
+                         f"{' or '.join(map(repr, names))})")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
         value = cfg.get(key)
@@ -194,9 +201,10 @@ class DecoderModel(nn.Module):
     so that weight names keep their layer numbers); every stage keeps the embedding, the final
     norm and the LM head, which a drafter running on every rank uses."""
 
-    def __init__(self, cfg: dict, flavour: str) -> None:
+    def __init__(self, cfg: dict, flavour: str, layer_class: type[nn.Module] | None = None) -> None:
         super().__init__()
-        check_config(cfg)
+        layer_class = layer_class or DecoderLayer
+        check_config(cfg, layer_class.activation)
         # under tensor parallelism, this rank's rows of the vocabulary (Megatron's vocab-parallel
         # embedding: other ranks' tokens embed as zeros here, and the all-reduce sums them in)
         self.vocab_start, local_vocab = tp.shard(cfg["vocab_size"], "vocab_size")
@@ -205,7 +213,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens.weight.weight_loader = tp.rows_loader
         n = cfg["num_hidden_layers"]
         self.stage = tp.stage_layers(n)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flavour, i) if i in self.stage else PipelineGap()
+        self.layers = nn.ModuleList(layer_class(cfg, flavour, i) if i in self.stage else PipelineGap()
                                     for i in range(n))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -233,10 +241,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "0"), "up_proj": ("gate_up_proj", "1"),
     }
 
+    layer_class: type[nn.Module] | None = None      # None: DecoderLayer
+
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, self.flavour)
+        self.model = DecoderModel(cfg, self.flavour, self.layer_class)
         self.lm_head = Linear(cfg["hidden_size"], self.model.embed_tokens.num_embeddings,
                               parallel="column" if tp.tp_size() > 1 else None)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -277,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
                 if capture_layers:
                     raise ValueError("a two-stream diffusion forward captures no layers")
                 return mask_stream.forward(self, x, positions, meta, is_mask, fused_rows(x, meta)), []
-        rope = Rope(self.model.rotary_emb, positions, x.dtype)
+        rope = self.rope(positions, x.dtype)
         # Submodules are called through .forward: leapfrog registers no hooks, and
         # Module.__call__'s bookkeeping is a visible share of a small model's decode step.
         fused = fused_rows(x, meta)
@@ -296,6 +306,10 @@ class LlamaForCausalLM(nn.Module):
                 return hidden, [cap[:, c] for c in range(len(taps))]
         x, captured = self._layers(x, rope, meta, range(len(self.model.layers)), capture_layers, fused)
         return self.model.norm.forward(x), list(captured.values())
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary rows of a forward's positions, which every layer is given."""
+        return Rope(self.model.rotary_emb, positions, dtype)
 
     def _layers(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata | None, layer_ids: range,
                 capture_layers: tuple[int, ...], fused: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -323,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         shape = (*input_ids.shape, self.config["hidden_size"])
         dtype = self.model.embed_tokens.weight.dtype
         x = self.embed(input_ids) if tp.is_first_stage() else tp.recv_prev(shape, dtype, input_ids.device)
-        rope = Rope(self.model.rotary_emb, positions, x.dtype)
+        rope = self.rope(positions, x.dtype)
         x, captured = self._layers(x, rope, meta, self.model.stage, capture_layers, fused_rows(x, meta))
         if tp.is_last_stage():
             return self.model.norm.forward(x), captured, None

@@ -110,12 +110,14 @@ def test_compact_cpu_weights_only_copies_exact_weights_and_drops_stale_copies():
         torch.testing.assert_close(exact(x), F.linear(x, exact.weight, exact.bias), rtol=1e-5, atol=1e-4)
 
 
-def _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    """Per sequence: gather its keys/values through the block table, plain softmax attention."""
+def _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0):
+    """Per sequence: gather its keys/values through the block table (the last `window` of them
+    with a window), plain softmax attention."""
     out = []
     group = q.shape[1] // k_cache.shape[1]
     for b in range(q.shape[0]):
-        pos = torch.arange(int(lens[b]))
+        n = int(lens[b])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
         slots = tables[b, pos // block_size] * block_size + pos % block_size
         k = k_cache[slots].float().repeat_interleave(group, 1).transpose(0, 1)    # [H, n, D]
         v = v_cache[slots].float().repeat_interleave(group, 1).transpose(0, 1)
@@ -141,6 +143,12 @@ def test_paged_decode_attention_equals_gathered_softmax(dtype, heads, kv_heads, 
     got = mod.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale)
     torch.testing.assert_close(got, _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale),
                                rtol=1e-4, atol=1e-5)
+    # a sliding window (Gemma 3's local layers): shorter than some contexts, not a block multiple,
+    # and across a chunk boundary
+    for window in (5, 16, 200):
+        got = mod.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, window)
+        want = _attention_reference(q, k_cache, v_cache, tables, lens, block_size, scale, window)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
