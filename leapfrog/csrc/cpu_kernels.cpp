@@ -30,12 +30,6 @@ static inline int64_t grain_for(int64_t work_per_item, int64_t min_work = kMinPa
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_item));
 }
 
-// The first key a query row at context length n sees under a sliding window of `window` keys
-// (0: no window, every key).
-static inline int64_t window_start(int64_t n, int64_t window) {
-  return window > 0 && n > window ? n - window : 0;
-}
-
 // One task per (sequence, query head); online over the context: scores, softmax, weighted sum.
 template <typename scalar_t>
 static void decode_kernel(const float* q, const scalar_t* k, const scalar_t* v,

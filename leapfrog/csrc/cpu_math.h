@@ -343,6 +343,29 @@ static inline void rope_head(float* v, const float* c, const float* s, int64_t h
   }
 }
 
+// The first key a query row at context length n sees under a sliding window of `window` keys
+// (0: no window, every key).
+static inline int64_t window_start(int64_t n, int64_t window) {
+  return window > 0 && n > window ? n - window : 0;
+}
+
+// GeGLU's gelu(g) * u with GELU's tanh form (Gemma's gelu_pytorch_tanh) over n elements:
+// 0.5 g (1 + tanh(z)) = g / (1 + exp(-2z)), z = sqrt(2 / pi) (g + 0.044715 g^3).
+static inline void gelu_tanh_mul(const float* g, const float* u, float* out, int64_t n) {
+  constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
+  int64_t i = 0;
+#if defined(LEAPFROG_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * kC), a = _mm256_set1_ps(kA);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(a, gv), _mm256_mul_ps(gv, gv), gv);
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_mul_ps(m2c, inner)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-2.f * kC * (g[i] + kA * g[i] * g[i] * g[i]))) * u[i];
+}
+
 // SwiGLU's silu(g) * u = g / (1 + exp(-g)) * u over n elements.
 static inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   int64_t i = 0;

@@ -36,6 +36,11 @@ struct LayerWeights {
   torch::Tensor in_norm, qkv, qkv_b, q_norm, k_norm, o, o_b, post_norm, gu, gu_b, down, down_b;
   torch::Tensor p_qkv, p_o, p_gu, p_down;     // packed panels; undefined when absent
   torch::Tensor k_cache, v_cache;
+  // Gemma (set_gemma): norms of the attention's and the MLP's outputs before each residual add
+  // (undefined: none), a sliding window (0: none) and whether the layer rotates with the local table
+  torch::Tensor attn_out_norm, mlp_out_norm;
+  int64_t window = 0;
+  bool local_rope = false;
 };
 
 inline const float* fptr(const torch::Tensor& t) { return t.defined() && t.numel() ? t.data_ptr<float>() : nullptr; }
@@ -330,6 +335,34 @@ class DecodeLoop {
     embed_panels_ = panels.contiguous();
   }
 
+  // Gemma 3's layer (models/gemma3.py): per layer, the norms applied to the attention's and the
+  // MLP's outputs before their residual adds, the sliding window (0: a global layer) and whether
+  // it rotates with the local table (local_cos/local_sin, the layers' own base); GeGLU (tanh
+  // GELU) instead of SwiGLU; embeddings times embed_scale.
+  void set_gemma(std::vector<torch::Tensor> attn_out_norms, std::vector<torch::Tensor> mlp_out_norms,
+                 std::vector<int64_t> windows, std::vector<bool> local_rope, torch::Tensor local_cos,
+                 torch::Tensor local_sin, double embed_scale) {
+    const size_t n = layers_.size();
+    TORCH_CHECK(attn_out_norms.size() == n && mlp_out_norms.size() == n && windows.size() == n && local_rope.size() == n,
+                "DecodeLoop.set_gemma: one entry per layer in every list");
+    TORCH_CHECK(local_cos.sizes() == cos_.sizes() && local_sin.sizes() == sin_.sizes() &&
+                local_cos.scalar_type() == torch::kFloat32 && local_sin.scalar_type() == torch::kFloat32,
+                "DecodeLoop.set_gemma: the local rotary tables must be float32 of the global ones' shape");
+    for (size_t l = 0; l < n; ++l) {
+      TORCH_CHECK(attn_out_norms[l].numel() == d_ && mlp_out_norms[l].numel() == d_ && windows[l] >= 0 &&
+                  attn_out_norms[l].scalar_type() == torch::kFloat32 && mlp_out_norms[l].scalar_type() == torch::kFloat32,
+                  "DecodeLoop.set_gemma: float32 norms of the hidden size and windows >= 0");
+      layers_[l].attn_out_norm = attn_out_norms[l].contiguous();
+      layers_[l].mlp_out_norm = mlp_out_norms[l].contiguous();
+      layers_[l].window = windows[l];
+      layers_[l].local_rope = local_rope[l];
+    }
+    lcos_ = local_cos.contiguous();
+    lsin_ = local_sin.contiguous();
+    embed_scale_ = static_cast<float>(embed_scale);
+    gelu_ = true;
+  }
+
   // Whether a forward of `rows` rows runs here with the arithmetic decode_layer gives them:
   // with every projection packed, up to kPanelRows rows; without, the few rows the row-major
   // kernel takes (decode_layer hands more to BLAS).
@@ -423,7 +456,7 @@ class DecodeLoop {
     return p.defined() && p.dim() == 3 && (p.scalar_type() == torch::kUInt8 || p.scalar_type() == torch::kChar);
   }
 
-  // Token tok's embedding row into out[0..d - 1].
+  // Token tok's embedding row into out[0..d - 1] (times embed_scale_, Gemma's).
   void embed_row(int64_t tok, float* out) const {
     if (embed_panels_.defined()) {
       q_panel_row(reinterpret_cast<const uint8_t*>(embed_panels_.data_ptr()), embed_panels_.size(2),
@@ -432,6 +465,8 @@ class DecodeLoop {
       const float* e = embed_.data_ptr<float>() + tok * d_;
       std::copy(e, e + d_, out);
     }
+    if (embed_scale_ != 1.f)
+      for (int64_t i = 0; i < d_; ++i) out[i] *= embed_scale_;
   }
 
   template <typename wt>
@@ -490,14 +525,26 @@ class DecodeLoop {
 
   // x[r, :] += (a[r] W^T + bias) for this thread's share of the d output columns (the residual
   // after the output and down projections): tmp holds the product, the sum is x + y as torch's.
+  // With out_norm (Gemma), the product's rows are normed before the sum: every column of them
+  // first (a barrier), then this thread's rows.
   template <typename wt>
-  void add_product(float* x, const float* a, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
-                   const torch::Tensor& bias, float* tmp, int64_t d, int tid, int nt) const {
+  bool add_product(float* x, const float* a, int64_t T, int64_t K, const torch::Tensor& w, const torch::Tensor& panels,
+                   const torch::Tensor& bias, float* tmp, int64_t d, int tid, int nt,
+                   const torch::Tensor& out_norm, SpinBarrier& bar, Halt& halt, int& parity) const {
     product<wt>(a, T, K, w, panels, bias, tmp, d, tid, nt);
+    if (out_norm.defined()) {
+      if (halt.check(bar, tid, parity)) return false;
+      for (int64_t r = tid; r < T; r += nt) {
+        rms_row(tmp + r * d, out_norm.data_ptr<float>(), tmp + r * d, d, eps_);
+        for (int64_t n = 0; n < d; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
+      }
+      return true;
+    }
     int64_t n0, n1;
     columns(d, panels.defined(), tid, nt, n0, n1);
     for (int64_t r = 0; r < T; ++r)
       for (int64_t n = n0; n < n1; ++n) x[r * d + n] = x[r * d + n] + tmp[r * d + n];
+    return true;
   }
 
   // The step's shared buffers (rows are the step's rows, in order).
@@ -534,8 +581,6 @@ class DecodeLoop {
                   int tid, int nt, SpinBarrier& bar, Halt& halt, int& parity, After after) const {
     const int64_t d = d_, H = H_, KVH = KVH_, D = D_, I = I_, group = H / KVH;
     const int64_t width = (H + 2 * KVH) * D, half = rot_ / 2;
-    const float* cosp = cos_.data_ptr<float>();
-    const float* sinp = sin_.data_ptr<float>();
     float* x = bufs.x;
     float* qkv = bufs.qkv;
     float* attn = bufs.attn;
@@ -543,6 +588,11 @@ class DecodeLoop {
     float* act = bufs.act;
     for (size_t li = 0; li < layers_.size(); ++li) {
       const auto& L = layers_[li];
+      const float* cosp = (L.local_rope ? lcos_ : cos_).data_ptr<float>();
+      const float* sinp = (L.local_rope ? lsin_ : sin_).data_ptr<float>();
+      // keys start(r)..ctx[r]-1 of row r's sequence: a sliding window's, or all of them
+      const int64_t win = L.window;
+      auto start = [&](int64_t r) { return window_start(ctx[r], win); };
       // 1. input norm (every thread, all rows) and this thread's q/k/v columns.
       for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.in_norm.data_ptr<float>(), h + r * d, d, eps_);
       product<wt>(h, T, d, L.qkv, L.p_qkv, L.qkv_b, qkv, width, tid, nt);
@@ -550,7 +600,7 @@ class DecodeLoop {
       // 2. per (row, KV head): q/k norm and RoPE, the KV write, attention over the cache.
       {
         int64_t step_ctx = 0;
-        for (int64_t r = 0; r < T; ++r) step_ctx = std::max(step_ctx, ctx[r]);
+        for (int64_t r = 0; r < T; ++r) step_ctx = std::max(step_ctx, ctx[r] - start(r));
         const bool split = bufs.parts && split_attention(T, step_ctx, nt);
         int64_t t0, t1;
         span(T * KVH, tid, nt, t0, t1);
@@ -579,8 +629,8 @@ class DecodeLoop {
             vd[i] = static_cast<kv_t>(vh[i]);
           }
           if (!sync_kv && !split)
-            attend_group(row, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_, attn + r * H * D,
-                         scratch);
+            attend_group(row, kc, vc, rtab[r], ctx[r] - start(r), block_size_, KVH, D, g, group, scale_,
+                         attn + r * H * D, scratch, start(r));
         }
         if (split) {
           // every (row, KV head, chunk) as a task, behind the keys' writes; then each (row, KV
@@ -590,8 +640,8 @@ class DecodeLoop {
           std::vector<int64_t> rbase(T + 1, 0);     // row r's partials start at rbase[r] (in partials)
           int64_t max_chunks = 0;
           for (int64_t r = 0; r < T; ++r) {
-            rbase[r + 1] = rbase[r] + KVH * attn_chunks(ctx[r]);
-            max_chunks = std::max(max_chunks, attn_chunks(ctx[r]));
+            rbase[r + 1] = rbase[r] + KVH * attn_chunks(ctx[r] - start(r));
+            max_chunks = std::max(max_chunks, attn_chunks(ctx[r] - start(r)));
           }
           int64_t c0, c1;
           span(rbase[T], tid, nt, c0, c1);
@@ -601,16 +651,16 @@ class DecodeLoop {
           int64_t k = 0;
           for (int64_t c = 0; c < max_chunks && k < c1; ++c)
             for (int64_t r = 0; r < T && k < c1; ++r) {
-              const int64_t chunks = attn_chunks(ctx[r]);
+              const int64_t s0 = start(r), chunks = attn_chunks(ctx[r] - s0);
               if (c >= chunks) continue;
               for (int64_t g = 0; g < KVH; ++g, ++k)
                 if (k >= c0 && k < c1)
-                  attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r], c, block_size_, KVH, D, g, group, scale_,
-                               scratch, bufs.parts + (rbase[r] + g * chunks + c) * pf, g == 0 || k == c0);
+                  attend_chunk(qkv + r * width, kc, vc, rtab[r], ctx[r] - s0, c, block_size_, KVH, D, g, group,
+                               scale_, scratch, bufs.parts + (rbase[r] + g * chunks + c) * pf, g == 0 || k == c0, s0);
             }
           if (halt.check(bar, tid, parity)) return false;
           for (int64_t rr = 0, task = 0; rr < T; ++rr) {
-            const int64_t chunks = attn_chunks(ctx[rr]);
+            const int64_t chunks = attn_chunks(ctx[rr] - start(rr));
             for (int64_t g = 0; g < KVH; ++g, ++task)
               if (task >= t0 && task < t1)
                 attend_combine(bufs.parts + (rbase[rr] + g * chunks) * pf, chunks, D, g, group, attn + rr * H * D);
@@ -621,14 +671,16 @@ class DecodeLoop {
           // longer prefixes, so a span of the later rows would be most of the work.
           for (int64_t task = tid; task < T * KVH; task += nt) {
             const int64_t r = task / KVH, g = task % KVH;
-            attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r], block_size_, KVH, D, g, group, scale_,
-                         attn + r * H * D, scratch);
+            attend_group(qkv + r * width, kc, vc, rtab[r], ctx[r] - start(r), block_size_, KVH, D, g, group,
+                         scale_, attn + r * H * D, scratch, start(r));
           }
         }
       }
       if (halt.check(bar, tid, parity)) return false;
       // 3. output projection and residual, this thread's columns.
-      add_product<wt>(x, attn, T, H * D, L.o, L.p_o, L.o_b, bufs.tmp, d, tid, nt);
+      if (!add_product<wt>(x, attn, T, H * D, L.o, L.p_o, L.o_b, bufs.tmp, d, tid, nt, L.attn_out_norm, bar, halt,
+                           parity))
+        return false;
       if (halt.check(bar, tid, parity)) return false;
       // 4. post norm (every thread), gate/up and SwiGLU.
       for (int64_t r = 0; r < T; ++r) rms_row(x + r * d, L.post_norm.data_ptr<float>(), h + r * d, d, eps_);
@@ -655,11 +707,13 @@ class DecodeLoop {
           product_range<wt>(h, T, d, L.gu, L.p_gu, bias, gu, 2 * I, I + a0, I + a1);
         }
         for (int64_t r = 0; r < T; ++r)
-          if (a1 > a0) silu_mul(gu + r * 2 * I + a0, gu + r * 2 * I + I + a0, act + r * I + a0, a1 - a0);
+          if (a1 > a0) (gelu_ ? gelu_tanh_mul : silu_mul)(gu + r * 2 * I + a0, gu + r * 2 * I + I + a0, act + r * I + a0, a1 - a0);
       }
       if (halt.check(bar, tid, parity)) return false;
       // 5. down projection and residual.
-      add_product<wt>(x, act, T, I, L.down, L.p_down, L.down_b, bufs.tmp, d, tid, nt);
+      if (!add_product<wt>(x, act, T, I, L.down, L.p_down, L.down_b, bufs.tmp, d, tid, nt, L.mlp_out_norm, bar, halt,
+                           parity))
+        return false;
       if (halt.check(bar, tid, parity)) return false;
       for (int64_t r = tid; r < T; r += nt) after(li, r);
     }
@@ -823,6 +877,9 @@ class DecodeLoop {
   int64_t anchor_tok_ = -1;
   bool pick_probs_ = false;
   torch::Tensor embed_, embed_panels_, final_norm_, lm_head_, lm_head_b_, lm_panels_, cos_, sin_;
+  torch::Tensor lcos_, lsin_;            // Gemma's local layers' rotary tables (set_gemma)
+  float embed_scale_ = 1.f;
+  bool gelu_ = false;                    // GeGLU with tanh GELU instead of SwiGLU (set_gemma)
   int64_t H_, KVH_, D_, block_size_;
   float scale_, eps_, qk_eps_, final_eps_;
   int64_t lm_skinny_rows_;
@@ -874,6 +931,7 @@ void register_decode_loop(pybind11::module& m) {
       .def("set_anchor_token", &DecodeLoop::set_anchor_token)
       .def("set_pick_probs", &DecodeLoop::set_pick_probs)
       .def("set_embed_panels", &DecodeLoop::set_embed_panels)
+      .def("set_gemma", &DecodeLoop::set_gemma)
       .def("forward_supports", &DecodeLoop::forward_supports)
       .def("forward", &DecodeLoop::forward, "one forward of query rows through every layer (CPU, float32)", nogil)
       .def("run", &DecodeLoop::run, "up to `steps` decode steps of a batch (CPU, float32)", nogil);

@@ -19,7 +19,7 @@ from leapfrog.layers.attention import AttnMetadata, StepInterrupted
 from leapfrog.layers.linear import default_weight_loader
 from leapfrog.layers.norm import RMSNorm
 from leapfrog.layers.rotary import RotaryEmbedding
-from leapfrog.models.llama import MLP, DecoderAttention, LlamaForCausalLM, Rope
+from leapfrog.models.llama import MLP, DecoderAttention, DecoderLayer, LlamaForCausalLM, Rope
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # Gemma 3's released models: every sixth layer global, the rest local
@@ -70,7 +70,8 @@ class GeGLU(MLP):
 
 class Gemma3DecoderLayer(nn.Module):
     activation = ("hidden_activation", ACTIVATIONS, "gelu_pytorch_tanh")
-    fusable = False              # the C++ layer and decode loop compute the Llama layer
+    fusable = False              # the one-layer C++ call computes the Llama layer only
+    loopable = True              # the decode loop computes this one (DecodeLoop.set_gemma)
 
     def __init__(self, cfg: dict, flavour: str, layer_idx: int = 0) -> None:
         super().__init__()
@@ -86,6 +87,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = gemma_norm(hidden, eps)
         self.pre_feedforward_layernorm = gemma_norm(hidden, eps)
         self.post_feedforward_layernorm = gemma_norm(hidden, eps)
+
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm
+
+    _fused_weights = DecoderLayer._fused_weights     # the decode loop's weight list
 
     def forward(self, x: torch.Tensor, rope: "GemmaRope", meta: AttnMetadata | None) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm.forward(x), rope.local if self.sliding else rope.full, meta)
@@ -144,4 +151,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits
 
     def decode_loop(self, block_size: int):
-        return None
+        """The C++ decode loop with Gemma's layer (DecodeLoop.set_gemma); none with a final logit
+        soft-cap (Gemma 2's), which the loop's head does not apply."""
+        return None if self.softcap else super().decode_loop(block_size)
+
+    def configure_loop(self, loop) -> None:
+        super().configure_loop(loop)
+        layers = self.model.layers
+        loop.set_gemma([layer.post_attention_layernorm.weight.detach() for layer in layers],
+                       [layer.post_feedforward_layernorm.weight.detach() for layer in layers],
+                       [layer.self_attn.attn.window for layer in layers], [layer.sliding for layer in layers],
+                       self.model.local_rotary_emb.cos, self.model.local_rotary_emb.sin, self.embed_scale)

@@ -99,6 +99,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.fusable = isinstance(self.mlp, MLP)     # forward_fused covers the dense SwiGLU layer
+        self.loopable = self.fusable                 # and so does the decode loop
+
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        """The norm before the MLP (Llama's post_attention_layernorm)."""
+        return self.post_attention_layernorm
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttnMetadata | None) -> torch.Tensor:
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, meta)
@@ -128,14 +134,14 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         w = [self.input_layernorm.weight, kernel_weight(a.qkv_proj), kernel_bias(a.qkv_proj),
              a.q_norm.weight if a.qk_norm else _EMPTY, a.k_norm.weight if a.qk_norm else _EMPTY,
-             kernel_weight(a.o_proj), kernel_bias(a.o_proj), self.post_attention_layernorm.weight,
+             kernel_weight(a.o_proj), kernel_bias(a.o_proj), self.ffn_norm.weight,
              kernel_weight(m.gate_up_proj), kernel_bias(m.gate_up_proj),
              kernel_weight(m.down_proj), kernel_bias(m.down_proj),
              a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
         panels = [kernel_panels(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         if any(p is not None for p in panels):       # medium-row steps: the packed-panel kernel
             w += [p if p is not None else _EMPTY for p in panels]
-        mods = [self.input_layernorm, a.qkv_proj, a.o_proj, self.post_attention_layernorm,
+        mods = [self.input_layernorm, a.qkv_proj, a.o_proj, self.ffn_norm,
                 m.gate_up_proj, m.down_proj] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
         watch = [(mod, name, p, p._version) for mod in mods for name, p in mod._parameters.items()
                  if p is not None]
@@ -406,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         embed = self.model.embed_tokens.weight
         if (not _FUSED_LAYERS or cpu_kernels() is None or embed.device.type != "cpu"
-                or embed.dtype != torch.float32 or not all(layer.fusable for layer in layers)
+                or embed.dtype != torch.float32 or not all(layer.loopable for layer in layers)
                 or attn[0].head_dim % 8 or attn[0].k_cache is None
                 or attn[0].k_cache.dtype not in (torch.float32, torch.float16)):
             return None
@@ -424,17 +430,22 @@ class LlamaForCausalLM(nn.Module):
             a.num_kv_heads, a.head_dim, block_size,
             a.attn.scale, layers[0].input_layernorm.eps, a.q_norm.eps if a.qk_norm else 0.0,
             self.model.norm.eps, skinny_rows_max())
-        if self.coupled_anchor is not None:    # run() takes each row's anchor index
-            loop.set_anchor_token(self.coupled_anchor[1])
-        embed_panels = embedding_panels(self.model.embed_tokens)
-        if embed_panels is not None:
-            loop.set_embed_panels(embed_panels)
+        self.configure_loop(loop)
         watch = [(mod._parameters, name, p) for mod in self.modules()
                  for name, p in mod._parameters.items() if p is not None]
         params = [p for _, _, p in watch]
         self.__dict__["_decode_loop"] = (key, loop, [(d, name) for d, name, _ in watch], params,
                                          [p._version for p in params])
         return loop
+
+    def configure_loop(self, loop) -> None:
+        """What the decode loop needs beyond the layers' weights: the anchor token of a model
+        trained with coupled positions, the embedding's quantized panels."""
+        if self.coupled_anchor is not None:    # run() takes each row's anchor index
+            loop.set_anchor_token(self.coupled_anchor[1])
+        embed_panels = embedding_panels(self.model.embed_tokens)
+        if embed_panels is not None:
+            loop.set_embed_panels(embed_panels)
 
     # --- positions: the model's own contract (coupled positions, `couplets`) --------------
     def rotary_positions(self, seq, start: int, n: int) -> list[int] | range:

@@ -89,11 +89,28 @@ def write_gemma3(path, kind: T = T.F32, seed: int = 0, window: int = WINDOW) -> 
     w.close()
 
 
+@pytest.mark.parametrize("path_", ["layers", "loop"])
 @pytest.mark.parametrize("kind", [T.F32, T.Q8_0], ids=lambda k: k.name)
-def test_gemma3_gives_transformers_logits_past_its_sliding_window(tmp_path, kind):
+def test_gemma3_gives_transformers_logits_past_its_sliding_window(tmp_path, kind, path_, monkeypatch):
+    """Prefill, then every decode step from the layer-by-layer path or from the C++ decode loop
+    (asked for logprobs, it hands each step's logits back)."""
+    from leapfrog.engine import decode_loop
+    monkeypatch.setattr(decode_loop, "ENABLED", path_ == "loop")
     path = tmp_path / f"tiny-gemma3-{kind.name}.gguf"
     write_gemma3(path, kind)
-    llm, outs = assert_logits_match(path, PROMPTS, steps=6)
+    llm = LLM(str(path), block_size=4, matmul_precision="float32")
+    seen = record_logits(llm)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                logprobs=0 if path_ == "loop" else None))
+    assert (llm.engine.decode_loop.num_calls > 0) == (path_ == "loop")
+    ref = transformers_model(path)
+    for out in outs:
+        with torch.no_grad():
+            want = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+        n0 = len(out.prompt_token_ids)
+        assert len(seen[out.request_id]) == 6
+        for i, got in enumerate(seen[out.request_id]):
+            torch.testing.assert_close(got, want[n0 - 1 + i], atol=2e-4, rtol=1e-5)
     model = llm.engine.model
     windows = [layer.self_attn.attn.window for layer in model.model.layers]
     assert windows == [WINDOW] * 5 + [0]
