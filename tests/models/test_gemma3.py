@@ -78,7 +78,7 @@ def write_gemma3(path, kind: T = T.F32, seed: int = 0, window: int = WINDOW) -> 
         tensor(p + "attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
         norm(p + "post_attention_norm.weight", HIDDEN)
         norm(p + "ffn_norm.weight", HIDDEN)
-        tensor(p + "ffn_gate.weight", FFN, HIDDEN)
+        tensor(p + "ffn_gate.weight", FFN, HIDDEN, 0.25)     # gate values of a few units: GELU curves
         tensor(p + "ffn_up.weight", FFN, HIDDEN)
         tensor(p + "ffn_down.weight", HIDDEN, FFN)
         norm(p + "post_ffw_norm.weight", HIDDEN)
@@ -89,13 +89,16 @@ def write_gemma3(path, kind: T = T.F32, seed: int = 0, window: int = WINDOW) -> 
     w.close()
 
 
-@pytest.mark.parametrize("path_", ["layers", "loop"])
+@pytest.mark.parametrize("path_", ["python", "forward", "loop"])
 @pytest.mark.parametrize("kind", [T.F32, T.Q8_0], ids=lambda k: k.name)
 def test_gemma3_gives_transformers_logits_past_its_sliding_window(tmp_path, kind, path_, monkeypatch):
-    """Prefill, then every decode step from the layer-by-layer path or from the C++ decode loop
-    (asked for logprobs, it hands each step's logits back)."""
+    """Prefill, then every decode step: from the Python layers, from one C++ forward a step
+    (DecodeLoop.forward), or from the C++ decode loop (asked for logprobs, it hands each step's
+    logits back)."""
+    import leapfrog.models.llama as llama
     from leapfrog.engine import decode_loop
     monkeypatch.setattr(decode_loop, "ENABLED", path_ == "loop")
+    monkeypatch.setattr(llama, "_FORWARD_LOOP", path_ != "python")
     path = tmp_path / f"tiny-gemma3-{kind.name}.gguf"
     write_gemma3(path, kind)
     llm = LLM(str(path), block_size=4, matmul_precision="float32")
