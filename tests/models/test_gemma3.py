@@ -125,6 +125,26 @@ def test_gemma3_gives_transformers_logits_past_its_sliding_window(tmp_path, kind
         assert ids[0] == 2 and ids == ref.encode(text), (text, ids, ref.encode(text))
 
 
+def test_gemma3_prefill_in_chunks_and_from_the_prefix_cache_keeps_the_window(tmp_path):
+    """A prompt of 94 tokens (twelve windows) prefilled 7 tokens a step, then again from the
+    prefix cache: every step's logits are transformers'."""
+    path = tmp_path / "chunks.gguf"
+    write_gemma3(path, seed=5)
+    ref = transformers_model(path)
+    llm = LLM(str(path), block_size=4, matmul_precision="float32", max_num_batched_tokens=7)
+    seen = record_logits(llm)
+    prompt = " ".join(PROMPTS * 2)
+    for cached in (False, True):
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0))[0]
+        assert (out.metrics.num_cached_prompt_tokens > 0) == cached
+        with torch.no_grad():
+            want = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+        n0 = len(out.prompt_token_ids)
+        assert n0 > 10 * WINDOW and len(seen[out.request_id]) == 4
+        for i, got in enumerate(seen[out.request_id]):
+            torch.testing.assert_close(got, want[n0 - 1 + i], atol=2e-4, rtol=1e-5)
+
+
 def test_gemma3_dense_forward_and_window_edge_equal_transformers(tmp_path):
     """forward_dense (perplexity, eval) with a window shorter than the text, and a window of
     exactly the text's length (no key is dropped), against transformers' full forward."""
