@@ -12,7 +12,7 @@ from pathlib import Path
 from leapfrog.layers.moe import MoESpec, is_moe_layer, moe_spec
 
 EXACT_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
-               "llada2_moe", "deepseek_v3"}
+               "llada2_moe", "deepseek_v3", "gemma3_text"}
 
 
 @dataclass(slots=True)
@@ -51,7 +51,7 @@ def _attention(cfg: dict) -> int:
     qwen2 = cfg.get("model_type", "").startswith("qwen2")
     qkv_bias = cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("use_qkv_bias", qwen2)))
     o_bias = (cfg.get("attention_bias", False) and not qwen2) or cfg.get("use_bias", False)
-    qk_norm = cfg.get("use_qk_norm", cfg.get("model_type") in ("qwen3", "qwen3_moe"))
+    qk_norm = cfg.get("use_qk_norm", cfg.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"))
     qkv = (nh + 2 * nkv) * hd
     return h * qkv + nh * hd * h + bool(qkv_bias) * qkv + bool(o_bias) * h + bool(qk_norm) * 2 * hd
 
@@ -80,7 +80,8 @@ def param_report(cfg: dict) -> ParamReport:
     total = active = 0
     num_moe = 0
     for i in range(num_layers):
-        common = _attention(cfg) + 2 * h
+        # norms: before attention and the MLP; Gemma 3 also after each
+        common = _attention(cfg) + (4 if cfg.get("model_type") == "gemma3_text" else 2) * h
         if spec is not None and is_moe_layer(cfg, i):
             t, a = _moe(h, spec)
             num_moe += 1

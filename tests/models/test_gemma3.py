@@ -160,6 +160,17 @@ def test_gemma3_dense_forward_and_window_edge_equal_transformers(tmp_path):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
 
 
+def test_leapfrog_info_counts_gemma3_parameters_exactly(tmp_path):
+    from leapfrog.models.info import param_report
+    path = tmp_path / "count.gguf"
+    write_gemma3(path)
+    llm = LLM(str(path), matmul_precision="float32")
+    cfg = read_config(llm.engine.model_path)
+    model = Gemma3ForCausalLM(cfg)
+    report = param_report(cfg)
+    assert report.total == sum(p.numel() for p in model.parameters()) and not report.note
+
+
 def test_gemma3_hugging_face_norms_are_applied_as_one_plus_w(tmp_path):
     """A Hugging Face checkpoint stores each norm as w (applied as 1 + w): leapfrog's model loaded
     from transformers' own state dict computes transformers' logits."""
