@@ -18,7 +18,7 @@ from leapfrog.config import packaged_gguf, resolve_model  # noqa: E402
 from leapfrog.layers.linear import default_weight_loader  # noqa: E402
 from leapfrog.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from leapfrog.models.loader import checkpoint_target, load_model, read_config  # noqa: E402
-from test_gguf import assert_logits_match, transformers_model  # noqa: E402
+from test_gguf import assert_steps_match, transformers_model  # noqa: E402
 from test_parity import record_logits  # noqa: E402
 
 # transformers' GGUF config leaves query_pre_attn_scalar at its default, 256: the head size
@@ -106,14 +106,7 @@ def test_gemma3_gives_transformers_logits_past_its_sliding_window(tmp_path, kind
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                 logprobs=0 if path_ == "loop" else None))
     assert (llm.engine.decode_loop.num_calls > 0) == (path_ == "loop")
-    ref = transformers_model(path)
-    for out in outs:
-        with torch.no_grad():
-            want = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
-        n0 = len(out.prompt_token_ids)
-        assert len(seen[out.request_id]) == 6
-        for i, got in enumerate(seen[out.request_id]):
-            torch.testing.assert_close(got, want[n0 - 1 + i], atol=2e-4, rtol=1e-5)
+    assert_steps_match(seen, outs, transformers_model(path), 2e-4, steps=6)
     model = llm.engine.model
     windows = [layer.self_attn.attn.window for layer in model.model.layers]
     assert windows == [WINDOW] * 5 + [0]
@@ -136,13 +129,8 @@ def test_gemma3_prefill_in_chunks_and_from_the_prefix_cache_keeps_the_window(tmp
     prompt = " ".join(PROMPTS * 2)
     for cached in (False, True):
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0))[0]
-        assert (out.metrics.num_cached_prompt_tokens > 0) == cached
-        with torch.no_grad():
-            want = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
-        n0 = len(out.prompt_token_ids)
-        assert n0 > 10 * WINDOW and len(seen[out.request_id]) == 4
-        for i, got in enumerate(seen[out.request_id]):
-            torch.testing.assert_close(got, want[n0 - 1 + i], atol=2e-4, rtol=1e-5)
+        assert (out.metrics.num_cached_prompt_tokens > 0) == cached and len(out.prompt_token_ids) > 10 * WINDOW
+        assert_steps_match(seen, [out], ref, 2e-4, steps=4)
 
 
 def test_gemma3_dense_forward_and_window_edge_equal_transformers(tmp_path):

@@ -150,14 +150,20 @@ def assert_logits_match(path, prompts=PROMPTS, atol=2e-4, steps: int = 4):
     llm = LLM(str(path), block_size=4, matmul_precision="float32")      # exact products: transformers'
     seen = record_logits(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-    ref = transformers_model(path)
+    assert_steps_match(seen, outs, transformers_model(path), atol)
+    return llm, outs
+
+
+def assert_steps_match(seen: dict, outs: list, ref, atol: float, steps: int | None = None) -> None:
+    """The logits each request's steps received (record_logits) equal the reference model's
+    at the same positions of the request's whole text; with `steps`, every step was seen."""
     for out in outs:
         with torch.no_grad():
             ref_logits = ref(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
         n0 = len(out.prompt_token_ids)
+        assert steps is None or len(seen[out.request_id]) == steps
         for i, got in enumerate(seen[out.request_id]):
             torch.testing.assert_close(got, ref_logits[n0 - 1 + i], atol=atol, rtol=1e-5)
-    return llm, outs
 
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K,
