@@ -52,8 +52,8 @@ class StepInterrupted(Exception):
 
 
 class Attention(nn.Module):
-    """`window` > 0: a sliding window's layer (Gemma 3's local layers, Mistral's), where a query
-    at position i sees keys i - window + 1 .. i only."""
+    """`window` > 0: a sliding window's layer (Gemma 3's local layers), where a query at
+    position i sees keys i - window + 1 .. i only."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> None:
         super().__init__()

@@ -131,7 +131,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return GemmaRope(Rope(self.model.local_rotary_emb, positions, dtype), Rope(self.model.rotary_emb, positions, dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(input_ids) * self.embed_scale
+        x = super().embed(input_ids)
+        # the scale rounded to the activations' type first, as Hugging Face's Gemma does
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def _layers(self, x: torch.Tensor, rope: GemmaRope, meta: AttnMetadata | None, layer_ids: range,
                 capture_layers: tuple[int, ...], fused: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
