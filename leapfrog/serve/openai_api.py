@@ -18,10 +18,9 @@ from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, ParamError, Sampli
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
 from leapfrog.serve.tools import ToolPlan, check_history, check_tool_schemas, parse_reply, plan_tools, render_messages
-from leapfrog.tokenizer import encode_chat, open_final_message
+from leapfrog.tokenizer import FALLBACK_REPLY, encode_chat, fallback_chat, open_final_message
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-FALLBACK_CHAT = "{role}: {content}\n"           # for models that ship no chat template
 
 
 @dataclass(slots=True)
@@ -356,10 +355,10 @@ def render_chat(req: ChatRequest, tokenizer: Any, limits: Limits, tools: ToolPla
             raise bad_request("this model has no chat template, and its vocabulary cannot spell the plain "
                               "'role: content' lines used in its place; send the prompt to /v1/completions",
                               "messages", "no_chat_template")
-        text = "".join(FALLBACK_CHAT.format(**m) for m in messages)
+        text = fallback_chat(messages, add_generation_prompt=False)
         if cont:
             text = text.removesuffix("\n")     # the last line left open (FALLBACK_CHAT ends each with one)
-        text += "assistant:" if req.add_generation_prompt else ""
+        text += FALLBACK_REPLY if req.add_generation_prompt else ""
     return truncated(encode_chat(tokenizer, text), keep)
 
 
@@ -369,7 +368,7 @@ def can_spell_fallback_chat(tokenizer: Any) -> bool:
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is None:
         return True
-    probe = "".join(FALLBACK_CHAT.format(role=r, content="") for r in CHAT_ROLES) + "assistant:"
+    probe = fallback_chat([{"role": r, "content": ""} for r in CHAT_ROLES])
     return unk not in tokenizer.encode(probe, add_special_tokens=False)
 
 
