@@ -22,6 +22,7 @@ def configs(args: argparse.Namespace) -> list[Contender]:
     out = [Contender("ar", "ar", model=args.ar_model)]
     semi = getattr(args, "semi_threshold", None)
     later = getattr(args, "later_threshold", None)
+    add = getattr(args, "add_threshold", None)
     floors = getattr(args, "floors", None) or [None]
     modes = [False, True] if getattr(args, "verify", False) else [False]
     for verify, floor in ((v, f) for v in modes for f in floors):
@@ -38,6 +39,9 @@ def configs(args: argparse.Namespace) -> list[Contender]:
                 if later is not None and n > 1 and not verify:
                     opts["later_threshold"] = later
                     label += f" τ_later={later:g}"
+                if add is not None and n > 1:        # when the next block joins (MBD's τ_add)
+                    opts["add_threshold"] = add
+                    label += f" τ_add={add:g}"
                 if floor is not None:
                     opts["floor"] = floor
                     label += f" {floor}" if len(floors) > 1 else ""
@@ -245,6 +249,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--later-threshold", type=float, default=None,
                    help="τ_later for the N > 1 configs: the confidence a block after the first "
                         "unfinished one needs (default: the config's τ)")
+    g.add_argument("--add-threshold", type=float, default=None,
+                   help="τ_add for the N > 1 configs: the next block joins once the last active one is "
+                        "this far decided (default: the method's, 0.1)")
     g.add_argument("--semi-threshold", type=float, default=None,
                    help="τ_semi for the N > 1 configs: a later block may be forced forward once its "
                         "predecessor is this far decided (default: the method's, 0.9)")
