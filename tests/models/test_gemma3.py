@@ -159,6 +159,20 @@ def test_leapfrog_info_counts_gemma3_parameters_exactly(tmp_path):
     assert report.total == sum(p.numel() for p in model.parameters()) and not report.note
 
 
+def test_a_model_without_a_chat_template_gets_the_servers_plain_lines_in_the_bench(tmp_path):
+    """The speculative suite on a base model (the file has no chat template): its chat prompt
+    sets are the `role: content` lines the server sends such a model, not an error."""
+    from leapfrog.bench.speculative import prompt_set
+    from leapfrog.data.chat_prompts import open_prompts
+    from leapfrog.tokenizer import Tokenizer
+    path = tmp_path / "base.gguf"
+    write_gemma3(path)
+    tok = Tokenizer.from_folder(resolve_model(path))
+    assert not tok.has_chat_template
+    text = tok.decode(prompt_set("open", 2, tok)[0])
+    assert text.startswith("user: ") and text.endswith("\nassistant:") and open_prompts(1)[0] in text
+
+
 def test_gemma3_hugging_face_norms_are_applied_as_one_plus_w(tmp_path):
     """A Hugging Face checkpoint stores each norm as w (applied as 1 + w): leapfrog's model loaded
     from transformers' own state dict computes transformers' logits."""
