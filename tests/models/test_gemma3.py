@@ -224,6 +224,7 @@ def test_gemma3_270m_logits_equal_transformers_on_its_own_file(tmp_path):
 
 
 def test_gemma3_270m_completes_sensibly_with_its_int8_default():
+    gemma3_file()
     llm = LLM("gemma3")
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))[0]
     assert "Paris" in out.outputs[0].text or "France" in out.outputs[0].text, out.outputs[0].text
