@@ -254,6 +254,7 @@ def test_smollm2_chats_through_its_own_template():
     # float32 products (transformers' arithmetic, which answers "Paris"); the folder's default, int8
     # products, answers as llama.cpp on the same file does ("L'Étoile, la Marseillaise, ...": its
     # first token is 0.08 nats from "The" in float32)
+    smollm2_file()
     llm = LLM("smollm2", matmul_precision="float32")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0))
