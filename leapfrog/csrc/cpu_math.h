@@ -1295,29 +1295,36 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
 // taken as signed (q - 128) with their sign moved onto the activation, and 128 times the block's
 // activation sum is added back. Integer sums are exact, and the float steps are the VNNI tile's,
 // so both give the same bits. Two 8-column halves per 16-column panel.
+//
+// Sixteen vector registers hold the block's integer sums (2 a row) and the decoded weights; the
+// float accumulators live in `out` (read and written once a block). Each integer sum is pinned
+// to its register after every add: left free, the compiler reorders the additions (integer sums
+// are associative) into all the products first, spilled to the stack, then the sums.
 template <int R, int BITS>
 static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int64_t NB, const uint8_t* pw,
                                      float* out) {
   constexpr int64_t BB = BITS == 4 ? kQ4PanelBytes : kQ8PanelBytes;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, _mm256_setzero_ps());
+    _mm256_storeu_ps(out + r * kPanel + 8, _mm256_setzero_ps());
+  }
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = pw + b * BB;
     q_prefetch_block(blk, BB);
-    __m256 d0, d1, m0, m1;
-    q_block_scales8(blk, d0, d1, m0, m1);
     const uint8_t* q = blk + 64;
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      __m256i w[2];
+      __m256i w[2], wabs[2];
       for (int h = 0; h < 2; ++h) {
         if (BITS == 4) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g / 2) * 64 + h * 32));
           w[h] = (g & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
         } else {
           w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 64 + h * 32)), flip);
+          wabs[h] = _mm256_abs_epi8(w[h]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1328,30 +1335,29 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
           if (BITS == 4) {            // 8 groups of pair sums (each |.| <= 2 * 15 * 127) fit 16 bits
             s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(w[h], xv));
           } else {
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w[h]), _mm256_sign_epi8(xv, w[h]));
+            const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, w[h]));
             s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(pairs, ones));
           }
+          asm("" : "+x"(s[r][h]));
         }
       }
     }
-    if (BITS == 4)
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) s[r][h] = _mm256_madd_epi16(s[r][h], ones);
+    __m256 d0, d1, m0, m1;
+    q_block_scales8(blk, d0, d1, m0, m1);
     for (int r = 0; r < R; ++r) {
       const float a = xq.a[(r0 + r) * NB + b];
       const int32_t xs = xq.sum[(r0 + r) * NB + b];
       const __m256 av = _mm256_set1_ps(a), mv = _mm256_set1_ps(xq.am[(r0 + r) * NB + b]);
       const __m256i back = _mm256_set1_epi32(BITS == 4 ? 0 : 128 * xs);
       for (int h = 0; h < 2; ++h) {
-        const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r][h], back)), av);
-        acc[r][h] = _mm256_fmadd_ps(h ? d1 : d0, sf, acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(h ? m1 : m0, mv, acc[r][h]);
+        const __m256i s32 = BITS == 4 ? _mm256_madd_epi16(s[r][h], ones) : s[r][h];
+        const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s32, back)), av);
+        __m256 acc = _mm256_loadu_ps(out + r * kPanel + 8 * h);
+        acc = _mm256_fmadd_ps(h ? d1 : d0, sf, acc);
+        acc = _mm256_fmadd_ps(h ? m1 : m0, mv, acc);
+        _mm256_storeu_ps(out + r * kPanel + 8 * h, acc);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * kPanel, acc[r][0]);
-    _mm256_storeu_ps(out + r * kPanel + 8, acc[r][1]);
   }
 }
 #endif
