@@ -28,8 +28,10 @@ PARAMS = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=17, temperature=0.7, top_k=8, seed=11, ignore_eos=True)]
 
 
-def run(engine: LLMEngine, priorities: list[int], interrupt_before=lambda step: False) -> dict[str, list[int]]:
-    """Drive the engine as the server's engine thread does: clear the flag, then step."""
+def run(engine: LLMEngine, priorities: list[int], interrupt_before=lambda step: False,
+        seconds: list[float] | None = None) -> dict[str, list[int]]:
+    """Drive the engine as the server's engine thread does: clear the flag, then step (each
+    step's wall time appended to `seconds`, when given)."""
     for k, (prompt, params, priority) in enumerate(zip(PROMPTS, PARAMS, priorities)):
         engine.add_request(prompt, params, request_id=f"r{k}", priority=priority)
     out, step = {}, 0
@@ -37,9 +39,12 @@ def run(engine: LLMEngine, priorities: list[int], interrupt_before=lambda step: 
         engine.clear_interrupt()
         if interrupt_before(step):
             engine.interrupt_background()
+        t0 = time.perf_counter()
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = o.token_ids
+        if seconds is not None:
+            seconds.append(time.perf_counter() - t0)
         step += 1
         assert step < 2000, "no progress under interrupts"
     engine.clear_interrupt()
@@ -80,17 +85,22 @@ def test_live_calls_finish_their_first_step(llama_dir):
 
 def test_interrupts_from_another_thread_mid_step(monkeypatch):
     """The flag set at random moments by another thread, as the server's event loop sets it:
-    background forwards stop wherever they are (a decode call mid-step, a prefill mid-layer)."""
+    background forwards stop wherever they are (a decode call mid-step, a prefill mid-layer).
+    The pokes come at random intervals up to a little more than the longest step of the same
+    requests uninterrupted (the prefill, which keeps nothing when cut), so on any CPU most steps
+    are cut somewhere inside and some run whole."""
     for enabled in ((True, False) if cpu_kernels() is not None else (False,)):
         monkeypatch.setattr(decode_loop, "ENABLED", enabled)
-        plain = run(LLMEngine("stories", num_scheduler_steps=16), [BACKGROUND_PRIORITY] * 4)
+        seconds: list[float] = []
+        plain = run(LLMEngine("stories", num_scheduler_steps=16), [BACKGROUND_PRIORITY] * 4, seconds=seconds)
+        longest = max(seconds)
         engine = LLMEngine("stories", num_scheduler_steps=16)
         stop = threading.Event()
         rng = random.Random(5)
 
         def poke():
             while not stop.is_set():
-                time.sleep(rng.uniform(0.0005, 0.004))
+                time.sleep(rng.uniform(0.1, 1.5) * longest)
                 engine.interrupt_background()
         poker = threading.Thread(target=poke, daemon=True)
         poker.start()
