@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from leapfrog import LLM, SamplingParams  # noqa: E402
 from leapfrog.config import packaged_gguf  # noqa: E402
-from leapfrog.checkpoint.gguf import CheckpointError  # noqa: E402
+from leapfrog.checkpoint.gguf import CheckpointError, plain_reader_class  # noqa: E402
 from test_parity import record_logits  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2       # rows of 256: the K-quants' block
@@ -141,8 +141,18 @@ def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: 
 
 
 def transformers_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    """transformers' GGUF model of the file. Its loader reads the file twice with the gguf
+    package's reader; the subclass leapfrog reads with (the same reader over a plain array view
+    of the mapping: the same fields and tensors, test_the_plain_reader_reads_what_the_gguf_package_reads)
+    halves that for a large vocabulary."""
+    import gguf
+    original = gguf.GGUFReader
+    gguf.GGUFReader = plain_reader_class()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader = original
 
 
 def assert_logits_match(path, prompts=PROMPTS, atol=2e-4, steps: int = 4):
@@ -168,6 +178,24 @@ def assert_steps_match(seen: dict, outs: list, ref, atol: float, steps: int | No
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K,
          T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS]
+
+
+def test_the_plain_reader_reads_what_the_gguf_package_reads(tmp_path):
+    """The reader over a plain view of the mapping finds every field and tensor the gguf
+    package's own reader finds, byte for byte, without a memmap slice per value."""
+    import gguf
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", T.Q4_K)
+    ours, theirs = plain_reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields) and len(theirs.fields) > 10
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types and mine.data == field.data and mine.offset == field.offset
+        assert all(np.array_equal(a, b) and type(a) is np.ndarray for a, b in zip(mine.parts, field.parts))
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
