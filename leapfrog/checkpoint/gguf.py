@@ -73,9 +73,10 @@ def is_gguf(path: str | os.PathLike) -> bool:
 def plain_reader_class() -> type:
     """The gguf package's reader, over its file mapping as a plain numpy array. The reader maps
     the file with np.memmap and slices it once per metadata value (a million times for a
-    vocabulary of 262k tokens); a memmap's slices are memmaps, each costing the subclass's
-    bookkeeping, about half of the read. The same mapping seen as an ndarray reads the same
-    bytes in half the time. (deferred: the gguf package loads only when a GGUF file is read)"""
+    vocabulary of 262k tokens); a memmap's slices are memmaps, each paying the subclass's
+    bookkeeping. The same mapping seen as an ndarray gives the same bytes without it
+    (docs/decisions.md, "The gguf reader over a plain array"). (deferred: the gguf package loads
+    only when a GGUF file is read)"""
     global _PlainReader
     if _PlainReader is None:
         import numpy as np

@@ -142,9 +142,9 @@ def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: 
 
 def transformers_model(path):
     """transformers' GGUF model of the file. Its loader reads the file twice with the gguf
-    package's reader; the subclass leapfrog reads with (the same reader over a plain array view
-    of the mapping: the same fields and tensors, test_the_plain_reader_reads_what_the_gguf_package_reads)
-    halves that for a large vocabulary."""
+    package's reader; it gets the subclass leapfrog reads with (the same reader over a plain
+    array view of the mapping: the same fields and tensors,
+    test_the_plain_reader_reads_what_the_gguf_package_reads), quicker for a large vocabulary."""
     import gguf
     original = gguf.GGUFReader
     gguf.GGUFReader = plain_reader_class()
