@@ -1338,7 +1338,7 @@ static inline void q_panel_tile_int8(const QRows& xq, int64_t r0, int64_t K, int
             const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, w[h]));
             s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(pairs, ones));
           }
-          asm("" : "+x"(s[r][h]));
+          asm("" : "+v"(s[r][h]));
         }
       }
     }
