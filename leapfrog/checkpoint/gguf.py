@@ -3,6 +3,7 @@ from the file itself.
 (What it does and why in full: docs/architecture.md, "Modules in detail".)"""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -70,6 +71,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() == GGUF_SUFFIX and Path(path).is_file()
 
 
+@functools.cache
 def plain_reader_class() -> type:
     """The gguf package's reader, over its file mapping as a plain numpy array. The reader maps
     the file with np.memmap and slices it once per metadata value (a million times for a
@@ -77,25 +79,18 @@ def plain_reader_class() -> type:
     bookkeeping. The same mapping seen as an ndarray gives the same bytes without it
     (docs/decisions.md, "The gguf reader over a plain array"). (deferred: the gguf package loads
     only when a GGUF file is read)"""
-    global _PlainReader
-    if _PlainReader is None:
-        import numpy as np
-        from gguf import GGUFReader
+    from gguf import GGUFReader
 
-        class PlainReader(GGUFReader):
-            @property
-            def data(self) -> Any:
-                return self._plain_data
+    class PlainReader(GGUFReader):
+        @property
+        def data(self) -> Any:
+            return self._plain_data
 
-            @data.setter
-            def data(self, value: Any) -> None:
-                self._plain_data = np.asarray(value)       # a view: the mapping stays its base
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._plain_data = np.asarray(value)       # a view: the mapping stays its base
 
-        _PlainReader = PlainReader
-    return _PlainReader
-
-
-_PlainReader: type | None = None
+    return PlainReader
 
 
 def _reader(path: Path) -> Any:
