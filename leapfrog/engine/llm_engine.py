@@ -349,6 +349,10 @@ class LLMEngine:
                 return (self._run_batch(replace(batch, seqs=batch.seqs[:half]))
                         + self._run_batch(replace(batch, seqs=batch.seqs[half:])))
             seq = batch.seqs[0].seq
+            if isinstance(exc, ParamError):     # the request's own fault (a constraint past its limits): a 400
+                log.warning("request %s failed in its step: %s", seq.request_id, exc)
+                self.scheduler.finish(seq, f"error:param:{exc.field}:{exc}")
+                return []
             log.exception("request %s failed in its step", seq.request_id)
             self.scheduler.finish(seq, f"error:{type(exc).__name__}: {exc}")
             return []

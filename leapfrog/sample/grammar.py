@@ -87,7 +87,8 @@ def _short(text: str) -> str:
 
 def _cache_key(spec: StructuredOutputs) -> tuple:
     if spec.json is not None and not isinstance(spec.json, str):
-        return "json", json.dumps(spec.json, sort_keys=True)
+        # not sorted: a schema's property order is the order its JSON is written in
+        return "json", json.dumps(spec.json)
     return spec.kind, spec.json if spec.json is not None else (spec.regex or spec.grammar or spec.choice)
 
 
@@ -125,6 +126,13 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         llg = _llguidance()
         matcher = llg.LLMatcher(self.lltok, grammar_text(spec), log_level=0, limits=self.limits)
+        if not matcher.is_error():
+            # some grammars fail only when their first mask is computed (a schema that refers
+            # to itself and nothing else); a copy computes it, so those are a 400 too
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                matcher = probe
         if matcher.is_error():
             raise ParamError(spec.field, f"{spec.field}: the {spec.kind} cannot be compiled: "
                              f"{_short(matcher.get_error())}")
@@ -140,7 +148,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
         """A fresh matcher of `spec` for one request (JSON kinds with the digit-run cap)."""
         digits = self.digits if spec.kind in ("json", "json_object") else None
-        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.eos)
+        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.eos, spec)
 
 
 class DigitRuns:
@@ -185,18 +193,33 @@ def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
         return table[vocab_size]
 
 
+class GrammarLimitError(ParamError):
+    """A constraint that compiled but went past the grammar engine's limits while decoding (a
+    row of the parser's items too long, a rule that can never produce a token): the request
+    fails with a 400 naming its field, rather than going on unconstrained."""
+
+
 class GrammarMatch:
     """One request's matcher and the tokens it has consumed (its output, then perhaps drafts)."""
-    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "eos")
+    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "eos", "spec")
 
     def __init__(self, matcher: Any, vocab_size: int, digits: DigitRuns | None = None,
-                 eos: frozenset = frozenset()) -> None:
+                 eos: frozenset = frozenset(), spec: StructuredOutputs | None = None) -> None:
         self.matcher = matcher
         self.consumed: list[int] = []
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.digits = digits            # JSON kinds: end digit runs at MAX_DIGIT_RUN
         self.eos = eos
+        self.spec = spec
+
+    def _check(self) -> None:
+        """Raise GrammarLimitError when the matcher has failed (it then allows every token)."""
+        if self.matcher.is_error():
+            field = self.spec.field if self.spec is not None else "structured_outputs"
+            kind = self.spec.kind if self.spec is not None else "constraint"
+            raise GrammarLimitError(field, f"{field}: the {kind} went past the grammar engine's limits while "
+                                           f"decoding: {_short(self.matcher.get_error())}")
 
     def sync(self, history: list[int]) -> bool:
         """Stand after `history` (the request's output tokens, then drafts); False when some of
@@ -214,6 +237,7 @@ class GrammarMatch:
             return True
         took = self.matcher.try_consume_tokens(rest)
         self.consumed.extend(rest[:took])
+        self._check()
         if took == len(rest):
             return True
         # Past the constraint's end (ignore_eos keeps a request going): the mask of a stopped
@@ -231,6 +255,7 @@ class GrammarMatch:
         After MAX_DIGIT_RUN digits, a JSON constraint's all-digit tokens are taken away where the
         grammar allows anything else."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        self._check()
         if self.digits is not None and self.digits.run(self.consumed) >= MAX_DIGIT_RUN:
             kept = row & self.digits.keep[:row.numel()]
             if bool(kept.any()):
@@ -248,6 +273,9 @@ class GrammarMatch:
         reached = 0
         for j in range(rows):
             if not self.sync(output + drafts[:j]):
+                if j == 0:      # every output token was sampled under the mask
+                    raise RuntimeError(f"the output broke its {self.spec.kind if self.spec else 'constraint'} "
+                                       f"after {len(self.consumed)} tokens")
                 break
             self.fill(bits[j])
             reached += 1
@@ -273,8 +301,9 @@ class LoopMasks:
                 continue
             n = int(produced[b])
             history = self.outputs[b] + out[b, :n].tolist() if n else self.outputs[b]
-            if seq.grammar.sync(history):
-                seq.grammar.fill(self.bits[b])
+            if not seq.grammar.sync(history):
+                raise RuntimeError(f"the output broke its constraint after {len(seq.grammar.consumed)} tokens")
+            seq.grammar.fill(self.bits[b])
 
     def loop_args(self) -> tuple:
         """LoopCall.masks."""

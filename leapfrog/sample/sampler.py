@@ -59,7 +59,11 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
         logits.masked_fill_(banned, float("-inf"))
     ban = [t for t in (*seq.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
     narrowed = seq.grammar is not None or p.allowed_token_ids is not None
-    before_ban = logits.clone() if narrowed and ban and seq.num_output_tokens < p.min_tokens else None
+    # Bans below can leave a narrowed row nothing: the end tokens min_tokens takes away, or, under
+    # a constraint, bad_words and processors' -inf. The constraint (or allowed set) then wins.
+    banning = (bool(ban) and seq.num_output_tokens < p.min_tokens) or (
+        seq.grammar is not None and (bool(seq.bad_words_ids) or bool(p.logits_processors)))
+    before_ban = logits.clone() if narrowed and banning else None
     for j in range(rows):
         if seq.bad_words_ids:
             history = seq.output_ids + drafts[:j]
@@ -75,7 +79,7 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
                 logits[j].copy_(process(history, logits[j]))
     if seq.grammar is not None:
         seq.grammar.mask_rows(logits, seq.output_ids, drafts)
-    if before_ban is not None:      # a grammar or allowed set that leaves only the end: it wins over min_tokens
+    if before_ban is not None:      # a grammar or allowed set that the bans leave empty: it wins
         dead = torch.isneginf(logits).all(-1)
         if bool(dead.any()):
             if seq.grammar is not None:

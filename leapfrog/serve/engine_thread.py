@@ -16,7 +16,7 @@ from typing import Any, Callable
 from leapfrog.engine.llm_engine import release_freed_heap
 from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.outputs import RequestOutput
-from leapfrog.sampling_params import BACKGROUND_PRIORITY, SamplingParams
+from leapfrog.sampling_params import BACKGROUND_PRIORITY, ParamError, SamplingParams
 from leapfrog.serve.line import DrainRate
 from leapfrog.serve.metrics import ServerMetrics
 
@@ -344,7 +344,7 @@ class AsyncEngine:
             if out.finished and (out.finish_reason or "").startswith("error"):
                 del self._tracked[out.request_id]
                 self.metrics.finished("error")
-                batch.append((tracked.sink, (out.request_id, EngineError(_error_message(out.finish_reason)))))
+                batch.append((tracked.sink, (out.request_id, _error_of(out.finish_reason))))
                 continue
             self._record(tracked, out, now)
             if out.finished:
@@ -420,12 +420,16 @@ def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     return 2 * longest * max_model_len + 1024
 
 
-def _error_message(finish_reason: str) -> str:
-    """The engine finishes a request that failed on its own with reason 'error:<why>'."""
+def _error_of(finish_reason: str) -> Exception:
+    """The engine finishes a request that failed on its own with reason 'error:<why>';
+    'error:param:<field>:<message>' is the request's own fault, a 400 naming the field."""
     why = finish_reason.partition(":")[2]
+    if why.startswith("param:"):
+        field, _, message = why[len("param:"):].partition(":")
+        return ParamError(field, message)
     if why == "kv_cache_too_small":
-        return "the request needs more KV cache than the server has"
-    return f"this request failed: {why or 'unknown error'}"
+        return EngineError("the request needs more KV cache than the server has")
+    return EngineError(f"this request failed: {why or 'unknown error'}")
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, tuple]]) -> None:

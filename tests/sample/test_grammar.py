@@ -332,3 +332,56 @@ def test_ignore_eos_after_the_constraint_ends_gives_end_tokens_on_every_path(lla
         assert end is not None, (p.structured_outputs, a.text, a.token_ids)
         assert set(a.token_ids[end:]) <= eos, a.token_ids
         assert a.finish_reason == "length"
+
+
+# --- defects: a constraint never silently dropped -----------------------------------------------
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}   # compiles, fails decoding
+
+
+def test_a_schema_whose_first_mask_fails_is_refused_when_compiled(tok):
+    loop = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    with pytest.raises(ParamError, match="cannot be compiled") as err:
+        compiler_for(tok, 384).compile(SO(json=loop, field="guided_json"))
+    assert err.value.field == "guided_json"
+
+
+def test_a_constraint_past_the_engines_limits_fails_its_request_alone(ar_llm):
+    """A grammar that goes past llguidance's limits while decoding ends its request with an
+    error naming the field (the server's 400), never with unconstrained text; the requests
+    beside it go on as without it, in the C++ loop and in the one-step path alike."""
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in ar_llm.generate(PROMPTS, free)]
+    wide = SamplingParams(max_tokens=16, temperature=0, structured_outputs=SO(json=WIDE, field="guided_json"))
+    for params in ([free, wide, free], [free, SamplingParams(max_tokens=16, temperature=0, logprobs=1,
+                                                              structured_outputs=wide.structured_outputs), free]):
+        outs = ar_llm.generate(PROMPTS, params)
+        assert outs[1].finish_reason.startswith("error:param:guided_json:"), outs[1].finish_reason
+        assert "limits" in outs[1].finish_reason
+        assert outs[0].token_ids == want[0] and outs[2].token_ids == want[2]
+
+
+def test_bad_words_never_take_a_constraint_away(ar_llm, tok):
+    """bad_words that ban every token the constraint allows leave the constraint the tokens it
+    allows (it wins, as it does over min_tokens)."""
+    words = ["yes", "no", "maybe"]
+    for t in (0, 1.0):
+        params = SamplingParams(max_tokens=12, temperature=t, seed=4, bad_words=words,
+                                structured_outputs=SO(choice=words))
+        for o in ar_llm.generate(PROMPTS, params):
+            assert o.finish_reason == "stop" and o.text in words, o.text
+    # a ban that leaves some allowed tokens still bans ("y" is one token of this vocabulary)
+    assert len(tok.encode("y", add_special_tokens=False)) == 1
+    params = SamplingParams(max_tokens=12, temperature=0, bad_words=["y"], structured_outputs=SO(choice=words))
+    for o in ar_llm.generate(PROMPTS, params):
+        assert o.text in ("no", "maybe"), o.text
+
+
+def test_property_order_is_the_schemas_own(ar_llm):
+    """Two schemas that differ only in property order are two grammars (the compile cache keys
+    them as written), so each reply writes its keys in its own schema's order."""
+    for order in (["first", "second"], ["second", "first"]):
+        schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in order},
+                  "required": ["first", "second"], "additionalProperties": False}
+        out = ar_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0,
+                                                          structured_outputs=SO(json=schema)))[0]
+        assert list(json.loads(out.text)) == order, out.text

@@ -13,6 +13,8 @@ import regex
 
 from test_server_common import ServerThread, post
 
+# compiles, then goes past llguidance's limits (a parser row of 2,000 items) at its first tokens
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["mood", "count"], "additionalProperties": False}
@@ -73,6 +75,16 @@ def test_a_stream_under_a_constraint_joins_to_a_conforming_reply(server):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_a_constraint_that_fails_while_streaming_ends_in_an_error_naming_its_field(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+            "stream": True, "guided_json": WIDE}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(f)["error"] for f in frames if f.startswith("{") and "error" in json.loads(f)]
+    assert errors and errors[0]["param"] == "guided_json" and "limits" in errors[0]["message"], frames
+    assert frames[-1] == "[DONE]"
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
      "response_format"),
@@ -86,6 +98,9 @@ def test_a_stream_under_a_constraint_joins_to_a_conforming_reply(server):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"nosuch": 1}}, "structured_outputs.nosuch"),
+    ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "guided_json"),  # no first mask
+    ({"guided_json": WIDE}, "guided_json"),            # past the grammar engine's limits once decoding
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": WIDE}}}, "response_format"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, fields, param):
     r = chat(server, **fields)
@@ -106,6 +121,7 @@ def test_bad_constraints_leave_requests_in_flight_unharmed(server):
     for _ in range(6):
         assert chat(server, guided_regex="([a-z]").status_code == 400
         assert chat(server, guided_json={"type": "object", "properties": {"a": {"type": 5}}}).status_code == 400
+    assert chat(server, guided_json=WIDE).status_code == 400
     for t in threads:
         t.join()
     assert got == [want] * 3
