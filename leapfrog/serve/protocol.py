@@ -186,7 +186,7 @@ class ChatRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = Field(None, max_length=1)    # a text reply is what there is
     tools: list[dict] | None = Field(None, max_length=128)     # OpenAI's tool objects (serve/tools.py checks them)
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None      # None: true, OpenAI's default
 
 
 class TokenizeRequest(StrictModel):

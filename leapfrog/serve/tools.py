@@ -90,7 +90,7 @@ def plan_tools(req: Any) -> ToolPlan:
             raise bad_request(f"{where}.function: unknown field {sorted(extra)[0]!r}", f"{where}.function",
                               "unknown_field")
     choice = req.tool_choice
-    plan = ToolPlan(tools=list(tools), parallel=req.parallel_tool_calls)
+    plan = ToolPlan(tools=list(tools), parallel=req.parallel_tool_calls is not False)   # null: the default
     if choice is None:
         plan.mode = "auto" if tools else "none"
     elif isinstance(choice, str):
@@ -203,12 +203,23 @@ def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
         except ValueError:          # cut short by max_tokens: no call can be read
             return text, []
         return None, [make_call(c["name"], c.get("parameters", {})) for c in items if isinstance(c, dict)]
-    return parse_auto(text, {t["function"]["name"] for t in plan.tools})
+    return parse_auto(text, {t["function"]["name"] for t in plan.tools}, plan.parallel)
 
 
-def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
-    """Hermes <tool_call> blocks, or a reply that is one {"name", "arguments"} object; calls of
-    unknown functions or with unreadable JSON stay text."""
+def parse_auto(text: str, names: set[str], parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, calls) of an `auto` reply (split_auto), the content stripped."""
+    pieces, calls = split_auto(text, names, parallel)
+    if not calls:
+        return text, []
+    content = "".join(pieces).strip()
+    return content or None, calls
+
+
+def split_auto(text: str, names: set[str], parallel: bool = True) -> tuple[list[str], list[dict]]:
+    """(the text outside the calls, as written; the calls) of an `auto` reply: Hermes
+    <tool_call> blocks, or a reply that is one {"name", "arguments"} object. Calls of unknown
+    functions or with unreadable JSON stay text; with parallel_tool_calls false only the first
+    call is returned (vLLM's rule), and the text of later calls is dropped with them."""
     calls, kept, pos = [], [], 0
     for m in re.finditer(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", text, re.S):
         call = _read_call(m.group(1), names)
@@ -219,10 +230,9 @@ def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
         calls.append(call)
     if not calls:
         call = _read_call(text.strip(), names)
-        return (None, [call]) if call is not None else (text, [])
+        return ([], [call]) if call is not None else ([text], [])
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return content or None, calls
+    return kept, calls if parallel else calls[:1]
 
 
 def _read_call(body: str, names: set[str]) -> dict | None:
@@ -256,12 +266,12 @@ class ToolStream:
         if not plan.active:
             return delta, [], False
         if plan.mode == "named":
-            out = []
+            out = []          # one entry per index a chunk, as OpenAI sends: the first carries the header
             if not self.named_started:
                 self.named_started = True
                 out.append({"index": 0, "id": self.named_id, "type": "function",
-                            "function": {"name": plan.named, "arguments": ""}})
-            if delta:
+                            "function": {"name": plan.named, "arguments": delta}})
+            elif delta:
                 out.append({"index": 0, "function": {"arguments": delta}})
             return "", out, finished
         if not finished:
@@ -270,13 +280,17 @@ class ToolStream:
             safe = self._safe_end()
             piece, self.sent = self.text[self.sent:safe], max(self.sent, safe)
             return piece, [], False
-        content, calls = parse_reply(self.text, plan)
+        if plan.mode == "auto":
+            pieces, calls = split_auto(self.text, {t["function"]["name"] for t in plan.tools}, plan.parallel)
+            raw = "".join(pieces)          # starts with what was sent: no call begins before it
+            rest = raw[self.sent:].rstrip()
+            if not self.text[:self.sent].strip():
+                rest = rest.lstrip()
+        else:
+            rest, calls = "", parse_reply(self.text, plan)[1]
         if not calls:
             piece, self.sent = self.text[self.sent:], len(self.text)
             return piece, [], False
-        rest = ""
-        if plan.mode == "auto" and content:        # text after the calls that was held back
-            rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
         deltas = [{"index": k, **c} for k, c in enumerate(calls)]
         return rest, deltas, True
 

@@ -70,8 +70,40 @@ def test_streamed_deltas_join_into_the_same_calls():
     assert deltas[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
     named = ToolStream(plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}))
     out = [named.feed(p, f) for p, f in (('{"zone"', False), (': "UTC"}', True))]
-    assert out[0][1][0]["function"] == {"name": "get_time", "arguments": ""}
+    # one entry per index in a chunk (OpenAI's shape): the header carries the first piece
+    assert [len(ds) for _, ds, _ in out] == [1, 1]
+    assert out[0][1][0]["function"] == {"name": "get_time", "arguments": '{"zone"'}
     assert "".join(d["function"]["arguments"] for _, ds, _ in out for d in ds) == '{"zone": "UTC"}'
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "%s"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [" " + CALL % "UTC" + "\nI will tell you soon.",
+                                  "Sure.\n" + CALL % "UTC" + "\nI will tell you soon.",
+                                  "\n\n" + CALL % "UTC"])
+def test_an_auto_stream_gives_the_text_a_reply_gives(text):
+    """The text around the calls that a streamed `auto` reply sends joins, stripped, into the
+    content of the same reply unstreamed, whatever whitespace it starts with."""
+    p = plan(tools=TOOLS)
+    content, calls = parse_auto(text, {"get_weather", "get_time"})
+    stream, sent, deltas = ToolStream(p), "", []
+    for k in range(0, len(text), 3):
+        piece, d, _ = stream.feed(text[k:k + 3], k + 3 >= len(text))
+        sent, deltas = sent + piece, deltas + d
+    assert sent.strip() == (content or "")
+    assert [d["function"] for d in deltas] == [c["function"] for c in calls]
+
+
+def test_parallel_tool_calls_false_keeps_one_auto_call():
+    text = CALL % "UTC" + "\n" + CALL % "CET" + "\nDone."
+    names = {"get_weather", "get_time"}
+    assert len(parse_auto(text, names)[1]) == 2
+    content, calls = parse_auto(text, names, parallel=False)
+    assert content == "Done." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": "UTC"}]
+    p = plan(tools=TOOLS, parallel_tool_calls=False)
+    assert not p.parallel and len(ToolStream(p).feed(text, True)[1]) == 1
+    assert plan(tools=TOOLS, parallel_tool_calls=None).parallel       # null: OpenAI's default
 
 
 @pytest.fixture(scope="module")
