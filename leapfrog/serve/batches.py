@@ -80,40 +80,42 @@ def parse_lines(data: bytes, endpoint: str | None, max_lines: int) -> list[Line]
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"the input file is not UTF-8 text ({exc})") from None
-    raw_lines = [ln for ln in text.splitlines() if ln.strip()]
+    # JSONL lines end at "\n" alone: a JSON string may hold U+2028 or U+0085 as written, which
+    # str.splitlines() would cut at; errors name a line by its number in the file
+    raw_lines = [(number, ln) for number, ln in enumerate(text.split("\n"), 1) if ln.strip()]
     if len(raw_lines) > max_lines:
         raise ValueError(f"the input file has {len(raw_lines)} lines; at most {max_lines} are accepted")
     out, seen = [], set()
-    for i, raw in enumerate(raw_lines):
-        out.append(_parse_line(i, raw, endpoint, seen))
+    for i, (number, raw) in enumerate(raw_lines):
+        out.append(_parse_line(i, number, raw.removesuffix("\r"), endpoint, seen))
     return out
 
 
-def _parse_line(i: int, raw: str, endpoint: str | None, seen: set) -> Line:
+def _parse_line(i: int, number: int, raw: str, endpoint: str | None, seen: set) -> Line:
     try:
         obj = json.loads(raw)
     except ValueError as exc:
-        return Line(i, None, error={"code": "invalid_json", "message": f"line {i + 1} is not JSON: {exc}"})
+        return Line(i, None, error={"code": "invalid_json", "message": f"line {number} is not JSON: {exc}"})
     if not isinstance(obj, dict):
-        return Line(i, None, error={"code": "invalid_request", "message": f"line {i + 1} is not a JSON object"})
+        return Line(i, None, error={"code": "invalid_request", "message": f"line {number} is not a JSON object"})
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
-        return Line(i, None, error={"code": "missing_custom_id", "message": f"line {i + 1}: custom_id must be a "
+        return Line(i, None, error={"code": "missing_custom_id", "message": f"line {number}: custom_id must be a "
                                     "non-empty string"})
     if cid in seen:
-        return Line(i, cid, error={"code": "duplicate_custom_id", "message": f"line {i + 1}: custom_id {cid!r} "
+        return Line(i, cid, error={"code": "duplicate_custom_id", "message": f"line {number}: custom_id {cid!r} "
                                    "is used by an earlier line"})
     seen.add(cid)
     method, url, body = obj.get("method", "POST"), obj.get("url"), obj.get("body")
     if method != "POST":
-        return Line(i, cid, error={"code": "invalid_method", "message": f"line {i + 1}: method must be POST"})
+        return Line(i, cid, error={"code": "invalid_method", "message": f"line {number}: method must be POST"})
     if url not in ENDPOINTS or (endpoint is not None and url != endpoint):
         want = endpoint or " or ".join(ENDPOINTS)
-        return Line(i, cid, error={"code": "invalid_url", "message": f"line {i + 1}: url {url!r} is not {want}"})
+        return Line(i, cid, error={"code": "invalid_url", "message": f"line {number}: url {url!r} is not {want}"})
     if not isinstance(body, dict):
-        return Line(i, cid, error={"code": "invalid_body", "message": f"line {i + 1}: body must be a JSON object"})
+        return Line(i, cid, error={"code": "invalid_body", "message": f"line {number}: body must be a JSON object"})
     if body.get("stream"):
-        return Line(i, cid, error={"code": "invalid_body", "message": f"line {i + 1}: a batch line cannot stream"})
+        return Line(i, cid, error={"code": "invalid_body", "message": f"line {number}: a batch line cannot stream"})
     return Line(i, cid, url, body)
 
 
@@ -316,6 +318,9 @@ async def execute(state: Any, url: str, body: dict, priority: int = BATCH_PRIORI
         if exc.status == 503:              # loading, restarting or draining: not the line's fault
             raise NotReady(str(exc)) from None
         return exc.status, exc.body()
+    except Exception as exc:               # a fault of this line alone: its error line, the batch goes on
+        log.exception("batch line to %s failed", url)
+        return 500, APIError(500, f"internal error: {exc}", "server_error", None, "internal_error").body()
 
 
 class NotReady(Exception):
@@ -335,7 +340,10 @@ class BatchRunner:
         self.live_seen: dict[int, float] = {}   # id(ModelServer) -> when live work was last seen there
 
     def _server(self, body: dict) -> Any:
-        server = self.state.primary if body.get("model") is None else self.state.models.get(body.get("model"))
+        """The line's model (a model that is not a served name, or not a string, is the line's
+        error, reported by execute against the primary model)."""
+        model = body.get("model")
+        server = self.state.models.get(model) if isinstance(model, str) else None
         return server if server is not None else self.state.primary
 
     def _live(self, server: Any) -> bool:

@@ -58,6 +58,19 @@ def test_lines_are_parsed_and_malformed_ones_carry_their_error():
         parse_lines(jsonl(rows), None, 3)
 
 
+def test_lines_end_at_newlines_only_and_errors_name_the_line_in_the_file():
+    """A JSON string may hold U+2028, U+0085 or a form feed as written (json.dumps with
+    ensure_ascii=False writes them): the line stays whole. CRLF files parse; a blank line
+    still counts in the line numbers errors give."""
+    body = {"model": "tiny", "prompt": "a\u2028b\u0085c\x0cd\u2029e", "max_tokens": 2}
+    good = json.dumps({"custom_id": "u", "method": "POST", "url": "/v1/completions", "body": body},
+                      ensure_ascii=False)
+    data = (good + "\r\n\r\n{broken\r\n").encode()
+    lines = parse_lines(data, None, 100)
+    assert len(lines) == 2 and lines[0].error is None and lines[0].body == body
+    assert lines[1].error["code"] == "invalid_json" and lines[1].error["message"].startswith("line 3 ")
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     srv = ServerThread(llama_dir, batch_dir=str(tmp_path_factory.mktemp("batches")), api_key=["k1", "k2"],
@@ -83,6 +96,9 @@ def test_the_batch_api_through_the_openai_client(server, tmp_path):
                                                         "body": {}})]
     rows.append(json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
                             "body": {"model": "tiny", "prompt": "x", "temperature": -1}}))
+    # a model that is not a name is that line's error, not a runner stuck on it
+    rows.append(json.dumps({"custom_id": "bad-model", "method": "POST", "url": "/v1/completions",
+                            "body": {"model": ["tiny"], "prompt": "x"}}))
     path = tmp_path / "in.jsonl"
     path.write_bytes(jsonl(rows))
     f = client.files.create(file=path.open("rb"), purpose="batch")
@@ -96,12 +112,14 @@ def test_the_batch_api_through_the_openai_client(server, tmp_path):
     # the batch's endpoint is /v1/completions: its chat lines are errors, like the malformed ones
     out = [json.loads(x) for x in client.files.content(b.output_file_id).content.decode().splitlines()]
     err = [json.loads(x) for x in client.files.content(b.error_file_id).content.decode().splitlines()]
-    assert b.request_counts.total == 15 and b.request_counts.completed == len(out) == 6
-    assert b.request_counts.failed == len(err) == 9
+    assert b.request_counts.total == 16 and b.request_counts.completed == len(out) == 6
+    assert b.request_counts.failed == len(err) == 10
     assert {r["custom_id"] for r in out} == {f"req-{i}" for i in range(0, 12, 2)}
     by_id = {r["custom_id"]: r for r in err}
     assert by_id["bad-temp"]["response"]["status_code"] == 400
     assert by_id["bad-temp"]["response"]["body"]["error"]["param"] == "temperature"
+    assert by_id["bad-model"]["response"]["status_code"] == 400
+    assert by_id["bad-model"]["response"]["body"]["error"]["param"] == "model"
     assert by_id[None]["error"]["code"] == "invalid_json"
     assert by_id["odd"]["error"]["code"] == "invalid_url"
     # each answer is what the endpoint gives for the same request and seed
