@@ -8,6 +8,7 @@ Replace/ByteFallback/Fuse/Strip chain), so both paths give the same ids and text
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -449,6 +450,12 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """A copy that goes on apart from this one (what another next token would add)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def add(self, new_ids: list[int]) -> str:
         # One id at a time so that a complete prefix of a multi-token commit is not held back.

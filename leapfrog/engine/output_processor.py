@@ -85,18 +85,24 @@ class OutputProcessor:
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
         new_tokens = seq.output_ids[req.sent_tokens:]
+        # A stop token id (or end of text) that ended the request stays in token_ids but adds
+        # no text, unless include_stop_str_in_output (vLLM's rule, as for stop strings).
+        silent = int(bool(seq.is_finished and seq.finish_reason == "stop" and new_tokens
+                          and not seq.params.include_stop_str_in_output and seq.is_stop_token(new_tokens[-1])))
         if req.stream and seq.params.stop and len(new_tokens) > 1:
-            new_tokens = self._add_until_stop(req, new_tokens)
+            kept = self._add_until_stop(req, new_tokens[:len(new_tokens) - silent])
+            new_tokens = kept + new_tokens[-1:] if silent and len(kept) == len(new_tokens) - 1 else kept
         elif req.stream:
-            req.text += req.detok.add(new_tokens)
+            req.text += req.detok.add(new_tokens[:len(new_tokens) - silent])
         elif seq.is_finished:    # offline request: one detokenizer call at the end is much cheaper
-            req.text = req.detok.add_all(seq.output_ids)
+            req.text = req.detok.add_all(seq.output_ids[:len(seq.output_ids) - silent])
         self.stats.num_generation_tokens += seq.num_output_tokens - req.counted_tokens
         req.counted_tokens = seq.num_output_tokens
         self._check_stop_strings(req)
         if seq.is_finished:
             if seq.finish_reason == "length":
-                req.text += req.detok.flush()
+                # what is still held back: a character max_tokens cut in two is left out
+                req.text += req.detok.flush().rstrip("\ufffd")
             self._check_stop_strings(req)
             self._finish_request(req)
         # Hold back a possible beginning of a stop string until it is decided.

@@ -630,9 +630,9 @@ def sse_event(name: str, data: dict) -> str:
     return f"event: {name}\n{sse(data)}"
 
 
-def _context(out: Any, num_sent: int) -> list[int]:
-    """Token ids before the first logprob entry not yet streamed."""
-    return out.prompt_token_ids + [e["token_id"] for e in out.logprobs[:num_sent]]
+def _context(out: Any, num_sent: int) -> tuple[list[int], list[int]]:
+    """Token ids before the first logprob entry not yet streamed: the prompt, the output sent."""
+    return out.prompt_token_ids, [e["token_id"] for e in out.logprobs[:num_sent]]
 
 
 def usage_tail(req: Any, head: dict, prep: Prepared, counts: list[int], lasts: list) -> Callable[[], list[dict]]:
@@ -663,7 +663,7 @@ def _stream_completion(gen: Generation, req: CompletionRequest, prep: Prepared, 
         offsets[i] += len(head_text)
         lp = None
         if req.logprobs is not None and out.logprobs and not scoring:
-            lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i], _context(out, sent_lp[i]))
+            lp = completion_logprobs(out.logprobs[sent_lp[i]:], tok, offsets[i], *_context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
             offsets[i] += sum(len(t) for t in lp["tokens"])
         lp = join_logprobs(head_lp, lp)
@@ -699,7 +699,7 @@ def _stream_chat(gen: Generation, req: ChatRequest, prep: Prepared, tok: Any,
         lasts[i] = out
         lp = None
         if req.logprobs and out.logprobs:
-            lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok, _context(out, sent_lp[i]))
+            lp = chat_logprobs(out.logprobs[sent_lp[i]:], tok, *_context(out, sent_lp[i]))
             sent_lp[i] = len(out.logprobs)
         text, calls, called = tools[i].feed(out.delta_text, out.finished and out.finish_reason != "abort")
         if not text and not calls and not out.finished and lp is None:

@@ -18,7 +18,7 @@ from leapfrog.sampling_params import (MAX_SPECULATIVE_TOKENS, ParamError, Sampli
 from leapfrog.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                     TokenizeRequest, bad_request)
 from leapfrog.serve.tools import ToolPlan, check_history, check_tool_schemas, parse_reply, plan_tools, render_messages
-from leapfrog.tokenizer import FALLBACK_REPLY, encode_chat, fallback_chat, open_final_message
+from leapfrog.tokenizer import FALLBACK_REPLY, IncrementalDetokenizer, encode_chat, fallback_chat, open_final_message
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -162,7 +162,8 @@ def check_method(limits: Limits, constraint: StructuredOutputs | None, prompt_k:
 def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_tokens: int | None,
                     seed_offset: int = 0, logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
-                    constraint: StructuredOutputs | None = None) -> SamplingParams:
+                    constraint: StructuredOutputs | None = None, max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """`max_tokens_field`: the request field max_tokens came from, which its errors name."""
     room = limits.max_model_len - prompt_len
     explicit = max_tokens is not None
     if not explicit:
@@ -211,10 +212,13 @@ def sampling_params(req: SamplingFields, limits: Limits, prompt_len: int, max_to
     try:
         params = SamplingParams(**kw)
     except ParamError as exc:
+        if exc.field == "max_tokens" and max_tokens_field != "max_tokens":
+            raise bad_request(str(exc).replace("max_tokens", max_tokens_field, 1), max_tokens_field,
+                              "invalid_value") from None
         raise bad_request(str(exc), exc.field, "invalid_value") from None
     if explicit and max_tokens > room:
-        raise bad_request(f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-                          f"model's context of {limits.max_model_len} tokens", "max_tokens",
+        raise bad_request(f"{max_tokens_field}={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                          f"model's context of {limits.max_model_len} tokens", max_tokens_field,
                           "context_length_exceeded")
     return params
 
@@ -393,10 +397,11 @@ def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prep = Prepared([ids], tools=plan)
     for j in range(req.n):
         prep.requests.append((ids, sampling_params(req, limits, len(ids), max_tokens, j, logprobs,
-                                                   req.prompt_logprobs, constraint)))
+                                                   req.prompt_logprobs, constraint, field)))
     return prep
 
 
@@ -429,40 +434,50 @@ def usage(prep: Prepared, num_completion_tokens: int, outs: Any = ()) -> dict:
     return body
 
 
-PIECE_CONTEXT = 4     # tokens decoded before a token to find the text it adds
+class _Pieces:
+    """The text each token adds after the tokens before it, as the streamed text adds it (the
+    incremental detokenizer): a token keeps its leading space (SentencePiece drops it at the
+    start of a decode), a token that ends inside a multi-byte character adds nothing yet and the
+    one that completes it carries all of it, so the pieces join into the text. `piece` asks of
+    any token (an alternative too), `advance` moves past the one taken."""
+
+    def __init__(self, tokenizer: Any, prompt: list[int], before: list[int] = ()) -> None:
+        """After `prompt` (all of it text already, as the request's detokenizer takes it) and the
+        output tokens `before`, of which the last few are replayed: the text of a character
+        they began is still to come, as in the stream."""
+        self.tokenizer = tokenizer
+        cut = max(0, len(before) - IncrementalDetokenizer.MAX_PENDING - 1)
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt) + list(before[:cut]))
+        self.detok.add(list(before[cut:]))
+
+    def piece(self, token_id: int) -> str:
+        text = self.detok.fork().add([token_id])
+        if text:
+            return text
+        alone = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        special = not self.tokenizer.decode([token_id]) and alone     # e.g. </s>: shown by name
+        return alone if special else ""
+
+    def advance(self, token_id: int) -> None:
+        self.detok.add([token_id])
 
 
-def _piece(tokenizer: Any, before: list[int], token_id: int) -> str:
-    """The text `token_id` adds after the tokens `before`. Decoding a token alone loses its
-    leading space (SentencePiece strips it at the start of a text), so returned tokens would not
-    join back into the completion; decoding it after some context and taking the difference
-    keeps it. A token that ends inside a multi-byte character adds nothing yet; the token that
-    completes the character carries all of it (as the streamed text does)."""
-    window = before[-PIECE_CONTEXT:]
-    head = tokenizer.decode(window).rstrip("\ufffd")        # special tokens skipped, as in the text
-    full = tokenizer.decode(window + [token_id]).rstrip("\ufffd")
-    if full.startswith(head) and len(full) > len(head):
-        return full[len(head):]
-    alone = tokenizer.decode([token_id], skip_special_tokens=False)
-    special = not tokenizer.decode([token_id]) and alone     # e.g. </s>: shown by name
-    return alone if special or not full.startswith(head) else ""
-
-
-def _pieces(entries: list[dict], tokenizer: Any, context: list[int]):
+def _pieces(entries: list[dict], tokenizer: Any, prompt: list[int], before: list[int]):
     """Per entry: (chosen piece, [(alternative piece, logprob), ...]), each after its context."""
-    before = list(context[-PIECE_CONTEXT:])
+    reader = _Pieces(tokenizer, prompt, before)
     for e in entries:
-        tops = [(_piece(tokenizer, before, i), lp) for i, lp in e["top"]]
-        yield _piece(tokenizer, before, e["token_id"]), tops
-        before = before[1 - PIECE_CONTEXT:] + [e["token_id"]]
+        tops = [(reader.piece(i), lp) for i, lp in e["top"]]
+        yield reader.piece(e["token_id"]), tops
+        reader.advance(e["token_id"])
 
 
-def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int, context: list[int]) -> dict:
-    """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}; `context` is
-    the token ids before the first entry (prompt and earlier output), `offset` its text length
-    within the completion."""
+def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int, prompt: list[int],
+                        before: list[int] = ()) -> dict:
+    """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}; `prompt` and
+    `before` are the token ids before the first entry (the prompt, earlier output), `offset`
+    the text length within the completion."""
     tokens, lps, tops, offsets = [], [], [], []
-    for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, context)):
+    for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, prompt, before)):
         tokens.append(tok)
         lps.append(e["logprob"])
         tops.append(dict(alternatives))
@@ -476,12 +491,13 @@ def echo_logprobs(entries: list[dict | None], ids: list[int], tokenizer: Any, k:
     logprob (null, as OpenAI's), the others theirs with `k` alternatives. Offsets count the
     pieces' characters; a special token (<s>) is shown by name but takes no room in the text."""
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
-    for p, (token_id, e) in enumerate(zip(ids, entries)):
-        before = ids[max(0, p - PIECE_CONTEXT):p]
-        piece = _piece(tokenizer, before, token_id)
+    reader = _Pieces(tokenizer, [])
+    for token_id, e in zip(ids, entries):
+        piece = reader.piece(token_id)
         tokens.append(piece)
         lps.append(None if e is None else e["logprob"])
-        tops.append(None if e is None else {_piece(tokenizer, before, i): lp for i, lp in e["top"][:k]})
+        tops.append(None if e is None else {reader.piece(i): lp for i, lp in e["top"][:k]})
+        reader.advance(token_id)
         offsets.append(offset)
         offset += len(piece) if tokenizer.decode([token_id]) else 0
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -491,15 +507,17 @@ def prompt_logprobs_body(entries: list[dict | None], ids: list[int], tokenizer: 
     """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
     decoded_token}} for the prompt's own token and the `k` most likely."""
     body: list = []
-    for p, (token_id, e) in enumerate(zip(ids, entries)):
+    reader = _Pieces(tokenizer, [])
+    for token_id, e in zip(ids, entries):
         if e is None:
             body.append(None)
+            reader.advance(token_id)
             continue
-        before = ids[max(0, p - PIECE_CONTEXT):p]
-        row = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": _piece(tokenizer, before, i)}
+        row = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": reader.piece(i)}
                for r, (i, lp) in enumerate(e["top"][:k])}
         row.setdefault(str(token_id), {"logprob": e["logprob"], "rank": e["rank"],
-                                       "decoded_token": _piece(tokenizer, before, token_id)})
+                                       "decoded_token": reader.piece(token_id)})
+        reader.advance(token_id)
         body.append(row)
     return body
 
@@ -521,11 +539,11 @@ def join_logprobs(head: dict | None, tail: dict | None) -> dict | None:
     return {key: head[key] + tail[key] for key in head}
 
 
-def chat_logprobs(entries: list[dict], tokenizer: Any, context: list[int]) -> dict:
+def chat_logprobs(entries: list[dict], tokenizer: Any, prompt: list[int], before: list[int] = ()) -> dict:
     def one(tok: str, lp: float) -> dict:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
     return {"content": [{**one(tok, e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in alternatives]}
-                        for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, context))]}
+                        for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, prompt, before))]}
 
 
 def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, prep: Prepared, tok: Any,

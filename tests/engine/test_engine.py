@@ -49,9 +49,42 @@ def test_stop_strings_and_stop_tokens(llm):
     out = llm.generate(["Once upon a time"], SamplingParams(
         max_tokens=16, temperature=0, stop=[stop], include_stop_str_in_output=True))[0]
     assert out.text.endswith(stop)
-    tok = base.token_ids[3]
+    tokenizer = llm.engine.tokenizer
+    shown = lambda ids: tokenizer.decode(ids).rstrip("\ufffd")     # noqa: E731 - whole characters only
+    # a stop token that adds text of its own where it first comes
+    tok = next(t for i, t in enumerate(base.token_ids) if i >= 2 and base.token_ids.index(t) == i
+               and len(shown(base.token_ids[:i + 1])) > len(shown(base.token_ids[:i])))
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tok]))[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
+    # the stop token stays in token_ids, its text only with include_stop_str_in_output (vLLM's rule)
+    assert out.text == shown(out.token_ids[:-1]), (out.text, out.token_ids)
+    kept = llm.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tok],
+                                                             include_stop_str_in_output=True))[0]
+    assert kept.token_ids == out.token_ids and kept.text == shown(out.token_ids) != out.text
+    for stop in ([], [base.text[-3:]]):        # one token at a time, and through the stop-string path
+        engine = llm.engine
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tok],
+                                                              stop=stop), request_id=f"stream-{len(stop)}")
+        parts = drain(engine)[f"stream-{len(stop)}"]
+        assert "".join(o.delta_text for o in parts) == out.text == parts[-1].text
+
+
+def test_max_tokens_that_cut_a_character_leave_it_out(llama_dir, llm):
+    """Where max_tokens ends a reply inside a multi-byte character, the text holds the whole
+    characters only (vLLM's), streamed and offline alike."""
+    base = llm.generate(["Once upon a time"], GREEDY)[0]
+    tokenizer = llm.engine.tokenizer
+    cuts = [n for n in range(1, len(base.token_ids)) if tokenizer.decode(base.token_ids[:n]).endswith("\ufffd")]
+    assert cuts, "no cut inside a character in this output"
+    engine = LLMEngine(str(llama_dir), block_size=4)
+    for n in cuts[:3]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        out = llm.generate(["Once upon a time"], params)[0]
+        assert out.finish_reason == "length" and out.token_ids == base.token_ids[:n]
+        assert out.text == tokenizer.decode(base.token_ids[:n]).rstrip("\ufffd")
+        engine.add_request("Once upon a time", params, request_id=str(n))
+        parts = drain(engine)[str(n)]
+        assert "".join(o.delta_text for o in parts) == out.text
 
 
 def test_min_tokens_delays_stop_tokens(llm):

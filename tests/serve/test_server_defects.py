@@ -162,6 +162,15 @@ def test_more_generations_than_capacity_is_400_not_429(server):
     still_works(server.url)
 
 
+def test_max_completion_tokens_errors_name_it(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for value, code in ((0, "invalid_value"), (10**6, "context_length_exceeded")):
+        r = post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": value})
+        err = assert_error(r, 400, code, "max_completion_tokens")
+        assert err["message"].startswith("max_completion_tokens"), err
+    assert_error(post(server, "/v1/chat/completions", {**chat, "max_tokens": 0}), 400, "invalid_value", "max_tokens")
+
+
 # --- logprob tokens join back into the text ------------------------------------------------------
 def test_logprob_tokens_join_into_text(server):
     body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
@@ -174,9 +183,9 @@ def test_logprob_tokens_join_into_text(server):
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                                                  "temperature": 0, "ignore_eos": True, "logprobs": True}).json()
     msg = chat["choices"][0]
-    # the random test model emits stray UTF-8 bytes, which the text shows as U+FFFD
+    # the random test model emits stray UTF-8 bytes (U+FFFD in the text): the pieces carry them as the text does
     joined = "".join(c["token"] for c in msg["logprobs"]["content"])
-    assert joined.replace("\ufffd", "") == msg["message"]["content"].replace("\ufffd", "")
+    assert joined == msg["message"]["content"]
 
 
 def test_logprob_pieces_keep_sentencepiece_spaces():
@@ -193,9 +202,31 @@ def test_logprob_pieces_keep_sentencepiece_spaces():
     assert [next(iter(d)) for d in lp["top_logprobs"]] == lp["tokens"]
     half = len(entries) // 2             # streamed in two parts: the second knows the first
     first = completion_logprobs(entries[:half], tok, 0, ids[:1])
-    second = completion_logprobs(entries[half:], tok, len("".join(first["tokens"])), ids[:1 + half])
+    second = completion_logprobs(entries[half:], tok, len("".join(first["tokens"])), ids[:1], ids[1:1 + half])
     assert first["tokens"] + second["tokens"] == lp["tokens"]
     assert first["text_offset"] + second["text_offset"] == lp["text_offset"]
+
+
+def test_logprob_pieces_of_multibyte_characters_are_whole_characters():
+    """Emoji and CJK characters span several byte tokens: the token that completes a character
+    carries all of it, the others none, whatever token a streamed part starts at; no piece
+    holds U+FFFD and the pieces join into the text."""
+    from pathlib import Path
+    from leapfrog.serve.openai_api import chat_logprobs, completion_logprobs
+    from leapfrog.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(Path(__file__).resolve().parents[2] / "checkpoints" / "stories")
+    text = "Emoji party: 🎉🎉🎊🥳 and 春联, 福 too 🧧."
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split()) + 20           # byte tokens: characters span several ids
+    entries = [{"token_id": t, "logprob": -1.0, "top": [(t, -1.0)]} for t in ids[1:]]
+    for cut in range(len(entries)):
+        first = completion_logprobs(entries[:cut], tok, 0, ids[:1])
+        second = completion_logprobs(entries[cut:], tok, len("".join(first["tokens"])), ids[:1], ids[1:1 + cut])
+        tokens = first["tokens"] + second["tokens"]
+        assert "".join(tokens) == text and not any("\ufffd" in t for t in tokens), (cut, tokens)
+    content = chat_logprobs(entries, tok, ids[:1])["content"]
+    assert "".join(c["token"] for c in content) == text
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == text
 
 
 # --- the schema -------------------------------------------------------------------------------------
