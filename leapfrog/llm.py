@@ -13,7 +13,7 @@ from tqdm import tqdm
 from leapfrog.engine.llm_engine import LLMEngine
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams, choice_seed, defaults_for_model
-from leapfrog.tokenizer import encode_chat, open_final_message
+from leapfrog.tokenizer import encode_chat, open_final_message, tool_messages
 
 
 class LLM:
@@ -46,9 +46,10 @@ class LLM:
         if stop is not None:
             stop()
 
-    def get_tokenizer(self) -> Any:
-        """The model's tokenizer (vLLM's name)."""
-        return self.tokenizer
+    def get_tokenizer(self) -> "HFTokenizerView":
+        """The model's tokenizer as vLLM returns it: called as a Hugging Face tokenizer is, with
+        its defaults (HFTokenizerView)."""
+        return HFTokenizerView(self.tokenizer)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: int | Seq[int] = 0, *,
@@ -115,11 +116,15 @@ class LLM:
             raise ValueError("continue_final_message needs add_generation_prompt=False (the reply continues "
                              "the last message instead of starting a new one)")
         kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
+        for key in ("messages", "add_generation_prompt", "continue_final_message", "tools"):
+            if key in kwargs:
+                raise ValueError(f"chat_template_kwargs[{key!r}]: set by LLM.chat's own argument")
+        reads_tools = bool(getattr(self.tokenizer, "template_reads_tools", False))
         prompts, texts = [], []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
+            conv, extra = tool_messages(plain_messages(conv), tools, reads_tools)
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      **kwargs, **extra)
             if continue_final_message:
                 if conv[-1].get("role") != "assistant":
                     raise ValueError("continue_final_message: only an assistant message can be continued")
@@ -152,3 +157,80 @@ def _completions(params: SamplingParams) -> list[SamplingParams]:
         return [params]
     return [replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, j))
             for j in range(params.n)]
+
+
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """A conversation as a template reads it (the server's rules): content as a string (OpenAI's
+    text parts joined; None only on an assistant turn with tool_calls, read as empty)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]: a message is a dict with a 'role'")
+        content = m.get("content")
+        if content is None:
+            if not (m["role"] == "assistant" and m.get("tool_calls")):
+                raise ValueError(f"messages[{i}]: a {m['role']} message needs content (None only on an "
+                                 "assistant message with tool_calls)")
+            content = ""
+        elif isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                 "can be read")
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: a string or a list of text parts, not {type(content).__name__}")
+        out.append({**m, "content": content})
+    return out
+
+
+class HFTokenizerView:
+    """leapfrog's Tokenizer behind the calls and defaults of a Hugging Face tokenizer, which code
+    written for vLLM's `llm.get_tokenizer()` expects: apply_chat_template tokenizes unless
+    tokenize=False and adds no generation prompt unless asked, decode keeps special tokens unless
+    skip_special_tokens=True, and the tokenizer is callable. Anything else is the Tokenizer's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return int(self._tok.vocab_size)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens=add_special_tokens) for t in text]}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: int | Seq[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(ids)] if isinstance(ids, int) else [int(i) for i in ids],
+                                skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, batch: Seq[Seq[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+
+    def convert_ids_to_tokens(self, ids: int | Seq[int]) -> str | list[str]:
+        return self._tok.id_to_token(int(ids)) if isinstance(ids, int) else [self._tok.id_to_token(int(i)) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Seq[str]) -> int | None | list[int | None]:
+        return self._tok.token_to_id(tokens) if isinstance(tokens, str) else [self._tok.token_to_id(t) for t in tokens]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        ids = list(getattr(self._tok, "eos_token_ids", []) or [])
+        return ids[0] if ids else None
+
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = False, tokenize: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str | list[int]:
+        messages, extra = tool_messages(plain_messages(conversation), tools,
+                                        bool(getattr(self._tok, "template_reads_tools", False)))
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs, **extra)
+        if continue_final_message:
+            text = open_final_message(text, messages[-1].get("content") or "")
+        return encode_chat(self._tok, text) if tokenize else text

@@ -84,7 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     from leapfrog.methods import default_method
     kw = dict(method=args.method or default_method(args.model), draft_model=args.draft_model,
               device=args.device, dtype=args.dtype, **parse_options(args.option))
-    if args.num_threads:
+    if args.num_threads is not None:
         kw["num_threads"] = args.num_threads
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, name, 1) != 1:

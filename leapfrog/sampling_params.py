@@ -228,6 +228,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, empty in (("stop", list), ("stop_token_ids", list), ("bad_words", list),
+                            ("logits_processors", list), ("logit_bias", dict)):
+            if getattr(self, name) is None:          # vLLM's default for each (Optional there)
+                setattr(self, name, empty())
         self.validate()
 
     def validate(self) -> None:

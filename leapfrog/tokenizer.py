@@ -407,6 +407,61 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
 
 
+# --- tools in a conversation -------------------------------------------------------------------
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+FALLBACK_TOOLS_PROMPT = (
+    "You are a function calling AI model. You may call one or more functions to assist with the user query. "
+    "The functions are described in JSON Schema within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>")
+
+
+def tool_messages(messages: list[dict], tools: list[dict] | None,
+                  template_reads_tools: bool) -> tuple[list[dict], dict]:
+    """(messages, template keyword arguments) of a conversation with OpenAI's tools, calls and
+    results. A template that reads `tools` gets them, and the calls' arguments as objects;
+    otherwise Hermes's format (vLLM's hermes parser) writes tools, calls and results into plain
+    messages."""
+    if template_reads_tools:
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                                   for c in m["tool_calls"]]
+            out.append(m)
+        return out, ({"tools": list(tools)} if tools else {})
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f"{TOOL_CALL_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
+                              f"\n{TOOL_CALL_CLOSE}" for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        elif role == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    if tools:
+        block = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out, {}
+
+
+def _arguments(call: dict) -> Any:
+    """A history call's arguments as an object (OpenAI sends them as a JSON string)."""
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args if args is not None else {}
+
+
 def open_final_message(text: str, final: str) -> str:
     """A rendered chat cut right after its final message's content (what the template wrote after
     it ends the turn), as transformers' continue_final_message cuts it; ValueError where the

@@ -126,6 +126,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _require(reader: Any, path: Path, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
@@ -202,35 +207,61 @@ def model_config(reader: Any, path: Path) -> dict:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} (general.architecture) is not supported; "
                               f"supported: {', '.join(ARCHITECTURES)}")
-    def get(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{name}", default)
-    def need(name: str) -> Any:
-        return _require(reader, path, f"{arch}.{name}")
+    def number(key: str, value: Any, kind: type, low: float | None = None) -> Any:
+        """A metadata value as an int or a float (at least `low`), or a CheckpointError naming its key."""
+        try:
+            out = kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise CheckpointError(f"{path}: {key}={_short(value)} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if low is not None and not out >= low:
+            raise CheckpointError(f"{path}: {key}={out!r} must be at least {low}")
+        return out
+    def get(name: str, default: Any = None, kind: type | None = None, low: float | None = None) -> Any:
+        value = _field(reader, f"{arch}.{name}", default)
+        return value if kind is None or value is None else number(f"{arch}.{name}", value, kind, low)
+    def need(name: str, kind: type = int, low: float | None = 1) -> Any:
+        return number(f"{arch}.{name}", _require(reader, path, f"{arch}.{name}"), kind, low)
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise CheckpointError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    head_dim = get("attention.key_length", None, int, 1)
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(f"{path}: {arch}.embedding_length={hidden} is not a multiple of "
+                                  f"{arch}.attention.head_count={heads}, and the file has no {arch}.attention.key_length")
+        head_dim = hidden // heads
+    kv_heads = get("attention.head_count_kv", heads, int, 1)
+    if heads % kv_heads:
+        raise CheckpointError(f"{path}: {arch}.attention.head_count={heads} is not a multiple of "
+                              f"{arch}.attention.head_count_kv={kv_heads}")
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    special_ids = {}
+    for k in ("bos", "eos"):
+        key = f"tokenizer.ggml.{k}_token_id"
+        value = _field(reader, key)
+        special_ids[k] = None if value is None else number(key, value, int, 0)
+        if special_ids[k] is not None and tokens and special_ids[k] >= len(tokens):
+            raise CheckpointError(f"{path}: {key}={special_ids[k]} is outside the vocabulary of {len(tokens)} tokens")
     class_name, model_type = ARCHITECTURES[arch]
     config = {
         "architectures": [class_name], "model_type": model_type,
-        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "vocab_size": int(get("vocab_size", len(tokens))),
+        "hidden_size": hidden, "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6, float, 0.0),
+        "rope_theta": get("rope.freq_base", 10000.0, float, 0.0),
+        "max_position_embeddings": get("context_length", 2048, int, 1),
+        "vocab_size": get("vocab_size", len(tokens), int, 1),
         "hidden_act": "silu", "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names, "torch_dtype": "float32",
-        "bos_token_id": _int_or_none(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": _int_or_none(_field(reader, "tokenizer.ggml.eos_token_id")),
+        "bos_token_id": special_ids["bos"], "eos_token_id": special_ids["eos"],
         "gguf_name": str(_field(reader, "general.name", path.stem)),
     }
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": need("rope.scaling.factor", float, 0.0)}
     if arch == "qwen3":
         config["use_qk_norm"] = True
     if arch == "gemma3":
@@ -241,11 +272,11 @@ def model_config(reader: Any, path: Path) -> dict:
                       layer_types=["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 or not window
                                    else "sliding_attention" for i in range(n)])
         if get("final_logit_softcapping") is not None:
-            config["final_logit_softcapping"] = float(get("final_logit_softcapping"))
+            config["final_logit_softcapping"] = get("final_logit_softcapping", None, float, 0.0)
     if ROPE_FREQS in names:
         config["rope_scaling"] = {"rope_type": "default", "freq_factors": rope_freq_factors(reader, path, config)}
     if get("attention.sliding_window") is not None:
-        config["sliding_window"] = int(get("attention.sliding_window"))
+        config["sliding_window"] = get("attention.sliding_window", None, int, 1)
     return config
 
 
@@ -339,7 +370,11 @@ def read_tensors(path: Path, config: dict, blocks: dict | None = None) -> Iterat
             values -= 1          # llama.cpp stores Gemma's scale 1 + w; Hugging Face's weight is w
         permute = unpermute and name.endswith(("q_proj.weight", "k_proj.weight"))
         if permute:
-            values = unpermute_rows(values, heads if "q_proj" in name else kv_heads)
+            n = heads if "q_proj" in name else kv_heads
+            if len(shape) != 2 or shape[0] % (2 * n):
+                raise CheckpointError(f"{path}: tensor {t['name']!r} of shape {list(shape)} does not hold {n} heads "
+                                      f"of rotary pairs ({'attention.head_count' if 'q_proj' in name else 'attention.head_count_kv'})")
+            values = unpermute_rows(values, n)
         if blocks is not None and kind not in ("F32", "F16", "BF16") and len(shape) == 2:
             raw = np.asarray(data).reshape(shape[0], -1)
             blocks[name] = (kind, unpermute_rows(raw, heads if "q_proj" in name else kv_heads) if permute else raw)

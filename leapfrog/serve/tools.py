@@ -14,15 +14,9 @@ from typing import Any
 
 from leapfrog.sampling_params import StructuredOutputs
 from leapfrog.serve.protocol import bad_request
+from leapfrog.tokenizer import TOOL_CALL_CLOSE as CLOSE, TOOL_CALL_OPEN as OPEN, tool_messages
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-FALLBACK_PROMPT = (
-    "You are a function calling AI model. You may call one or more functions to assist with the user query. "
-    "The functions are described in JSON Schema within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n"
-    "For each function call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
-    "</tool_call>")
 ANY_OBJECT = {"type": "object"}
 # Calls in one `required` reply: twice the tools offered, at most this. Unbounded, a small model
 # greedily repeats its first call until max_tokens cuts the JSON short.
@@ -122,47 +116,9 @@ def check_tool_schemas(plan: ToolPlan, compile_schema: Any) -> None:
 
 # --- the prompt -------------------------------------------------------------------------------
 def render_messages(messages: list[dict], plan: ToolPlan, template_reads_tools: bool) -> tuple[list[dict], dict]:
-    """(messages, template keyword arguments). A template that reads `tools` gets them and the
-    messages as OpenAI's (tool_calls with parsed arguments); otherwise the Hermes fallback writes
-    tools, calls and results into plain messages."""
-    tools = [t for t in plan.tools] if plan.tools else None
-    if template_reads_tools:
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
-                                   for c in m["tool_calls"]]
-            out.append(m)
-        return out, ({"tools": tools} if tools else {})
-    out = []
-    for m in messages:
-        role, content = m["role"], m.get("content") or ""
-        if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
-                              f"\n{CLOSE}" for c in m["tool_calls"])
-            content = f"{content}\n{calls}" if content else calls
-        elif role == "tool":
-            content = f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": role, "content": content})
-    if tools:
-        block = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out, {}
-
-
-def _arguments(call: dict) -> Any:
-    """A history call's arguments as an object (OpenAI sends them as a JSON string)."""
-    args = call["function"].get("arguments")
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args if args is not None else {}
+    """(messages, template keyword arguments) of a conversation with the plan's tools
+    (tokenizer.tool_messages)."""
+    return tool_messages(messages, plan.tools or None, template_reads_tools)
 
 
 def check_history(messages: list[Any]) -> None:

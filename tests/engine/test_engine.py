@@ -8,6 +8,7 @@ import pytest
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.engine.llm_engine import LLMEngine
+from leapfrog.tokenizer import encode_chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The cat liked to play in the sun. One day",
@@ -195,6 +196,10 @@ def test_vllms_offline_api_runs_as_written(llm):
     assert by_ids.token_ids == by_text.token_ids == llm.generate(PROMPTS[0], params=GREEDY)[0].token_ids
     with pytest.raises(TypeError, match="prompt 0: a prompt dict holds either"):
         llm.generate({"text": "x"}, GREEDY)
+    # vLLM's None defaults of the list and dict fields
+    none = SamplingParams(max_tokens=4, temperature=0, stop=None, stop_token_ids=None, bad_words=None,
+                          logits_processors=None, logit_bias=None)
+    assert (none.stop, none.stop_token_ids, none.bad_words, none.logits_processors, none.logit_bias) == ([],) * 4 + ({},)
     long = llm.generate(ids, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
     assert len(ids) + len(long.token_ids) == llm.engine.max_model_len and long.finish_reason == "length"
     with pytest.raises(ValueError, match="n=2: the engine takes one sequence a request"):
@@ -212,12 +217,54 @@ def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, mo
     assert text.rstrip().endswith("Once upon") and out.prompt.endswith("Once upon")
     with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
         llm.chat(conv, continue_final_message=True)
-    seen = {}
+    seen, rendered = {}, []
     original = llm.tokenizer.apply_chat_template
-    monkeypatch.setattr(llm.tokenizer, "apply_chat_template",
-                        lambda m, add_generation_prompt=True, **kw: seen.update(kw) or original(m, add_generation_prompt))
-    llm.chat(conv[:1], SamplingParams(max_tokens=1), tools=[{"type": "function"}], chat_template_kwargs={"x": 1})
-    assert seen == {"tools": [{"type": "function"}], "x": 1}
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template", lambda m, add_generation_prompt=True, **kw:
+                        seen.update(kw) or rendered.append(m) or original(m, add_generation_prompt))
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    for reads in (True, False):             # a template that reads tools gets them; else Hermes's system block
+        monkeypatch.setattr(llm.tokenizer, "template_reads_tools", reads)
+        seen.clear()
+        if reads:
+            llm.chat(conv[:1], SamplingParams(max_tokens=1), tools=[tool], chat_template_kwargs={"x": 1})
+        else:                               # (the block is longer than this test model's context)
+            with pytest.raises(ValueError, match="context"):
+                llm.chat(conv[:1], SamplingParams(max_tokens=1), tools=[tool], chat_template_kwargs={"x": 1})
+        assert seen == ({"tools": [tool], "x": 1} if reads else {"x": 1})
+        assert reads or ('"name": "get_time"' in rendered[-1][0]["content"] and rendered[-1][0]["role"] == "system")
+    monkeypatch.setattr(llm.tokenizer, "template_reads_tools", True)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv[:1], chat_template_kwargs={"add_generation_prompt": False})
+    # OpenAI's text parts, and a tool-calling turn without content, as the server takes them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    llm.chat(parts, SamplingParams(max_tokens=1), tools=[tool])
+    assert [m["content"] for m in rendered[-1]] == ["hi", "", "noon"] and rendered[-1][1]["tool_calls"]
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_get_tokenizer_answers_as_a_hugging_face_tokenizer(llm):
+    """vLLM's llm.get_tokenizer() is a Hugging Face tokenizer: code written for it gets its
+    defaults (apply_chat_template tokenizes and adds no generation prompt; decode keeps special
+    tokens) and its calls."""
+    tok, inner = llm.get_tokenizer(), llm.tokenizer
+    conv = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert text == inner.apply_chat_template(conv, add_generation_prompt=False)
+    assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == inner.apply_chat_template(conv)
+    assert tok.apply_chat_template(conv) == encode_chat(inner, text)
+    ids = tok("Once upon a time")["input_ids"]
+    assert ids == inner.encode("Once upon a time") and tok(["a", "b"])["input_ids"] == [tok.encode("a"), tok.encode("b")]
+    with_special = [inner.bos_token_id, *ids[1:]] if inner.bos_token_id is not None else ids
+    assert tok.decode(with_special) == inner.decode(with_special, skip_special_tokens=False)
+    assert tok.decode(with_special, skip_special_tokens=True) == inner.decode(with_special)
+    assert tok.batch_decode([ids, ids]) == [tok.decode(ids)] * 2 and tok.decode(ids[1]) == tok.decode([ids[1]])
+    assert tok.convert_ids_to_tokens(ids[1]) == inner.id_to_token(ids[1])
+    assert tok.eos_token_id == inner.eos_token_ids[0] and len(tok) == inner.vocab_size
+    assert tok.vocab_size == inner.vocab_size          # the rest is the Tokenizer's own
 
 
 def test_bad_words_are_never_written():
@@ -249,6 +296,10 @@ def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want + "\n"
     assert "tok/s" in proc.stderr
+    # a bad option value is refused by name, 0 threads included (not read as "the default")
+    proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
+                           "--num-threads", "0", "Once"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "num_threads=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_bf16_on_cpu_tracks_fp32(llama_dir):

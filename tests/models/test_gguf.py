@@ -76,7 +76,10 @@ def weight(rows: int, cols: int, kind: T, rng: np.random.Generator) -> tuple[np.
 
 
 def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: str = "default",
-               tie: bool = True, rope_freqs: np.ndarray | None = None) -> None:
+               tie: bool = True, rope_freqs: np.ndarray | None = None, meta: dict | None = None) -> None:
+    """`meta`: metadata written instead of the model's own (head_count, embedding_length (a string
+    too), eos_token_id), the tensors left as they are: a broken file."""
+    meta = meta or {}
     rng = np.random.default_rng(seed)
     # Qwen3 with head_dim 128 (as the real ones): transformers' GGUF config takes its default for it
     heads, kv_heads = (2, 1) if arch == "qwen3" else (HEADS, KV_HEADS)
@@ -85,9 +88,12 @@ def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: 
     w.add_name(f"tiny-{arch}")
     w.add_block_count(LAYERS)
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
+    if isinstance(meta.get("embedding_length"), str):
+        w.add_string(f"{arch}.embedding_length", meta["embedding_length"])
+    else:
+        w.add_embedding_length(meta.get("embedding_length", HIDDEN))
     w.add_feed_forward_length(FFN)
-    w.add_head_count(heads)
+    w.add_head_count(meta.get("head_count", heads))
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -101,7 +107,7 @@ def write_gguf(path, arch: str = "llama", kind: T = T.Q8_0, seed: int = 0, pre: 
     w.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
     w.add_token_merges(MERGES)
     w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_eos_token_id(meta.get("eos_token_id", tokens.index("<|im_end|>")))
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
 
@@ -252,6 +258,20 @@ def test_files_that_cannot_load_are_named_with_their_problem(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="gpt.gguf.*architecture 'gptneox'"):
         LLM(str(arch))
+
+
+@pytest.mark.parametrize("meta,problem", [
+    ({"head_count": 0}, r"llama.attention.head_count=0 must be at least 1"),
+    ({"head_count": 3}, r"llama.embedding_length=256 is not a multiple of llama.attention.head_count=3"),
+    ({"head_count": 8}, r"model.layers.0.self_attn.k_proj.weight: shape mismatch"),
+    ({"embedding_length": "sixty-four"}, r"llama.embedding_length='sixty-four' is not an integer"),
+    ({"eos_token_id": 10**6}, r"tokenizer.ggml.eos_token_id=1000000 is outside the vocabulary"),
+])
+def test_broken_metadata_is_named_with_its_key(tmp_path, meta, problem):
+    path = tmp_path / "broken.gguf"
+    write_gguf(path, "llama", T.Q8_0, meta=meta)
+    with pytest.raises(CheckpointError, match=f"broken.gguf: {problem}"):
+        LLM(str(path))
 
 
 def test_an_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
