@@ -12,7 +12,7 @@ import torch
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
 from leapfrog.sample.rejection import greedy_accept, verify_drafts
 from leapfrog.models.diffusion_families import diffusion_spec
-from leapfrog.sample.sampler import Sampler, apply_penalties, token_logprobs
+from leapfrog.sample.sampler import Sampler, apply_penalties, penalize_drafted_rows, token_logprobs
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -244,7 +244,8 @@ class DiffusionMethod(Method):
         for k, st in enumerate(steps):
             if out[k] is None:
                 x = self._gather(table, st.rows)
-                out[k] = (*self._sample(st.s.seq, x), x)
+                # verify: row i is the parent's after the drafts fed before it, penalized as `ar`'s
+                out[k] = (*self._sample(st.s.seq, x, st.canvas.drafts if self.verify else None), x)
         return out
 
     def _gather(self, table: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -252,14 +253,18 @@ class DiffusionMethod(Method):
         x[:, self.mask_token_id] = float("-inf")
         return x
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(self, seq: Sequence, logits: torch.Tensor,
+                drafts: list[int] | None = None) -> tuple[list[int], list[float]]:
         """Greedy with penalties, or a draw from the request's filtered distribution with its
-        own generator; the confidence is the chosen token's probability."""
+        own generator; the confidence is the chosen token's probability. `drafts`: row j comes
+        after drafts[:j] (a verify step), else every row after the committed output."""
         seqs = [seq] * logits.shape[0]
         if seq.params.greedy:
-            conf, tokens = apply_penalties(logits.clone(), seqs).softmax(-1).max(-1)
+            x = penalize_drafted_rows(logits.clone(), seq, drafts) if drafts is not None and \
+                seq.params.needs_penalties else apply_penalties(logits.clone(), seqs)
+            conf, tokens = x.softmax(-1).max(-1)
         else:
-            probs = self.sampler.probs(logits, seqs)
+            probs = self.sampler.probs(logits, seqs, drafts=drafts)
             tokens = self.sampler.draw(probs, seqs)
             conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
         return tokens.tolist(), conf.tolist()
@@ -335,7 +340,7 @@ class DiffusionMethod(Method):
         if p_greedy:
             out = greedy_accept(tokens[:m + 1], drafts[:m])
         else:
-            p = self.sampler.probs(logits[:m + 1], [seq] * (m + 1))
+            p = self.sampler.probs(logits[:m + 1], [seq] * (m + 1), drafts=drafts[:m])
             qm = torch.stack(q[:m]) if m else None     # each draft's distribution, kept with it
             ids = torch.tensor(drafts[:m], dtype=torch.long, device=p.device)
             out = verify_drafts(p, ids, qm, seq.generator or self.sampler.generator)
@@ -367,13 +372,27 @@ class DiffusionMethod(Method):
         return picked, exact
 
     def _commit_prefix(self, seq: Sequence, canvas: Canvas, n: int) -> tuple[list[int], int]:
-        """Pop the decided run that starts at the committed text; stop after an end token."""
+        """Pop the decided run that starts at the committed text; stop after an end token. A
+        token that would complete one of the request's bad words is taken back, with what was
+        decided after it: a position decided beside others in a step was banned only after the
+        committed text, and is decided again once the text before it is committed."""
         limit = self._limit(seq, canvas)
         out, p = [], n
         while p < limit and p in canvas.decided:
+            if (seq.bad_words_ids and not self.verify     # (a verify step's rows are penalized after their drafts)
+                    and self._completes_bad_word(seq.output_ids + out, canvas.decided[p], seq)):
+                for q in [q for q in canvas.decided if q >= p]:
+                    del canvas.decided[q]
+                    canvas.logprobs.pop(q, None)
+                break
             out.append(canvas.decided.pop(p))
             p += 1
         return out, limit
+
+    @staticmethod
+    def _completes_bad_word(history: list[int], token: int, seq: Sequence) -> bool:
+        return any(w[-1] == token and (len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1])
+                   for w in seq.bad_words_ids)
 
     def _activate(self, canvas: Canvas, front: int, n: int, limit: int) -> None:
         """Slide the window past committed blocks; admit the next block while the last active

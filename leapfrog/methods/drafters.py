@@ -12,7 +12,7 @@ from leapfrog.layers.parallel import whole
 from leapfrog.models.loader import find_drafter, load_drafter
 from leapfrog.methods.base import Batch, Commit, ScheduledSeq, StepOutput
 from leapfrog.methods.confidence_schedule import StepCostTable
-from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod
+from leapfrog.methods.speculative import Anchor, Proposal, SpeculativeMethod, check_num_speculative_tokens
 from leapfrog.sample.rejection import draw_token
 from leapfrog.methods.verify import make_policy
 from leapfrog.models.dflash import ContextCache, DFlashDraftModel, DraftContext
@@ -47,7 +47,7 @@ class DFlashMethod(SpeculativeMethod):
             return
         cfg = self.drafter.drafter
         gamma = cfg.num_draft_tokens if num_speculative_tokens is None else \
-            min(int(num_speculative_tokens), cfg.num_draft_tokens)
+            min(check_num_speculative_tokens(num_speculative_tokens), cfg.num_draft_tokens)
         super().__init__(ctx, gamma, fallback, policy)
         self._check_target(ctx.model)
         self.target = ctx.model

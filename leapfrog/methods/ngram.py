@@ -76,8 +76,6 @@ class NgramMethod(SpeculativeMethod):
             raise ValueError(f"prompt_lookup_min={lo!r}: must be an integer >= 1")
         if not isinstance(hi, int) or isinstance(hi, bool) or hi < lo:
             raise ValueError(f"prompt_lookup_max={hi!r}: must be an integer >= prompt_lookup_min ({lo})")
-        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool):
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer")
         policy = make_policy(verify, threshold, step_costs,
                              lambda: StepCostTable.profile(ctx.model, ctx.device, max_tokens=256,
                                                                    step=ctx.timed_step))

@@ -95,6 +95,13 @@ class SpecCounters:
         return out
 
 
+def check_num_speculative_tokens(value: object) -> int:
+    """The `num_speculative_tokens` option: an integer >= 0 (a ValueError naming it otherwise)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"num_speculative_tokens={value!r}: must be an integer >= 0")
+    return value
+
+
 class SpeculativeMethod(Method):
     """Lossless draft-and-verify; subclasses supply the drafter (and may set a verify policy)."""
     name = "speculative"
@@ -106,8 +113,7 @@ class SpeculativeMethod(Method):
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4,
                  fallback: str = "none", policy: VerifyPolicy | None = None) -> None:
-        if int(num_speculative_tokens) < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
+        check_num_speculative_tokens(num_speculative_tokens)
         if fallback not in ("none", "ar", "parallel"):
             raise ValueError(f"fallback={fallback!r}: expected none, ar or parallel")
         self.fallback = fallback

@@ -472,6 +472,8 @@ def make_policy(verify: str, threshold: float = 0.7, step_costs: dict | None = N
     seconds}) replaces confidence scheduling's start-up profile, which `profile` runs."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold={threshold!r}: must be a number between 0 and 1 (a draft's confidence)")
     threshold = float(threshold)
     table = StepCostTable.from_mapping(step_costs) if step_costs else None
     if verify == "fixed":

@@ -288,6 +288,25 @@ def test_bad_words_are_never_written():
         SamplingParams(bad_words=["  "])
 
 
+def test_block_diffusion_never_writes_a_bad_word_either():
+    """Block diffusion decides several positions in a step; a token that completes a bad word
+    after positions decided beside it is taken back and decided again once the text before it
+    is committed, so multi-token bad words are never written."""
+    from leapfrog.engine.llm_engine import bad_words_ids
+    words = ["loved to", "there was", "wanted to", "One day"]
+    llm = LLM("stories-diffusion-plain", method="diffusion", threshold=0.5)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    free = llm.generate(PROMPTS[:3], params)
+    banned = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, bad_words=words))
+    seqs = [w for w in bad_words_ids(llm.tokenizer, words) if len(w) > 1]
+
+    def holds(ids, w):
+        return any(ids[i:i + len(w)] == w for i in range(len(ids) - len(w) + 1))
+    assert any(holds(o.token_ids, w) for o in free for w in seqs)
+    assert not any(holds(o.token_ids, w) for o in banned for w in seqs)
+    assert all(len(o.token_ids) == 48 for o in banned)
+
+
 def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),

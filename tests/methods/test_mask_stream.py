@@ -180,6 +180,29 @@ def test_verified_decoding_is_the_parent_in_fewer_forwards(folders, which, rule)
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_verified_decoding_under_penalties_bans_and_min_tokens_is_the_parent(folders, num_blocks):
+    """A verify step's parent rows come after the drafts fed before them: penalties, multi-token
+    bad words and min_tokens see those drafts, as `ar` saw the same tokens committed."""
+    folder = str(folders["copy"])
+    ar = LLM(folder, **ENGINE)
+    base = ar.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    tok = ar.engine.tokenizer
+    pair = tok.decode(base[0].token_ids[4:6])
+    stop = base[1].token_ids[3]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, bad_words=[pair.strip() or pair]),
+              SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop], min_tokens=8),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=0.3)]
+    params = [p for p in params for _ in PROMPTS]          # every prompt under every setting
+    prompts = PROMPTS * 3
+    want = [o.token_ids for o in ar.generate(prompts, params)]
+    llm = LLM(folder, method="diffusion", verify=True, threshold=0.0, num_blocks=num_blocks, **ENGINE)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.engine.method.stats()["num_accepted_tokens"] > 0
+
+
 def test_verified_logprobs_are_the_parents(folders):
     folder = str(folders["copy"])
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2)

@@ -8,6 +8,7 @@ written here in the z-lab DFlash and DeepSpec DSpark layouts.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -282,6 +283,24 @@ def test_drafter_identical_to_target_is_fully_accepted(llama_dir, ar_greedy, mon
 def test_missing_drafter_is_a_clear_error(llama_dir):
     with pytest.raises(ValueError, match="no drafter"):
         LLM(str(llama_dir), method="dflash")
+
+
+@pytest.mark.parametrize("options,name", [
+    (dict(num_speculative_tokens="x"), "num_speculative_tokens='x'"),
+    (dict(num_speculative_tokens=2.5), "num_speculative_tokens=2.5"),
+    (dict(num_speculative_tokens=True), "num_speculative_tokens=True"),
+    (dict(verify="threshold", threshold="abc"), "threshold='abc'"),
+    (dict(verify="threshold", threshold=2.0), "threshold=2.0"),
+    (dict(verify="threshold", threshold=float("nan")), "threshold=nan"),
+])
+@pytest.mark.parametrize("method", ["dspark", "draft", "ngram"])
+def test_bad_speculative_options_are_refused_by_name(llama_dir, drafters, method, options, name):
+    """A value the option cannot mean (a fraction of a token, a threshold no confidence reaches)
+    is a ValueError naming it, not a silent truncation or a method that never drafts."""
+    draft = {"dspark": dict(draft_model=str(drafters["dspark"])), "draft": dict(draft_model=str(llama_dir)),
+             "ngram": {}}[method]
+    with pytest.raises(ValueError, match=re.escape(name)):
+        LLM(str(llama_dir), method=method, **draft, **options, **ENGINE)
 
 
 # --- confidence-scheduled verification (Algorithm 1) ----------------------------------------
