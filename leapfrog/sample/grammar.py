@@ -105,6 +105,7 @@ class GrammarCompiler:
                              "this model has none")
         eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
         self.vocab_size = max(int(vocab_size), int(tokenizer.vocab_size))
+        self.width = int(vocab_size)            # the model's logits: tokens past them cannot be sampled
         self.lltok = llg.LLTokenizer(spec, n_vocab=self.vocab_size, eos_token=eos or None)
         self.limits = llg.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
@@ -113,6 +114,12 @@ class GrammarCompiler:
         self.num_hits = 0
         self.digits = DigitRuns(self.lltok, self.vocab_size)
         self.eos = frozenset(eos)
+        # special tokens other than the end are never part of a constrained text (a SentencePiece
+        # <unk> may otherwise stand in for text the vocabulary cannot spell)
+        bits = np.ones(((self.vocab_size + 31) // 32) * 32, dtype=bool)
+        banned = [t for t in getattr(tokenizer, "special_token_ids", ()) if t not in self.eos and 0 <= t < self.vocab_size]
+        bits[banned] = False
+        self.plain = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32))
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher of `spec` (shared: copy it), or ParamError naming spec.field."""
@@ -130,9 +137,13 @@ class GrammarCompiler:
             # some grammars fail only when their first mask is computed (a schema that refers
             # to itself and nothing else); a copy computes it, so those are a 400 too
             probe = matcher.deep_copy()
-            probe.compute_bitmask()
+            first = torch.from_numpy(np.frombuffer(probe.compute_bitmask(), dtype=np.int32).copy())
+            first = first[:self.plain.numel()] & self.plain[:first.numel()]
             if probe.is_error():
                 matcher = probe
+            elif not any_allowed(first, self.width):
+                raise ParamError(spec.field, f"{spec.field}: no token of this model's vocabulary begins the "
+                                 f"{spec.kind}")
         if matcher.is_error():
             raise ParamError(spec.field, f"{spec.field}: the {spec.kind} cannot be compiled: "
                              f"{_short(matcher.get_error())}")
@@ -148,7 +159,8 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatch":
         """A fresh matcher of `spec` for one request (JSON kinds with the digit-run cap)."""
         digits = self.digits if spec.kind in ("json", "json_object") else None
-        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.eos, spec)
+        return GrammarMatch(self.compile(spec).deep_copy(), self.vocab_size, digits, self.eos, spec, self.width,
+                            self.plain)
 
 
 class DigitRuns:
@@ -193,18 +205,19 @@ def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
         return table[vocab_size]
 
 
-class GrammarLimitError(ParamError):
-    """A constraint that compiled but went past the grammar engine's limits while decoding (a
-    row of the parser's items too long, a rule that can never produce a token): the request
-    fails with a 400 naming its field, rather than going on unconstrained."""
+class GrammarError(ParamError):
+    """A constraint that compiled but cannot go on while decoding: past the grammar engine's
+    limits (a row of the parser's items too long), or no token of the vocabulary continues it.
+    The request fails with a 400 naming its field, rather than going on unconstrained."""
 
 
 class GrammarMatch:
     """One request's matcher and the tokens it has consumed (its output, then perhaps drafts)."""
-    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "eos", "spec")
+    __slots__ = ("matcher", "consumed", "vocab_size", "words", "digits", "eos", "spec", "width", "plain")
 
     def __init__(self, matcher: Any, vocab_size: int, digits: DigitRuns | None = None,
-                 eos: frozenset = frozenset(), spec: StructuredOutputs | None = None) -> None:
+                 eos: frozenset = frozenset(), spec: StructuredOutputs | None = None,
+                 width: int | None = None, plain: torch.Tensor | None = None) -> None:
         self.matcher = matcher
         self.consumed: list[int] = []
         self.vocab_size = vocab_size
@@ -212,14 +225,18 @@ class GrammarMatch:
         self.digits = digits            # JSON kinds: end digit runs at MAX_DIGIT_RUN
         self.eos = eos
         self.spec = spec
+        self.width = vocab_size if width is None else width      # the logits a mask is applied to
+        self.plain = plain              # the words of the tokens a constrained text may hold
+
+    def _fail(self, why: str) -> None:
+        field = self.spec.field if self.spec is not None else "structured_outputs"
+        kind = self.spec.kind if self.spec is not None else "constraint"
+        raise GrammarError(field, f"{field}: the {kind} {why}")
 
     def _check(self) -> None:
-        """Raise GrammarLimitError when the matcher has failed (it then allows every token)."""
+        """Raise GrammarError when the matcher has failed (it then allows every token)."""
         if self.matcher.is_error():
-            field = self.spec.field if self.spec is not None else "structured_outputs"
-            kind = self.spec.kind if self.spec is not None else "constraint"
-            raise GrammarLimitError(field, f"{field}: the {kind} went past the grammar engine's limits while "
-                                           f"decoding: {_short(self.matcher.get_error())}")
+            self._fail(f"went past the grammar engine's limits while decoding: {_short(self.matcher.get_error())}")
 
     def sync(self, history: list[int]) -> bool:
         """Stand after `history` (the request's output tokens, then drafts); False when some of
@@ -256,6 +273,11 @@ class GrammarMatch:
         grammar allows anything else."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         self._check()
+        if self.plain is not None:
+            row &= self.plain[:row.numel()]
+        if not any_allowed(row, self.width):
+            self._fail(f"cannot go on after {len(self.consumed)} tokens: no token of this model's vocabulary "
+                       "continues it")
         if self.digits is not None and self.digits.run(self.consumed) >= MAX_DIGIT_RUN:
             kept = row & self.digits.keep[:row.numel()]
             if bool(kept.any()):
@@ -308,6 +330,14 @@ class LoopMasks:
     def loop_args(self) -> tuple:
         """LoopCall.masks."""
         return self.bits, self.rows, self
+
+
+def any_allowed(row: torch.Tensor, width: int) -> bool:
+    """Whether a bitmask row (int32 words) allows some token below `width`."""
+    full, rest = divmod(width, 32)
+    if bool(row[:full].any()):
+        return True
+    return bool(rest) and full < row.numel() and bool(int(row[full]) & ((1 << rest) - 1))
 
 
 def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:

@@ -385,3 +385,20 @@ def test_property_order_is_the_schemas_own(ar_llm):
         out = ar_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0,
                                                           structured_outputs=SO(json=schema)))[0]
         assert list(json.loads(out.text)) == order, out.text
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_fails_naming_its_field():
+    """`couplets` reads Chinese characters only (a SentencePiece vocabulary with <unk>): "yes"
+    begins but cannot go on, and JSON cannot begin. Special tokens never stand in for the text
+    (llguidance lets <unk> spell what the vocabulary cannot), so the request fails with its
+    field named (the server's 400) instead of sampling a token its own constraint rejects."""
+    llm = LLM("couplets")
+    out = llm.generate(["春"], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["yes", "no"],
+                                                                                  field="guided_choice")))[0]
+    assert out.finish_reason.startswith("error:param:guided_choice:") and "no token" in out.finish_reason
+    compiler = compiler_for(llm.engine.tokenizer, llm.engine.hf_config["vocab_size"])
+    with pytest.raises(ParamError, match="begins") as err:
+        compiler.compile(SO(json_object=True, field="response_format"))
+    assert err.value.field == "response_format"
+    spelled = llm.generate(["春"], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[春夏]{2}")))[0]
+    assert spelled.finish_reason == "stop" and len(spelled.text) == 2
