@@ -216,6 +216,9 @@ def model_engine_factory(cfg: ServerConfig) -> Callable[[], Any]:
 # Open even with authentication on: the orchestrator's liveness and readiness probes, which
 # answer a status word and nothing else. /health (model ids, errors, restarts) needs the key.
 PROBE_PATHS = frozenset({"/healthz", "/ready"})
+# Open to GET and HEAD too: the pages (static HTML that holds no data), so that a browser can
+# open them and the key box on each can send the key with the page's own requests.
+PAGE_PATHS = frozenset({"/", "/couplet"})
 OFF_LOOP_BYTES = 64 << 10     # bodies this large are parsed and tokenized in a worker thread
 
 
@@ -287,7 +290,7 @@ async def off_loop_if_big(size: int, fn: Callable, *args: Any) -> Any:
 
 
 class RequireAuth:
-    """With authentication on, every endpoint but the probes needs it: /metrics, /docs and
+    """With authentication on, every endpoint but the probes and the pages needs it: /metrics, /docs and
     /openapi.json too (the generation routes check again, for the caller's identity). Plain
     ASGI rather than @app.middleware, which would copy every streamed chunk through a queue."""
 
@@ -295,7 +298,8 @@ class RequireAuth:
         self.app, self.state = app, state
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
+        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS and not (
+                scope["path"] in PAGE_PATHS and scope.get("method") in ("GET", "HEAD")):
             try:
                 self.state.authenticate(Request(scope))
             except APIError as exc:
@@ -409,7 +413,8 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], Any] | None = Non
     if cfg.cors_allow_origins:      # off by default: a page elsewhere cannot read the answers
         from starlette.middleware.cors import CORSMiddleware     # deferred: only when CORS is configured
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_allow_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600,
+                           expose_headers=["Retry-After"])     # a 429's wait, readable by the page
     app.add_middleware(CountResponses, counter=state.responses)     # outermost: sees every response
     _add_probe_routes(app, state)
     _add_generate_route(app, state)

@@ -307,7 +307,10 @@ def read_file(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r}: cannot read it as UTF-8 text ({exc})") from None
     try:
         if p.suffix.lower() == ".json":
             data = json.loads(text)
@@ -362,6 +365,10 @@ def _served(merged: dict) -> None:
     if models:
         if len(set(models)) != len(models):
             raise ConfigError(f"models={models!r}: a model is named twice")
+        ids = [Path(str(m)).name or str(m) for m in models]     # each is served under its folder's name
+        twice = next((i for i in ids if ids.count(i) > 1), None)
+        if twice is not None:
+            raise ConfigError(f"models={models!r}: two of them would be served as {twice!r}")
         if "model" in merged and merged["model"] != models[0]:
             raise ConfigError(f"model={merged['model']!r} and models={models!r} disagree: name the models once")
         merged["model"] = models[0]
@@ -394,6 +401,12 @@ def _validate(cfg: ServerConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: {why}")
     check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
+    if cfg.method is not None:
+        # deferred: the method table, without the methods' own modules
+        from leapfrog.methods import METHODS
+        hint = difflib.get_close_matches(str(cfg.method), list(METHODS), n=1)
+        check("method", cfg.method in METHODS, f"expected one of {', '.join(sorted(METHODS))}"
+              + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
           "expected critical, error, warning, info, debug or trace")
     check("default_max_tokens", SAMPLING_BOUNDS["max_tokens"].holds(cfg.default_max_tokens),

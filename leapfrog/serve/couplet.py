@@ -76,7 +76,8 @@ class Desk:
 
     def candidates_at(self, num_couplets: int) -> int:
         share = self.server.engine.places // max(1, num_couplets)
-        return 8 if share >= 8 else 4 if share >= 4 else 2
+        wanted = 8 if share >= 8 else 4 if share >= 4 else 2
+        return max(1, min(wanted, self.server.capacity))      # never more than the server holds at once
 
     def prepare(self) -> None:
         """Before /ready (in the engine thread, after its warm-up): build the couplet writer,
@@ -187,6 +188,10 @@ def _enter_line(state: ServerState, req: CoupletRequest) -> tuple[ModelServer, l
     if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:
         raise bad_request(f"seed={req.seed}: must be in [0, 2^64 - 1]", "seed")
     server = couplet_server(state, req.model)
+    if req.num_candidates is not None and req.num_candidates > server.capacity:    # retrying cannot help
+        raise bad_request(f"num_candidates={req.num_candidates}: this server holds at most {server.capacity} "
+                          "generations at once (max_batch_size + max_queue_size)", "num_candidates",
+                          "too_many_generations")
     try:
         return server, keywords, desk(server).line.join()
     except LineFull as full:

@@ -78,6 +78,19 @@ def test_bad_couplet_requests_are_400_naming_the_field(server, body, param):
     assert httpx.get(server.url + "/ready").status_code == 200          # and the server still answers
 
 
+def test_a_small_server_writes_couplets_with_the_candidates_it_holds():
+    """A server that holds fewer generations at once than a couplet's candidates: the default
+    count fits what it holds, and a num_candidates it can never hold is a 400 naming that field."""
+    s = ServerThread("couplets", max_batch_size=1, max_queue_size=0).start()
+    try:
+        r = httpx.post(s.url + "/couplet", json={"keywords": "马年 吉祥", "seed": 1}, timeout=120)
+        assert r.status_code == 200 and r.json()["upper"] and r.json()["lower"], r.text
+        r = httpx.post(s.url + "/couplet", json={"keywords": "马年 吉祥", "num_candidates": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_candidates", r.text
+    finally:
+        s.stop()
+
+
 def test_couplet_on_a_model_that_cannot_write_them(server, llama_dir):
     r = httpx.post(server.url + "/couplet", json={"keywords": "春", "model": llama_dir.name})
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_a_couplet_model"

@@ -95,12 +95,21 @@ def test_example_files_load():
     ("BATCH_SIZE: 4\nmax_batch_size: 8\n", "both set max_batch_size"),
     ("CACHE_SIZE: 2XB\n", "unknown size unit 'XB'"),
     ("- just\n- a list\n", "expected a mapping"),
+    ("method: dspak\n", "method='dspak': expected one of"),
+    ("models: [stories, /somewhere/else/stories]\n", "two of them would be served as 'stories'"),
 ])
 def test_bad_file_values_name_key_and_value(tmp_path, text, needle):
     path = write(tmp_path, "bad.yaml", text)
     with pytest.raises(ConfigError) as e:
         build_config({"config": path}, environ={})
     assert needle in str(e.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes("port: 8080\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="c.yaml.*UTF-8"):
+        build_config({"config": str(path)}, environ={})
 
 
 def test_bad_env_and_json(tmp_path):

@@ -158,6 +158,10 @@ def test_auth_and_rate_limit(llama_dir, tmp_path):
         for path in ("/healthz", "/ready"):
             assert httpx.get(s.url + path).status_code == 200
             assert set(httpx.get(s.url + path).json()) == {"status"}
+        # the chat page opens without one (static HTML; its key box sends the key with its requests)
+        page = httpx.get(s.url + "/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert_error(httpx.post(s.url + "/", json={}), 401, "invalid_api_key")
         for path in ("/health", "/metrics", "/docs", "/openapi.json", "/v1/models"):
             assert_error(httpx.get(s.url + path), 401, "invalid_api_key")
             assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-one"}).status_code == 200

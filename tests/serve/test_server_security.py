@@ -37,6 +37,8 @@ def test_cors_for_configured_origins_only(llama_dir):
         assert "access-control-allow-origin" not in preflight(s.url, "https://evil.example").headers
         r = httpx.post(s.url + "/generate", json={"prompt": "Once", "max_tokens": 2}, headers={"Origin": PAGE})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+        # the page may read a 429's Retry-After (the browser hides headers not exposed)
+        assert "retry-after" in r.headers.get("access-control-expose-headers", "").lower()
     finally:
         s.stop()
 
