@@ -48,8 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "bench" and _suite(argv[1:]) == "train":
         target = "leapfrog.train.speed"     # training's own benchmark: bench and train stay apart
     short_openmp_spin()
-    module = importlib.import_module(target)
-    return int(module.main(argv[1:]) or 0)
+    try:
+        module = importlib.import_module(target)
+        return int(module.main(argv[1:]) or 0)
+    except KeyboardInterrupt:                # Ctrl-C: stop quietly, the shell's code for it
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:                  # the reader went away (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _suite(argv: list[str]) -> str | None:

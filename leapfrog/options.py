@@ -54,7 +54,7 @@ def parse_options(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"--option {pair!r}: expected KEY=VALUE")
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE")
         key, value = pair.split("=", 1)
         try:
             out[key] = json.loads(value)

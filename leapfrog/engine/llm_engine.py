@@ -115,6 +115,11 @@ class LLMEngine:
         if step > self.config.max_num_batched_tokens:
             raise ValueError(f"engine option max_num_batched_tokens={self.config.max_num_batched_tokens}: "
                              f"method {method!r} feeds {step} query tokens per sequence and step")
+        if not self.config.chunked_prefill and self.config.max_num_batched_tokens < self.max_model_len:
+            # vLLM's rule: a prompt over the step budget would wait for a step that never comes
+            raise ValueError(f"engine option max_num_batched_tokens={self.config.max_num_batched_tokens}: with "
+                             f"chunked_prefill off a whole prompt is one step, so it must hold the context "
+                             f"({self.max_model_len} tokens); raise it, lower max_model_len or chunk prefills")
         self.runner = ModelRunner(self.model, self._num_blocks(), self.config.block_size,
                                   self.device, self.config.kv_torch_dtype(self.device))
         self.runner.interruptible = max(tp_size(), pp_size()) == 1
@@ -223,6 +228,10 @@ class LLMEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:     # lone surrogates: bytes that were not UTF-8
+                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at character {exc.start})") from None
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, Integral) and not isinstance(t, bool)
                                                        for t in prompt):

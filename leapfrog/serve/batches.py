@@ -385,7 +385,8 @@ class BatchRunner:
                 if time.monotonic() >= next_status:
                     next_status = time.monotonic() + STATUS_POLL_S
                     status = self.store.status(bid)
-                    if status == "cancelling" or time.time() > obj["expires_at"]:
+                    expires = obj.get("expires_at")       # None: an offline run (run-batch) never expires
+                    if status == "cancelling" or (expires is not None and time.time() > expires):
                         for t in tasks:
                             t.cancel()
                         await asyncio.gather(*tasks, return_exceptions=True)

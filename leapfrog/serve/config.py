@@ -459,5 +459,8 @@ def flags_from_args(args: argparse.Namespace) -> dict:
     if models:
         flags["model" if len(models) == 1 else "models"] = models[0] if len(models) == 1 else models
     if args.option:
-        flags["method_options"] = parse_options(args.option)
+        try:
+            flags["method_options"] = parse_options(args.option)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return flags

@@ -32,10 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     inp, out = Path(args.input_file), Path(args.output_file)
-    flags = flags_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                                  if k not in ("input_file", "output_file")}))
-    flags.setdefault("warmup_requests", 0)
     try:
+        flags = flags_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                                      if k not in ("input_file", "output_file")}))
+        flags.setdefault("warmup_requests", 0)
         cfg = build_config(flags)
     except ConfigError as exc:
         print(f"leapfrog run-batch: configuration error: {exc}", file=sys.stderr)
@@ -43,7 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     if not inp.is_file():
         print(f"leapfrog run-batch: {inp}: no such file", file=sys.stderr)
         return 2
-    return asyncio.run(run(cfg, inp, out))
+    problem = _output_problem(inp, out)
+    if problem is not None:
+        print(f"leapfrog run-batch: {out}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run(cfg, inp, out))
+    except OSError as exc:          # the progress folder or the output, found unwritable on the way
+        print(f"leapfrog run-batch: {exc}", file=sys.stderr)
+        return 2
+
+
+def _output_problem(inp: Path, out: Path) -> str | None:
+    """Why the results could not be written there, checked before any line runs."""
+    if out.exists() and out.is_dir():
+        return "is a folder; the output is a file"
+    if out.exists() and inp.exists() and out.resolve() == inp.resolve():
+        return "is the input file; the results would overwrite it"
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        return f"its folder {str(folder)!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"its folder {str(folder)!r} is not writable"
+    return None
 
 
 async def run(cfg, inp: Path, out: Path) -> int:
@@ -60,6 +82,12 @@ async def run(cfg, inp: Path, out: Path) -> int:
             print(f"leapfrog run-batch: {inp}: {exc}", file=sys.stderr)
             return 2
         store.create_batch("", str(inp), "", lines, None, bid=bid)
+    obj = store.batch(None, bid)
+    if obj.get("expires_at") is not None or obj["status"] == "expired":
+        # an offline run has no completion window: its lines run however long it takes, and a
+        # run that an earlier version let expire goes on with the lines it had left
+        store.update(bid, expires_at=None, expired_at=None,
+                     status="in_progress" if obj["status"] == "expired" else obj["status"])
     obj = store.batch(None, bid)
     counts = obj["request_counts"]
     state = ServerState(cfg)
@@ -83,12 +111,19 @@ async def run(cfg, inp: Path, out: Path) -> int:
         for task in supervisors:
             task.cancel()
         await asyncio.gather(*(asyncio.to_thread(m.engine.stop) for m in state.servers))
+    # deferred with the rest of the batch store
+    from leapfrog.serve.batches import result_line
     tmp = out.with_name(out.name + ".tmp")
+    unrun = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for _, _, result, _ in store.results(bid):
+        for _, cid, result, _ in store.results(bid):
+            if result is None:          # never written as null: the line's own error
+                unrun += 1
+                result = result_line(cid, None, None, {"code": "not_run", "message": "the line did not run; run "
+                                                       "leapfrog run-batch again to run it"})
             f.write(json.dumps(result, ensure_ascii=False) + "\n")
     os.replace(tmp, out)
     final = store.batch(None, bid)["request_counts"]
-    print(f"leapfrog run-batch: {final['completed']} lines answered, {final['failed']} errors -> {out}",
-          file=sys.stderr)
-    return 0
+    print(f"leapfrog run-batch: {final['completed']} lines answered, {final['failed']} errors"
+          + (f", {unrun} not run" if unrun else "") + f" -> {out}", file=sys.stderr)
+    return 1 if unrun else 0

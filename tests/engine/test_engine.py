@@ -171,6 +171,11 @@ def test_bad_requests_raise_clear_errors(llm):
         LLM(str(llm.engine.model_path), no_such_option=1)
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM("no-such-model")
+    with pytest.raises(ValueError, match="not valid Unicode"):     # bytes that were not UTF-8 (a shell's surrogates)
+        llm.generate(["caf\udce9"], GREEDY)
+    # without chunked prefill a prompt is one step: a budget under the context would never run it
+    with pytest.raises(ValueError, match="chunked_prefill off"):
+        LLM(str(llm.engine.model_path), chunked_prefill=False, max_num_batched_tokens=16)
 
 
 def test_chat_template(llm):
@@ -319,6 +324,9 @@ def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
                            "--num-threads", "0", "Once"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "num_threads=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
+                           "--option", "block_size", "Once"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "expected KEY=VALUE" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bf16_on_cpu_tracks_fp32(llama_dir):

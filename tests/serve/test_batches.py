@@ -58,6 +58,17 @@ def test_lines_are_parsed_and_malformed_ones_carry_their_error():
         parse_lines(jsonl(rows), None, 3)
 
 
+def test_run_batch_refuses_an_output_it_could_not_write_before_running(tmp_path, capsys):
+    from leapfrog.serve.run_batch import main as run_batch
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(jsonl(request_lines(1)))
+    for out, why in ((tmp_path, "is a folder"), (inp, "is the input file"),
+                     (tmp_path / "no" / "out.jsonl", "does not exist")):
+        assert run_batch(["-i", str(inp), "-o", str(out), "--model", "stories"]) == 2
+        assert why in capsys.readouterr().err
+    assert inp.read_bytes() == jsonl(request_lines(1))
+
+
 def test_lines_end_at_newlines_only_and_errors_name_the_line_in_the_file():
     """A JSON string may hold U+2028, U+0085 or a form feed as written (json.dumps with
     ensure_ascii=False writes them): the line stays whole. CRLF files parse; a blank line
@@ -267,6 +278,11 @@ def test_run_batch_resumes_after_a_kill_and_agrees_with_the_server(llama_dir, tm
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "out.jsonl").exists()
+    # an offline run has no completion window: resumed a day later (a progress file whose batch
+    # carries the server's 24 h window), it still runs every line left
+    with sqlite3.connect(db) as con:
+        (bid, obj), = con.execute("SELECT id, obj FROM batches").fetchall()
+        con.execute("UPDATE batches SET obj = ? WHERE id = ?", (json.dumps({**json.loads(obj), "expires_at": 1}), bid))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(out) == 401 and [r["custom_id"] for r in out[:400]] == [r["custom_id"] for r in rows]
