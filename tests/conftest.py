@@ -51,6 +51,7 @@ def build_model(root: Path, family: str, **overrides) -> Path:
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[family]
     kw = _common(**overrides)
     if family == "qwen3":

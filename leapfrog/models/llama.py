@@ -85,6 +85,26 @@ class MLP(nn.Module):
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
+def sliding_window(cfg: dict, layer_idx: int) -> int:
+    """The sliding window of a layer as transformers reads the config (0: full attention).
+    Mistral: every layer, when `sliding_window` is set. Qwen2/3 (and their MoE): `layer_types`,
+    else the layers from `max_window_layers` on, when `use_sliding_window`. Llama has none. A
+    window as long as the context changes nothing and is left off."""
+    window = int(cfg.get("sliding_window") or 0)
+    kind = cfg.get("model_type", "")
+    if window <= 0 or window >= int(cfg.get("max_position_embeddings", 1 << 62)):
+        return 0
+    types = cfg.get("layer_types")
+    if kind == "mistral":
+        return window if types is None or types[layer_idx] == "sliding_attention" else 0
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if types is not None:
+            return window if types[layer_idx] == "sliding_attention" else 0
+        if cfg.get("use_sliding_window", False) and layer_idx >= int(cfg.get("max_window_layers", 0)):
+            return window
+    return 0
+
+
 class DecoderLayer(nn.Module):
     activation = ("hidden_act", SUPPORTED_ACTIVATIONS, "silu")     # check_config's
 
@@ -100,6 +120,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.fusable = isinstance(self.mlp, MLP)     # forward_fused covers the dense SwiGLU layer
         self.loopable = self.fusable                 # and so does the decode loop
+        window = sliding_window(cfg, layer_idx)
+        if window:       # the attention kernels take the window; the fused layer and the loop do not
+            self.self_attn.attn.window = window
+            self.fusable = self.loopable = False
 
     @property
     def ffn_norm(self) -> RMSNorm:
