@@ -32,9 +32,12 @@ def read_config(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint folder?)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def verify_manifest(folder: str | os.PathLike) -> None:
@@ -68,8 +71,11 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: unreadable index (a JSON object whose weight_map maps tensor "
+                                  f"names to files; {type(e).__name__}: {e})") from None
+        if any(not isinstance(n, str) for n in names):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         files = [folder / n for n in names]
     else:
         files = sorted(folder.glob("*.safetensors"))

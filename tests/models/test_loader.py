@@ -96,6 +96,16 @@ def test_sharded_index_and_missing_shard(ckpt):
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: weight shard missing"):
         load_model(ckpt)
+    for broken in ([], {"weight_map": ["a"]}, {"weight_map": {"x": 5}}):     # JSON, but not an index
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(broken))
+        with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+            load_model(ckpt)
+
+
+def test_a_config_that_is_not_an_object_is_named(ckpt):
+    (ckpt / "config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"config\.json: must hold a JSON object"):
+        load_model(ckpt)
 
 
 def test_sha256sums_manifest_is_enforced(ckpt):
