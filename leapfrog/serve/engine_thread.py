@@ -427,8 +427,9 @@ def _error_of(finish_reason: str) -> Exception:
     if why.startswith("param:"):
         field, _, message = why[len("param:"):].partition(":")
         return ParamError(field, message)
-    if why == "kv_cache_too_small":
-        return EngineError("the request needs more KV cache than the server has")
+    if why == "kv_cache_too_small":      # the request's size, not the server's fault: a 400
+        return ValueError("the request (its prompt and max_tokens) needs more KV cache than this server has "
+                          "(kv_cache_tokens); shorten the prompt or lower max_tokens")
     return EngineError(f"this request failed: {why or 'unknown error'}")
 
 

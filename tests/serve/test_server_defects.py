@@ -321,3 +321,15 @@ def test_every_operation_has_its_own_id(server):
     ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     assert {"get", "head"} <= set(doc["paths"]["/healthz"])
+
+
+def test_a_request_larger_than_the_kv_cache_is_a_400(llama_dir):
+    """The cache holds 64 tokens: a request that needs more can never run. Its own fault, so a
+    400 that says what to change, not a 500; the server goes on serving what fits."""
+    s = ServerThread(llama_dir, kv_cache_tokens=64, block_size=16, max_batch_size=2).start()
+    try:
+        r = post(s, "/v1/completions", {"prompt": "word " * 20, "max_tokens": 60, "ignore_eos": True})
+        assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"], r.text
+        still_works(s.url)
+    finally:
+        s.stop()
