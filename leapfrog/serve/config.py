@@ -424,6 +424,14 @@ def _validate(cfg: ServerConfig) -> None:
           "ssl_certfile and ssl_keyfile must be given together")
     for key in ("ssl_certfile", "ssl_keyfile", "api_key_file"):
         check(key, getattr(cfg, key) is None or Path(getattr(cfg, key)).is_file(), "file not found")
+    if cfg.ssl_certfile and cfg.ssl_keyfile:      # loaded once here, so a file that is not one fails now
+        # deferred: ssl loads only for a server configured with TLS
+        import ssl
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise ConfigError(f"ssl_certfile={cfg.ssl_certfile!r}, ssl_keyfile={cfg.ssl_keyfile!r}: not a "
+                              f"certificate and its private key in PEM ({exc})") from None
 
 
 # --- command line ----------------------------------------------------------------------------

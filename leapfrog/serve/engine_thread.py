@@ -235,7 +235,8 @@ class AsyncEngine:
         except BaseException as exc:       # surfaced by /health and the startup log
             self.load_error = exc
             log.error("engine failed to load: %s", exc)
-            traceback.print_exc()
+            if not isinstance(exc, (ValueError, FileNotFoundError)):    # a bad option or file says it all
+                traceback.print_exc()
             if self.on_fatal is not None:
                 self.on_fatal()
             return False

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from leapfrog.checkpoint.gguf import CheckpointError
 from leapfrog.config import resolve_model
+from leapfrog.models.loader import read_config
 from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.serve import app as http_core
 from leapfrog.serve import batches, chat_page, couplet
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         for view in cfg.views():      # fail before binding the port, not in the background
-            resolve_model(view.model)
+            folder = resolve_model(view.model)
+            if folder.is_dir():
+                read_config(folder)   # a folder that is no checkpoint is named now
     except (FileNotFoundError, CheckpointError) as exc:     # no such model, or a broken file named
         print(f"leapfrog serve: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from leapfrog.config import resolve_model
+from leapfrog.models.loader import read_config
+from leapfrog.checkpoint.gguf import CheckpointError
 from leapfrog.serve.config import ConfigError, add_arguments, build_config, flags_from_args
 
 
@@ -42,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not inp.is_file():
         print(f"leapfrog run-batch: {inp}: no such file", file=sys.stderr)
+        return 2
+    try:
+        for view in cfg.views():      # a model that is not there fails here, not in the engine thread
+            folder = resolve_model(view.model)
+            if folder.is_dir():
+                read_config(folder)
+    except (FileNotFoundError, CheckpointError) as exc:
+        print(f"leapfrog run-batch: {exc}", file=sys.stderr)
         return 2
     problem = _output_problem(inp, out)
     if problem is not None:
@@ -100,7 +111,7 @@ async def run(cfg, inp: Path, out: Path) -> int:
             while not m.engine.ready.is_set():
                 if m.engine.load_error is not None:
                     print(f"leapfrog run-batch: {m.engine.load_error}", file=sys.stderr)
-                    return 1
+                    return 2 if isinstance(m.engine.load_error, (ValueError, FileNotFoundError)) else 1
                 await asyncio.sleep(0.05)
         bar = tqdm(total=counts["total"], initial=counts["completed"] + counts["failed"], unit="line",
                    desc="run-batch", disable=None)

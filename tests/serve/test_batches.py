@@ -67,6 +67,11 @@ def test_run_batch_refuses_an_output_it_could_not_write_before_running(tmp_path,
         assert run_batch(["-i", str(inp), "-o", str(out), "--model", "stories"]) == 2
         assert why in capsys.readouterr().err
     assert inp.read_bytes() == jsonl(request_lines(1))
+    # a model that is not there, or a folder that is no checkpoint: named before anything runs
+    (tmp_path / "empty").mkdir()
+    for model, why in (("no-such-model", "no-such-model"), (str(tmp_path / "empty"), "config.json: missing")):
+        assert run_batch(["-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", model]) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_lines_end_at_newlines_only_and_errors_name_the_line_in_the_file():

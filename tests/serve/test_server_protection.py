@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from leapfrog.serve.config import ConfigError, build_config
 from leapfrog.serve.auth import jwt_encode
 from test_server_common import ServerThread, assert_error, pace_engine, still_works
 
@@ -219,6 +220,12 @@ def test_tls(llama_dir, tmp_path):
             httpx.get(s.url.replace("https", "http") + "/health", timeout=2)
     finally:
         s.stop()
+    # files that exist but hold no certificate and key: a configuration error, before anything loads
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    for c, k in ((bad, bad), (cert, bad), (key, key)):
+        with pytest.raises(ConfigError, match="ssl_certfile=.*not a certificate and its private key"):
+            build_config({"model": str(llama_dir), "ssl_certfile": str(c), "ssl_keyfile": str(k)}, environ={})
 
 
 def test_engine_load_failure_stops_server(llama_dir):
