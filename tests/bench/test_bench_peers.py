@@ -157,6 +157,9 @@ def test_bfloat16_products_add_llama_cpps_bfloat16_gguf(fake_cpp, tmp_path, monk
     (["--threads", "0"], "--threads 0: must be at least 1"),
     (["--concurrency", "1", "0"], "--concurrency 0: must be at least 1"),
     (["--suite", "speculative", "--num-prompts", "-2"], "--num-prompts -2: must be at least 1"),
+    (["--suite", "diffusion", "--thresholds", "2"], "--thresholds 2.0: a confidence"),
+    (["--suite", "soak", "--duration", "-5"], "--duration -5.0: must be a positive"),
+    (["--llama-cpp-dir", "/no/such/llama.cpp"], "--llama-cpp-dir /no/such/llama.cpp: not found"),
 ])
 def test_bad_counts_are_usage_errors(argv, message, capsys, tmp_path):
     # these once reached torch.set_num_threads or a loop and ended in a traceback
