@@ -122,7 +122,9 @@ class LLM:
         reads_tools = bool(getattr(self.tokenizer, "template_reads_tools", False))
         prompts, texts = [], []
         for conv in convs:
-            conv, extra = tool_messages(plain_messages(conv), tools, reads_tools)
+            conv, extra = plain_messages(conv), {}
+            if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conv):
+                conv, extra = tool_messages(conv, tools, reads_tools)
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                       **kwargs, **extra)
             if continue_final_message:
