@@ -4,6 +4,7 @@ drafts, so verification stays lossless. The call order and the pricing: docs/arc
 "The methods in detail"."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -472,9 +473,13 @@ def make_policy(verify: str, threshold: float = 0.7, step_costs: dict | None = N
     seconds}) replaces confidence scheduling's start-up profile, which `profile` runs."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+    try:          # a number, or its text (a config file's string)
+        value = float(threshold) if not isinstance(threshold, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"threshold={threshold!r}: must be a number between 0 and 1 (a draft's confidence)")
-    threshold = float(threshold)
+    threshold = value
     table = StepCostTable.from_mapping(step_costs) if step_costs else None
     if verify == "fixed":
         return FixedPolicy()
