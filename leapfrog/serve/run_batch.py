@@ -17,9 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from leapfrog.config import resolve_model
-from leapfrog.models.loader import read_config
 from leapfrog.checkpoint.gguf import CheckpointError
+from leapfrog.config import resolve_model
 from leapfrog.serve.config import ConfigError, add_arguments, build_config, flags_from_args
 
 
@@ -46,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if not inp.is_file():
         print(f"leapfrog run-batch: {inp}: no such file", file=sys.stderr)
         return 2
+    # deferred: the loader (and torch) only once the arguments are good
+    from leapfrog.models.loader import read_config
     try:
         for view in cfg.views():      # a model that is not there fails here, not in the engine thread
             folder = resolve_model(view.model)
