@@ -12,7 +12,8 @@ import torch
 from leapfrog.methods.base import Batch, Commit, Method, ScheduledSeq, StepOutput
 from leapfrog.sample.rejection import greedy_accept, verify_drafts
 from leapfrog.models.diffusion_families import diffusion_spec
-from leapfrog.sample.sampler import Sampler, apply_penalties, penalize_drafted_rows, token_logprobs
+from leapfrog.sample.sampler import (Sampler, apply_penalties, bad_words_after, penalize_drafted_rows,
+                                     token_logprobs)
 from leapfrog.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -380,7 +381,7 @@ class DiffusionMethod(Method):
         out, p = [], n
         while p < limit and p in canvas.decided:
             if (seq.bad_words_ids and not self.verify     # (a verify step's rows are penalized after their drafts)
-                    and self._completes_bad_word(seq.output_ids + out, canvas.decided[p], seq)):
+                    and canvas.decided[p] in bad_words_after(seq.output_ids + out, seq.bad_words_ids)):
                 for q in [q for q in canvas.decided if q >= p]:
                     del canvas.decided[q]
                     canvas.logprobs.pop(q, None)
@@ -388,11 +389,6 @@ class DiffusionMethod(Method):
             out.append(canvas.decided.pop(p))
             p += 1
         return out, limit
-
-    @staticmethod
-    def _completes_bad_word(history: list[int], token: int, seq: Sequence) -> bool:
-        return any(w[-1] == token and (len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1])
-                   for w in seq.bad_words_ids)
 
     def _activate(self, canvas: Canvas, front: int, n: int, limit: int) -> None:
         """Slide the window past committed blocks; admit the next block while the last active

@@ -23,6 +23,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def bad_words_after(history: list[int], bad_words_ids: list[list[int]]) -> list[int]:
+    """The tokens that would complete one of the bad words after `history` (vLLM's bad_words:
+    the last token of each word whose other tokens `history` ends with)."""
+    return [w[-1] for w in bad_words_ids if len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1]]
+
+
 def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
     """The penalties of apply_penalties for the rows of one request's verify step, in place: row
     j is the distribution after drafts[:j], so it is penalized as if those drafts had been
@@ -66,9 +72,7 @@ def penalize_drafted_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int]
     before_ban = logits.clone() if narrowed and banning else None
     for j in range(rows):
         if seq.bad_words_ids:
-            history = seq.output_ids + drafts[:j]
-            banned_next = [w[-1] for w in seq.bad_words_ids
-                           if 0 <= w[-1] < vocab and (len(w) == 1 or history[len(history) - len(w) + 1:] == w[:-1])]
+            banned_next = [t for t in bad_words_after(seq.output_ids + drafts[:j], seq.bad_words_ids) if 0 <= t < vocab]
             if banned_next:
                 logits[j, banned_next] = float("-inf")
         if seq.num_output_tokens + j < p.min_tokens and ban:
