@@ -89,20 +89,22 @@ class EngineConfig:
               "expected float32, bfloat16 or int8")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_scheduler_steps",
                      "tensor_parallel_size", "pipeline_parallel_size"):
-            check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
+            check(name, _integer(getattr(self, name)) and getattr(self, name) > 0, "must be a positive integer")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)
-            check(name, v is None or (isinstance(v, int) and v > 0), "must be a positive integer")
-        check("kv_spill_bytes", isinstance(self.kv_spill_bytes, int) and self.kv_spill_bytes >= 0,
+            check(name, v is None or (_integer(v) and v > 0), "must be a positive integer")
+        check("kv_spill_bytes", _integer(self.kv_spill_bytes) and self.kv_spill_bytes >= 0,
               "must be an integer >= 0 (0: no second tier)")
-        check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and self.kv_spill_ttl > 0,
+        check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and not isinstance(self.kv_spill_ttl, bool)
+              and self.kv_spill_ttl > 0,
               "must be a number of seconds > 0")
         check("kv_remote_url", self.kv_remote_url is None or (isinstance(self.kv_remote_url, str) and
               self.kv_remote_url.split("://", 1)[0] in ("redis", "rediss", "unix")),
               "expected redis://host:port/db, rediss://... or unix:///path.sock")
         check("batch_invariant", self.batch_invariant is None or isinstance(self.batch_invariant, bool),
               "expected true, false or null (on wherever the CPU kernels run)")
-        check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and self.kv_remote_ttl >= 1,
+        check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and not isinstance(self.kv_remote_ttl, bool)
+              and self.kv_remote_ttl >= 1,
               "must be a number of seconds >= 1")
 
     def torch_device(self) -> torch.device:
@@ -206,6 +208,9 @@ def resolve_model(model: str | os.PathLike) -> Path:
     on first use (checkpoint/build.py); a GGUF file to a folder made from its metadata (checkpoint/gguf.py)."""
     # deferred: checkpoint.gguf loads only when a model is resolved
     from leapfrog.checkpoint.gguf import is_gguf, materialize_gguf
+    if not str(model).strip():          # Path("") is the current folder: never what was meant
+        raise FileNotFoundError("model '': the name is empty; give a built-in model's name, a checkpoint "
+                                "folder or a GGUF file")
     path = Path(model)
     if path.is_dir():
         return materialize(path)
@@ -221,6 +226,12 @@ def resolve_model(model: str | os.PathLike) -> Path:
     builtin += list(PACKAGED_MODELS)
     raise FileNotFoundError(f"model {str(model)!r}: no such folder and no built-in model of that name "
                             f"(built-in: {', '.join(builtin) or 'none'})")
+
+
+def _integer(v: object) -> bool:
+    """An int that is not a bool (True is an int to Python, and `--option block_size=true` would
+    otherwise mean 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _device_present(device: str) -> bool:

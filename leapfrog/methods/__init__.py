@@ -16,6 +16,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "draft": ("leapfrog.methods.draft_model", "DraftModelMethod"),
     "ngram": ("leapfrog.methods.ngram", "NgramMethod"),
 }
+# The methods that read a draft_model (a drafter folder, or the small model `draft` runs).
+DRAFT_MODEL_METHODS = ("dflash", "dspark", "draft")
 
 
 def method_class(name: str) -> type:

@@ -12,6 +12,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     follower = torchrun_role(cfg)
     if follower is not None:
         return follower
+    taken = port_taken(cfg.host, cfg.port)
+    if taken:                         # say so now, not after the models have loaded
+        print(f"leapfrog serve: cannot listen on {cfg.host}:{cfg.port}: {taken}", file=sys.stderr)
+        return 2
     app = create_app(cfg)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, ssl_certfile=cfg.ssl_certfile,
@@ -85,6 +90,25 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", line)
     server.run()
     return 1 if any(m.engine.load_error is not None for m in state.servers) else 0
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound (another process holds it, no such address), or None. It
+    binds the way uvicorn will (SO_REUSEADDR) and lets go at once; port 0 is always free."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"no such address ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def torchrun_role(cfg: ServerConfig) -> int | None:

@@ -176,6 +176,14 @@ def test_bad_requests_raise_clear_errors(llm):
     # without chunked prefill a prompt is one step: a budget under the context would never run it
     with pytest.raises(ValueError, match="chunked_prefill off"):
         LLM(str(llm.engine.model_path), chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(FileNotFoundError, match="the name is empty"):     # Path("") was the current folder
+        LLM("")
+    with pytest.raises(ValueError, match="draft_model='stories': method 'ar' reads no draft model"):
+        LLM(str(llm.engine.model_path), method="ar", draft_model="stories")
+    from leapfrog.config import EngineConfig
+    for name in ("block_size", "max_batch_size", "kv_cache_tokens", "kv_spill_bytes"):   # True is no count
+        with pytest.raises(ValueError, match=f"engine option {name}=True"):
+            EngineConfig(**{name: True}).validate()
 
 
 def test_chat_template(llm):

@@ -152,6 +152,34 @@ def test_cli_names_a_broken_gguf_file_without_a_traceback(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def test_cli_a_port_in_use_fails_before_the_models_load(capsys, monkeypatch):
+    """A port another process holds is named at once (exit 2), not after every model has loaded."""
+    import socket
+
+    import leapfrog.serve.main as serve_main
+    monkeypatch.setattr(serve_main, "create_app", lambda cfg: pytest.fail("the models were loaded"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["--model", "stories", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "in use" in err
+
+
+def test_cli_an_empty_model_name_is_refused(capsys):
+    """`--model ""` once resolved to the current folder."""
+    assert main(["--model", "", "--port", "0"]) == 2
+    assert "the name is empty" in capsys.readouterr().err
+
+
+def test_a_draft_model_for_a_method_that_reads_none_is_refused():
+    with pytest.raises(ConfigError, match="draft_model='stories': method 'ar' reads no draft model"):
+        build_config(flags("--model", "stories", "--method", "ar", "--draft-model", "stories"), environ={})
+    cfg = build_config(flags("--model", "stories", "--method", "draft", "--draft-model", "stories"), environ={})
+    assert cfg.draft_model == "stories"
+
+
 def test_served_models_default_both_builtins_and_repeat_model():
     """No model named: `stories` (first, the default of requests naming none), `couplets` and `smollm2`;
     --model once: that model alone; --model repeated: those, the first taking the method."""
