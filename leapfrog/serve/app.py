@@ -177,7 +177,7 @@ class ServerState:
         try:
             return self.auth.check(request.headers.get("authorization"), request.headers.get("x-api-key"))
         except AuthError as exc:
-            self.metrics.reject("unauthorized")
+            self.primary.metrics.reject("unauthorized", routed=False)
             raise APIError(401, str(exc), "authentication_error", None, "invalid_api_key",
                            {"WWW-Authenticate": "Bearer"}) from None
 
@@ -190,14 +190,14 @@ class ServerState:
             # Every model is full: no body this request could send would be admitted. Answer
             # before reading and tokenizing it, so that a burst is turned away at once and
             # the admitted requests keep the CPU.
-            self.primary.metrics.reject("queue_full")
+            self.primary.metrics.reject("queue_full", routed=False)
             retry = min(retry_after_s(m.queue_wait_s(1)) for m in self.servers)
             raise APIError(429, f"server is at capacity; retry in {retry} s", "rate_limit_error", None, "queue_full",
                            {"Retry-After": str(retry)})
         client = identity or (request.client.host if request.client else "unknown")
         wait = self.limiter.acquire(client)
         if wait > 0:
-            self.metrics.reject("rate_limited")
+            self.primary.metrics.reject("rate_limited", routed=False)
             raise APIError(429, f"rate limit of {self.limiter.rate:g} requests/s exceeded; retry in "
                            f"{wait:.1f}s", "rate_limit_error", None, "rate_limit_exceeded",
                            {"Retry-After": retry_after_header(wait)})

@@ -189,6 +189,9 @@ class ServerMetrics:
         self.counters: dict[str, float] = {name: 0 for name in COUNTERS}
         self.success: dict[str, int] = {}          # finished_reason -> count
         self.rejected: dict[str, int] = {}         # reason -> count
+        # reason -> count of requests turned away before they named a model (authentication,
+        # rate limit, every model full): shown under model_name="", not under this model's name
+        self.rejected_unrouted: dict[str, int] = {}
         self.snapshot: dict[str, float] = {}       # engine gauges and cumulative engine counters
         self.method_stats: dict[str, float] = {}
         self.method_name = ""
@@ -207,9 +210,10 @@ class ServerMetrics:
         with self._lock:
             self.success[reason] = self.success.get(reason, 0) + 1
 
-    def reject(self, reason: str) -> None:
+    def reject(self, reason: str, routed: bool = True) -> None:
         with self._lock:
-            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            counts = self.rejected if routed else self.rejected_unrouted
+            counts[reason] = counts.get(reason, 0) + 1
 
     def publish(self, snapshot: dict[str, float], method_name: str, method_stats: dict[str, float]) -> None:
         with self._lock:
@@ -241,6 +245,8 @@ class ServerMetrics:
                                                    "finished_reason", self.success))
             families.append(self._labelled_counter("http_requests_rejected", COUNTERS["http_requests_rejected"],
                                                    "reason", self.rejected))
+            for reason, n in sorted(self.rejected_unrouted.items()):
+                families[-1].add_metric(["", reason], n)
             for name, (doc, _) in HISTOGRAMS.items():
                 h = self.hist[name]
                 families.append(HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"]))
