@@ -43,8 +43,8 @@ class CoupletRequest(StrictModel):
     keywords: str
     seed: int | None = None                # the same keywords and seed write the same couplet
     method: str = "constrained"            # "constrained" (rules enforced, candidates reranked) or "free"
-    num_candidates: int | None = None      # constrained: candidates written and reranked (None: 8, fewer
-                                           # while the engine is busy)
+    num_candidates: int | None = None      # constrained only: candidates written and reranked (None: 8,
+                                           # fewer while the engine is busy)
     model: str | None = None               # default: the first served model that writes couplets
     stream: bool = False                   # server-sent events: place in line, then the couplet
 
@@ -183,6 +183,9 @@ def _enter_line(state: ServerState, req: CoupletRequest) -> tuple[ModelServer, l
         raise bad_request(str(exc), "keywords", "invalid_keywords") from None
     if req.method not in COUPLET_METHODS:
         raise bad_request(f"method={req.method!r}: expected one of {', '.join(COUPLET_METHODS)}", "method")
+    if req.num_candidates is not None and req.method == "free":
+        raise bad_request(f"num_candidates={req.num_candidates}: only method 'constrained' writes and reranks "
+                          "candidates; 'free' writes one couplet, the model's alone", "num_candidates")
     if req.num_candidates is not None and not 1 <= req.num_candidates <= MAX_CANDIDATES:
         raise bad_request(f"num_candidates={req.num_candidates}: must be in [1, {MAX_CANDIDATES}]", "num_candidates")
     if req.seed is not None and not 0 <= req.seed <= SEED_RANGE[1]:

@@ -70,6 +70,7 @@ def test_couplet_endpoint(server):
     ({"keywords": "春", "seed": -1}, "seed"), ({"keywords": 5}, "keywords"), ({"keyword": "春"}, "keywords"),
     ({"keywords": "春夏秋冬东南西北 中发白红黄蓝绿紫 金"}, "keywords"), ({"keywords": "新年" * 101}, "keywords"),
     ({"keywords": "hello world"}, "keywords"), ({"keywords": "<b>春</b>"}, "keywords"),
+    ({"keywords": "春", "method": "free", "num_candidates": 4}, "num_candidates"),   # once ignored silently
 ])
 def test_bad_couplet_requests_are_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/couplet", json=body)
