@@ -31,6 +31,10 @@ class Canvas:
     carry_pos: int = -1
     drafts: list[int] = field(default_factory=list)           # verify: proposals for positions n, n+1, ...
     draft_probs: list[torch.Tensor] = field(default_factory=list)   # their distributions (sampled requests)
+    num_drafted: int = 0                                      # verify: this request's drafts checked,
+    num_accepted: int = 0                                     # accepted,
+    num_verify_steps: int = 0                                 # and steps that verified
+    num_verified_tokens: int = 0                              # tokens those steps decided
 
 
 @dataclass(slots=True)
@@ -194,13 +198,31 @@ class DiffusionMethod(Method):
         return commits
 
     def on_finished(self, seq: Sequence) -> None:
-        if seq.is_finished:
-            seq.method_state = None
+        if seq.is_finished:              # keep only the counts the request's usage reports
+            c = seq.method_state
+            seq.method_state = None if c is None else Canvas(
+                num_drafted=c.num_drafted, num_accepted=c.num_accepted,
+                num_verify_steps=c.num_verify_steps, num_verified_tokens=c.num_verified_tokens)
         elif seq.method_state is not None:   # preempted: decided tokens stay, the carry is recomputed
             seq.method_state.carry = None
 
     def stats(self) -> dict[str, float]:
         return self.counters.as_dict()
+
+    def draft_counts(self, seq: Sequence) -> tuple[int, int, str | None] | None:
+        """Verified decoding only: the request's drafts checked and accepted, as a speculative
+        method's; why drafting is off: "request" (num_speculative_tokens 0)."""
+        if not self.verify:
+            return None
+        canvas: Canvas | None = seq.method_state
+        why = "request" if seq.params.num_speculative_tokens == 0 else None
+        return (0, 0, why) if canvas is None else (canvas.num_drafted, canvas.num_accepted, why)
+
+    def acceptance_length(self, seq: Sequence) -> float | None:
+        canvas: Canvas | None = seq.method_state
+        if not self.verify or canvas is None or not canvas.num_verify_steps:
+            return None
+        return canvas.num_verified_tokens / canvas.num_verify_steps
 
     # --- one step -------------------------------------------------------------------------------
     def _store_chunk(self, s: ScheduledSeq, rows: torch.Tensor) -> Commit:
@@ -347,6 +369,8 @@ class DiffusionMethod(Method):
             out = verify_drafts(p, ids, qm, seq.generator or self.sampler.generator)
         self.counters.num_drafted_tokens += m
         self.counters.num_accepted_tokens += len(out) - 1
+        canvas.num_drafted += m
+        canvas.num_accepted += len(out) - 1
         held = len(out) == m + 1 and m == len(drafts)   # every draft accepted: the mask rows saw the truth
         canvas.drafts, canvas.draft_probs = [], []
         picked = []
@@ -359,10 +383,13 @@ class DiffusionMethod(Method):
             if self._ends(seq, t):
                 held = False
                 break
+        canvas.num_verify_steps += 1
+        canvas.num_verified_tokens += len(picked)
+        cap = seq.params.num_speculative_tokens        # the request's own bound (0: no drafts)
         if held:
             # the mask rows after the last decided position: the next step's drafts, while confident
             for i in range(len(out), len(need)):
-                if need[i] >= limit or conf[i] <= self.threshold:
+                if need[i] >= limit or conf[i] <= self.threshold or (cap is not None and len(canvas.drafts) >= cap):
                     break
                 canvas.drafts.append(tokens[i])
                 if not p_greedy:

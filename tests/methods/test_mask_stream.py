@@ -203,6 +203,33 @@ def test_verified_decoding_under_penalties_bans_and_min_tokens_is_the_parent(fol
     assert llm.engine.method.stats()["num_accepted_tokens"] > 0
 
 
+def test_verified_decoding_honours_the_requests_draft_cap_and_counts_its_drafts(folders):
+    """A request's num_speculative_tokens bounds the drafts verified for it (0: none, one token a
+    forward, drafting_off "request"), and its metrics carry its own drafted / accepted counts and
+    tokens per verify step, as a speculative method's do; the text stays the parent's."""
+    folder = str(folders["copy"])
+    want = [o.token_ids for o in LLM(folder, **ENGINE).generate(PROMPTS, GREEDY)]
+    llm = LLM(folder, method="diffusion", verify=True, threshold=0.0, **ENGINE)
+    free, one, off = (llm.generate(PROMPTS, SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0,
+                                                           num_speculative_tokens=cap)) for cap in (None, 1, 0))
+    for outs in (free, one, off):
+        assert [o.token_ids for o in outs] == want
+    total = llm.engine.method.stats()
+    assert sum(o.metrics.num_drafted_tokens for o in free + one + off) == total["num_drafted_tokens"]
+    assert sum(o.metrics.num_accepted_tokens for o in free + one + off) == total["num_accepted_tokens"]
+    assert sum(o.metrics.num_accepted_tokens for o in free) > 0
+    for o in free:
+        assert o.metrics.drafting_off is None and o.metrics.acceptance_length >= 1
+    assert max(o.metrics.acceptance_length for o in free) > 1
+    assert max(o.metrics.num_drafted_tokens for o in one) > 0
+    for o in one:       # at most one draft a step: at most two tokens a forward
+        assert o.metrics.num_forwards >= len(o.token_ids) / 2
+    for o in off:
+        assert (o.metrics.num_drafted_tokens, o.metrics.drafting_off) == (0, "request")
+        assert o.metrics.num_forwards >= len(o.token_ids)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 def test_verified_logprobs_are_the_parents(folders):
     folder = str(folders["copy"])
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2)
