@@ -60,6 +60,9 @@ def test_couplet_endpoint(server):
     # the deployment guide's shape
     g = httpx.post(server.url + "/generate", json={"keywords": "马年 吉祥", "seed": 3}, timeout=60).json()
     assert g["couplet"] == f"上联：{up}\n下联：{low}\n横批：{hor}"
+    escaped = httpx.post(server.url + "/generate", content='{"key\\u0077ords": "马年 吉祥", "seed": 3}'.encode(),
+                         headers={"content-type": "application/json"}, timeout=60)    # the same key, escaped
+    assert escaped.status_code == 200 and escaped.json()["couplet"] == g["couplet"], escaped.text
     free = httpx.post(server.url + "/couplet", json={"keywords": "春", "method": "free", "seed": 1}, timeout=60)
     assert free.status_code == 200 and free.json()["constrained"] is False
 
