@@ -81,7 +81,6 @@ class NgramMethod(SpeculativeMethod):
                                                                    step=ctx.timed_step))
         super().__init__(ctx, num_speculative_tokens, fallback, policy)
         self.lookup_min, self.lookup_max = lo, hi
-        self.max_step_tokens = 1 + self.num_speculative_tokens
         self.table = AcceptanceTable(self.num_speculative_tokens)
         self._misses = 0              # consecutive steps of a batch that verify no drafts
 

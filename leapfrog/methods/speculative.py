@@ -120,6 +120,7 @@ class SpeculativeMethod(Method):
         self.ctx = ctx
         self.sampler: Sampler = ctx.sampler
         self.num_speculative_tokens = int(num_speculative_tokens)
+        self.max_step_tokens = 1 + self.num_speculative_tokens    # the last token and its drafts
         self.max_positions = int(getattr(ctx.model, "config", {}).get("max_position_embeddings", 1 << 30))
         self.counters = SpecCounters()
         self.policy: VerifyPolicy = policy or FixedPolicy()

@@ -303,6 +303,17 @@ def test_bad_speculative_options_are_refused_by_name(llama_dir, drafters, method
         LLM(str(llama_dir), method=method, **draft, **options, **ENGINE)
 
 
+@pytest.mark.parametrize("method", ["dspark", "draft", "ngram"])
+def test_a_step_budget_under_one_verify_step_is_refused(llama_dir, drafters, method):
+    """max_num_batched_tokens below the last token and its drafts: the step could never be
+    scheduled, and a request waited for it forever (dflash, dspark, draft)."""
+    draft = {"dspark": dict(draft_model=str(drafters["dspark"])), "draft": dict(draft_model=str(llama_dir)),
+             "ngram": {}}[method]
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=3: method '\w+' feeds 4 query tokens"):
+        LLM(str(llama_dir), method=method, **draft, num_speculative_tokens=3, block_size=4,
+            max_num_batched_tokens=3)
+
+
 # --- confidence-scheduled verification (Algorithm 1) ----------------------------------------
 def test_prefix_scheduler_verifies_more_when_idle_and_less_under_load():
     from leapfrog.methods.confidence_schedule import StepCostTable, schedule_prefix, survival
