@@ -163,7 +163,7 @@ def _completions(params: SamplingParams) -> list[SamplingParams]:
 
 def plain_messages(messages: list[dict]) -> list[dict]:
     """A conversation as a template reads it (the server's rules): content as a string (OpenAI's
-    text parts joined; None only on an assistant turn with tool_calls, read as empty)."""
+    text parts joined by newlines, as vLLM joins them; None only on an assistant turn with tool_calls, read as empty)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -179,7 +179,7 @@ def plain_messages(messages: list[dict]) -> list[dict]:
                    for p in content):
                 raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
                                  "can be read")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: a string or a list of text parts, not {type(content).__name__}")
         out.append({**m, "content": content})

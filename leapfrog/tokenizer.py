@@ -393,6 +393,10 @@ class Tokenizer:
             raise ValueError("model has no chat template")
         if self._compiled is None:
             self._compiled = _compile_template(self._template, self._template_origin)
+        if "developer" not in self._template:
+            # OpenAI's newer name for the system role, which the OpenAI SDK sends for instructions:
+            # a template that does not know it reads it as the system message it is
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         # What transformers exposes to templates: the special token strings, tools, documents.
         context: dict[str, Any] = {"tools": None, "documents": None, **self._special_strings}
         context.update(kwargs)

@@ -304,7 +304,7 @@ def chat_messages(req: Any) -> list[dict]:
                 if part.text is None:
                     raise bad_request(f"messages.{i}.content.{j}.text: a text part needs its text",
                                       f"messages.{i}.content.{j}.text", "missing_field")
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)     # vLLM's and llama-server's join
         message = {"role": m.role, "content": content or ""}
         for key in ("tool_calls", "tool_call_id", "name"):
             if getattr(m, key, None) is not None:

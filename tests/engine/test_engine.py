@@ -254,7 +254,7 @@ def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, mo
                  {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
              {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
     llm.chat(parts, SamplingParams(max_tokens=1), tools=[tool])
-    assert [m["content"] for m in rendered[-1]] == ["hi", "", "noon"] and rendered[-1][1]["tool_calls"]
+    assert [m["content"] for m in rendered[-1]] == ["h\ni", "", "noon"] and rendered[-1][1]["tool_calls"]
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 

@@ -194,6 +194,18 @@ def test_chat_template_errors(folders, tmp_path):
         bare.apply_chat_template(MESSAGES)
 
 
+def test_a_developer_message_is_the_system_message_to_a_template_without_that_role(folders, tmp_path):
+    """OpenAI's SDK sends instructions as role `developer`; a template that never names it reads
+    them as its system message (llama-server's rendering), one that does gets them as sent."""
+    ours = Tokenizer.from_folder(folders["sp"])
+    as_system = ours.apply_chat_template([{"role": "system", "content": "Be brief."}, *MESSAGES[1:]])
+    assert ours.apply_chat_template([{"role": "developer", "content": "Be brief."}, *MESSAGES[1:]]) == as_system
+    aware = "{% for m in messages %}[{{ m.role }}{% if m.role == 'developer' %}!{% endif %}]{{ m.content }}{% endfor %}"
+    _copy_sp(folders, tmp_path, _tokenizer_config(chat_template=aware))
+    assert Tokenizer.from_folder(tmp_path).apply_chat_template(
+        [{"role": "developer", "content": "x"}], add_generation_prompt=False) == "[developer!]x"
+
+
 def test_chat_template_list_form_uses_default(folders, tmp_path):
     templates = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": TEMPLATE}]
     _copy_sp(folders, tmp_path, _tokenizer_config(chat_template=templates))

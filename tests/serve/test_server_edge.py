@@ -101,14 +101,14 @@ def test_unknown_chat_roles_and_missing_content_are_400(server, messages, param)
 
 
 def test_text_parts_are_joined_as_openai_sends_them(server):
-    """A content list of text parts is the same prompt as its text joined (an image part is a
-    400 above, not dropped without a word)."""
+    """A content list of text parts is the same prompt as its texts joined by newlines, as vLLM and
+    llama-server join them (an image part is a 400 above, not dropped without a word)."""
     def reply(content):
         r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
                                                    "max_tokens": 6, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
-    assert reply([{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]) == reply("Once upon a time")
+    assert reply([{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]) == reply("Once upon\na time")
 
 
 def test_an_assistant_turn_that_called_tools_may_have_no_content(server):
