@@ -17,7 +17,11 @@ from leapfrog.checkpoint.build import cache_root
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "gguf_source.json"
-FORMAT = 5                 # bump when the folder made from a file changes
+FORMAT = 6                 # bump when the folder made from a file changes
+# Tokens that end a turn or a text wherever a vocabulary has them, as llama.cpp's loader takes
+# them: many files name only `eos_token_id` (Gemma 3's ends its turns with <end_of_turn>).
+END_OF_TURN_TOKENS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                                "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>"})
 TABLE_FORMAT = 1           # bump when tensor_table's entries change
 # Block types whose weights the CPU kernels keep quantized (layers/quant.py): a file holding
 # them decodes with int8 products by default (llama.cpp's scheme; float32 products on request).
@@ -160,8 +164,9 @@ def materialize_gguf(path: str | os.PathLike, cache: Path, extra_generation: dic
         tokenizer_files(reader, path, tmp)
         eos = [config["eos_token_id"]] if config.get("eos_token_id") is not None else []
         eot = _field(reader, "tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos:
-            eos.append(int(eot))
+        ends = [int(eot)] if eot is not None else []
+        ends += [i for i, t in enumerate(_field(reader, "tokenizer.ggml.tokens") or []) if t in END_OF_TURN_TOKENS]
+        eos += [i for i in dict.fromkeys(ends) if i not in eos]
         _write_json(tmp / "generation_config.json", {"bos_token_id": config.get("bos_token_id"),
                                                      "eos_token_id": eos, **(extra_generation or {})})
         # deferred: the gguf package loads only when a GGUF file is read

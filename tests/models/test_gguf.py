@@ -237,7 +237,8 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     # llama.cpp's smollm pre-tokenizer splits every digit apart; transformers' converter does not
     assert tok.encode("2024") == [tok.token_to_id(c) for c in "2024"]
-    assert tok.eos_token_ids == [vocabulary().index("<|im_end|>")]
+    # the file's eos, then the other end-of-text tokens its vocabulary has, as llama.cpp takes them
+    assert tok.eos_token_ids == [vocabulary().index("<|im_end|>"), vocabulary().index("<|endoftext|>")]
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
