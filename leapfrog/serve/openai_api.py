@@ -611,11 +611,19 @@ def tokenize_body(req: TokenizeRequest, limits: Limits, tokenizer: Any) -> dict:
         raise bad_request("give either prompt or messages", "prompt", "missing_field")
     if req.prompt is not None:
         check_prompt_chars(req.prompt, limits)
-        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
-        chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-        ids = render_chat(chat, tokenizer, limits)
-    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+        # rendered as the chat request with the same fields would render it (its tools included)
+        chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+        plan = plan_tools(chat)
+        check_history(chat.messages)
+        ids = render_chat(chat, tokenizer, limits, plan)
+    body = {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+    return body
 
 
 def detokenize_body(req: DetokenizeRequest, limits: Limits, tokenizer: Any) -> dict:

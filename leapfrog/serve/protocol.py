@@ -195,7 +195,12 @@ class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True        # the prompt form: BOS as a completion's prompt gets it
-    add_generation_prompt: bool = True     # the messages form
+    # the messages form, with the chat request's own fields that change what is rendered
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = Field(None, max_length=128)
+    return_token_strs: bool = False        # vLLM's: also each id's vocabulary entry
 
 
 class DetokenizeRequest(StrictModel):

@@ -151,11 +151,31 @@ def test_tokenize_gives_the_ids_generation_is_fed(server, llama_dir):
     assert post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
 
 
+def test_tokenize_renders_what_a_chat_request_with_the_same_fields_renders(server):
+    """tools, continue_final_message and chat_template_kwargs change a chat's prompt: /tokenize
+    takes them (vLLM's fields), so a tool chat's prompt can be counted before it is sent."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    got = post(server, "/tokenize", {"messages": messages, "tools": tools, "return_token_strs": True}).json()
+    assert got["count"] > post(server, "/tokenize", {"messages": messages}).json()["count"]
+    # this model's context is too short for the tools' prompt: the chat's refusal counts it
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1})
+    assert f"prompt has {got['count']} tokens" in chat.json()["error"]["message"]
+    assert len(got["token_strs"]) == got["count"] and all(isinstance(t, str) for t in got["token_strs"])
+    cont = messages + [{"role": "assistant", "content": "The weather"}]
+    body = {"messages": cont, "add_generation_prompt": False, "continue_final_message": True}
+    reply = post(server, "/v1/chat/completions", {**body, "max_tokens": 1}).json()
+    assert post(server, "/tokenize", body).json()["count"] == reply["usage"]["prompt_tokens"]
+    assert post(server, "/tokenize", {**body, "add_generation_prompt": True}).status_code == 400
+
+
 def test_an_empty_prompt_tokenizes_as_its_schema_says(server):
     """/tokenize takes "" (its ids: at most the BOS a prompt gets); the generation endpoints'
     schemas keep a prompt's minimum length, and answer "" with a 400."""
     got = post(server, "/tokenize", {"prompt": ""})
-    assert got.status_code == 200 and got.json()["count"] == len(got.json()["tokens"]) <= 1
+    assert got.status_code == 200 and got.json()["tokens"] == post(server, "/tokenize", {"prompt": "x"}).json()["tokens"][:1]
+    assert post(server, "/tokenize", {"prompt": "", "add_special_tokens": False}).json()["tokens"] == []
     doc = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
     strings = lambda name: [b for b in doc[name]["properties"]["prompt"]["anyOf"] if b.get("type") == "string"]  # noqa: E731
     assert all("minLength" not in b for b in strings("TokenizeRequest"))
