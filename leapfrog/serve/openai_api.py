@@ -240,10 +240,18 @@ def check_n(n: int, limits: Limits) -> None:
         raise bad_request(f"n={n}: must be between 1 and {limits.max_n}", "n", "invalid_value")
 
 
+def check_stream_options(req: Any) -> None:
+    """OpenAI's and vLLM's rule: stream_options only with stream: true (else usage a client asked
+    for in a stream's last chunk would never come)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+
+
 # --- /v1/completions ------------------------------------------------------------------------
 def prepare_completion(req: CompletionRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
+    check_stream_options(req)
     if req.best_of is not None and req.best_of < req.n:       # OpenAI's and vLLM's rule
         raise bad_request(f"best_of={req.best_of}: must be at least n={req.n}", "best_of", "invalid_value")
     if req.suffix or (req.best_of or 1) > req.n:
@@ -379,6 +387,7 @@ def can_spell_fallback_chat(tokenizer: Any) -> bool:
 def prepare_chat(req: ChatRequest, limits: Limits, tokenizer: Any) -> Prepared:
     check_model(req.model, limits)
     check_n(req.n, limits)
+    check_stream_options(req)
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
     plan = plan_tools(req)

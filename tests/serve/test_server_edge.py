@@ -74,6 +74,16 @@ def test_errors_name_the_field_and_the_limit_without_echoing_a_huge_value(server
     assert param in err["message"]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_stream_options_without_a_stream_are_400(server, path, body):
+    """OpenAI's and vLLM's rule: the usage asked for in a stream's last chunk cannot come without one."""
+    r = post(server, path, {**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert_error(r, 400, "invalid_value", "stream_options")
+    assert post(server, path, {**body, "max_tokens": 2, "stream_options": None}).status_code == 200
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_400(server):
     vocab = server.state.engine.info.vocab_size
     for ids in ([99_999_999], [vocab]):
