@@ -472,6 +472,7 @@ class Generation:
                     return
                 if isinstance(item, BaseException):
                     self._live.discard(request_id)
+                    self._engine.drain.completed()        # its place is free as a finished one's
                     raise item
                 if item.finished:
                     self._live.discard(request_id)
@@ -487,6 +488,9 @@ class Generation:
         self._closed = True
         for request_id in self._live:
             self._engine.abort(request_id)
+            # a request that leaves (its client went away, a timeout) moves the line on as one
+            # that finished does: the wait estimate behind 429s counts it
+            self._engine.drain.completed()
         self._live.clear()
         self._engine.num_in_flight -= len(self._index)
         self._engine.drain.set_saturated(self._engine.num_in_flight >= self._engine.places)

@@ -154,3 +154,40 @@ def test_saturation_follows_the_places_taken():
         line.release(a)
         assert not line.drain.saturated
     run(main())
+
+
+class _Engine:
+    """What a Generation asks of the engine thread: places, the drain rate, submit and abort."""
+
+    def __init__(self, places: int) -> None:
+        self.places, self.num_in_flight, self.drain = places, 0, DrainRate()
+        self.submitted, self.aborted = 0, []
+
+    def submit(self, ids, params, sink, priority, arrival, stream) -> str:
+        self.submitted += 1
+        return f"r{self.submitted}"
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_requests_that_leave_move_the_line_on_as_finished_ones_do():
+    """A client that hangs up (or times out, or fails) frees its place: the drain rate behind the
+    429s counts it. Counting only finished requests once made a server whose streams were
+    abandoned refuse the next request for a wait of 75 s when its place came in half a second."""
+    from leapfrog.serve.engine_thread import Generation
+
+    async def run() -> None:
+        engine = _Engine(places=2)
+        gens = [Generation(engine, [([1], None)]) for _ in range(2)]       # every place taken
+        assert engine.drain.saturated
+        gens[0].close()                                    # a client went away while every place was taken
+        assert engine.aborted == ["r1"] and engine.drain.events == 1 and not engine.drain.saturated
+        gens[1].close()
+        failing = [Generation(engine, [([1], None)]) for _ in range(2)]
+        failing[0]._sink.put_nowait(("r3", RuntimeError("its own fault")))      # full again, and one fails
+        with pytest.raises(RuntimeError):
+            async for _ in failing[0].outputs():
+                pass
+        assert engine.drain.events == 2
+    asyncio.run(run())
