@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -51,6 +52,7 @@ CREATE TABLE IF NOT EXISTS lines (batch_id TEXT NOT NULL, idx INTEGER NOT NULL, 
     request TEXT, state TEXT NOT NULL, result TEXT, is_error INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, idx));
 CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, state);
+CREATE TABLE IF NOT EXISTS batch_runner (batch_id TEXT PRIMARY KEY, server TEXT NOT NULL);
 """
 
 
@@ -187,7 +189,8 @@ class BatchStore:
 
     # batches
     def create_batch(self, owner: str, input_file_id: str, endpoint: str, lines: list[Line],
-                     metadata: dict | None, bid: str | None = None) -> dict:
+                     metadata: dict | None, bid: str | None = None, server: str | None = None) -> dict:
+        """`server`: the server that runs the batch (another server sharing the store leaves it)."""
         bid, now = bid or new_id("batch"), int(time.time())
         obj = {"id": bid, "object": "batch", "endpoint": endpoint, "errors": None, "input_file_id": input_file_id,
                "completion_window": WINDOW, "status": "in_progress", "output_file_id": None, "error_file_id": None,
@@ -196,6 +199,8 @@ class BatchStore:
                "cancelled_at": None, "metadata": metadata}
         with self.transaction() as db:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)", (bid, owner, "in_progress", now, json.dumps(obj)))
+            if server is not None:
+                db.execute("INSERT INTO batch_runner VALUES (?, ?)", (bid, server))
             db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, ?, ?, ?)", [
                 (bid, ln.idx, ln.custom_id, None if ln.error else json.dumps({"url": ln.url, "body": ln.body}),
                  "done" if ln.error else "pending",
@@ -236,10 +241,14 @@ class BatchStore:
             obj.update(fields)
             db.execute("UPDATE batches SET obj = ?, status = ? WHERE id = ?", (json.dumps(obj), obj["status"], bid))
 
-    def unfinished(self) -> list[str]:
+    def unfinished(self, server: str | None = None) -> list[str]:
+        """The batches not yet done; with `server`, those it runs (and any no server claimed)."""
+        mine = "" if server is None else \
+            " AND id NOT IN (SELECT batch_id FROM batch_runner WHERE server != ?)"
         with self.lock:
-            rows = self.db.execute(f"SELECT id FROM batches WHERE status IN ({','.join('?' * len(UNFINISHED))}) "
-                                   "ORDER BY created_at, id", UNFINISHED).fetchall()
+            rows = self.db.execute(f"SELECT id FROM batches WHERE status IN ({','.join('?' * len(UNFINISHED))})"
+                                   f"{mine} ORDER BY created_at, id",
+                                   UNFINISHED + (() if server is None else (server,))).fetchall()
         return [r[0] for r in rows]
 
     def status(self, bid: str) -> str:
@@ -331,9 +340,11 @@ class BatchRunner:
     """Runs the unfinished batches of a store, oldest first, one at a time, up to one full
     batch of lines at once per model, and only while no live request is in flight there."""
 
-    def __init__(self, state: Any, store: BatchStore, on_line: Callable[[], None] | None = None) -> None:
+    def __init__(self, state: Any, store: BatchStore, on_line: Callable[[], None] | None = None,
+                 server: str | None = None) -> None:
         self.state = state
         self.store = store
+        self.server = server            # whose batches serve_forever runs (None: every batch)
         self.wake = asyncio.Event()
         self.on_line = on_line
         self.num_running = 0                    # lines in flight
@@ -357,7 +368,7 @@ class BatchRunner:
 
     async def serve_forever(self) -> None:
         while True:
-            ids = self.store.unfinished()
+            ids = self.store.unfinished(self.server)
             if not ids:
                 self.wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -482,7 +493,10 @@ _LIST_PARAMS = {"parameters": [
 def install(app: FastAPI, state: Any) -> None:
     cfg = state.cfg
     store = BatchStore(Path(cfg.batch_dir or default_data_dir()) / "batches.sqlite3")
-    runner = BatchRunner(state, store)
+    # Servers on one host share the default store: each runs the batches it accepted (a server
+    # restarted on its port resumes its own), and any of them answers for every batch.
+    server = f"{socket.gethostname()}:{cfg.port}" + (f":{os.getpid()}" if cfg.port == 0 else "")
+    runner = BatchRunner(state, store, server=server)
     state.primary.guests["batches"] = (store, runner)
     state.background.append(runner.serve_forever)
 
@@ -575,7 +589,7 @@ def install(app: FastAPI, state: Any) -> None:
             raise bad_request(f"input_file_id: {exc}", "input_file_id", "invalid_file") from None
         if not lines:
             raise bad_request("input_file_id: the file has no lines", "input_file_id", "invalid_file")
-        obj = store.create_batch(who, fid, endpoint, lines, metadata)
+        obj = store.create_batch(who, fid, endpoint, lines, metadata, server=runner.server)
         runner.wake.set()
         return JSONResponse(obj)
 

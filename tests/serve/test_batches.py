@@ -74,6 +74,19 @@ def test_run_batch_refuses_an_output_it_could_not_write_before_running(tmp_path,
         assert why in capsys.readouterr().err
 
 
+def test_servers_sharing_a_store_each_run_the_batches_they_accepted(tmp_path):
+    """Servers on one host share the default store: a batch runs on the server that accepted it
+    (another one ran it too, and failed its lines for a model it does not serve); a batch from a
+    store written before batches had a server is anyone's."""
+    store = BatchStore(tmp_path / "batches.sqlite3")
+    lines = parse_lines(jsonl(request_lines(2)), "/v1/chat/completions", 10)
+    a = store.create_batch("", "file-a", "/v1/chat/completions", lines, None, server="host:8411")["id"]
+    b = store.create_batch("", "file-b", "/v1/chat/completions", lines, None, server="host:8414")["id"]
+    old = store.create_batch("", "file-c", "/v1/chat/completions", lines, None)["id"]
+    assert set(store.unfinished("host:8411")) == {a, old} and set(store.unfinished("host:8414")) == {b, old}
+    assert set(store.unfinished()) == {a, b, old}
+
+
 def test_lines_end_at_newlines_only_and_errors_name_the_line_in_the_file():
     """A JSON string may hold U+2028, U+0085 or a form feed as written (json.dumps with
     ensure_ascii=False writes them): the line stays whole. CRLF files parse; a blank line
