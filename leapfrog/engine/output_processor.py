@@ -30,6 +30,12 @@ class RequestState:
     sent_chars: int = 0
     sent_tokens: int = 0
     counted_tokens: int = 0             # output tokens already added to the engine's stats
+    stop_after: int = 0                 # a stop string must end past this much text (min_tokens)
+
+
+def _find_ending_after(text: str, stop: str, start: int, end_after: int) -> int:
+    """The first index >= start of `stop` in `text` whose end is past `end_after`, or -1."""
+    return text.find(stop, max(start, end_after - len(stop) + 1))
 
 
 @dataclass(slots=True)
@@ -127,7 +133,7 @@ class OutputProcessor:
         seq = req.seq
         for i, token in enumerate(new_tokens):
             req.text += req.detok.add([token])
-            if self._check_stop_strings(req):
+            if self._check_stop_strings(req, req.sent_tokens + i + 1):
                 keep = req.sent_tokens + i + 1
                 if i + 1 < len(new_tokens):
                     del seq.token_ids[seq.num_prompt_tokens + keep:]
@@ -138,14 +144,19 @@ class OutputProcessor:
                 return new_tokens[:i + 1]
         return new_tokens
 
-    def _check_stop_strings(self, req: RequestState) -> bool:
-        """Cut the text at the first stop string and finish the request; True on a hit."""
+    def _check_stop_strings(self, req: RequestState, num_tokens: int | None = None) -> bool:
+        """Cut the text at the first stop string and finish the request; True on a hit. Within
+        min_tokens (`num_tokens` output tokens so far, default all) no stop string counts, and
+        one ending in that text never does (vLLM's rule, as for stop tokens)."""
         seq = req.seq
         if not seq.params.stop:
             return False
+        if (seq.num_output_tokens if num_tokens is None else num_tokens) <= seq.params.min_tokens:
+            req.stop_after = len(req.text)
+            return False
         window = max(len(s) for s in seq.params.stop) + 32
         start = max(0, req.sent_chars - window)
-        hits = [(req.text.find(s, start), s) for s in seq.params.stop]
+        hits = [(_find_ending_after(req.text, s, start, req.stop_after), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False

@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny real checkpoint: streaming, stops, seeds, preemption, abort."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import subprocess
 import sys
 
@@ -98,6 +100,26 @@ def test_min_tokens_delays_stop_tokens(llm):
         max_tokens=16, temperature=0, stop_token_ids=[tok], min_tokens=10))[0]
     assert out.token_ids[:first] == base.token_ids[:first]
     assert tok not in out.token_ids[:10] and len(out.token_ids) >= 10
+
+
+def test_min_tokens_delays_stop_strings_as_vllm_does(llm):
+    """A stop string ending within the first min_tokens tokens' text does not count (vLLM's
+    rule); the first one ending after it cuts the text, as without min_tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = llm.generate(["Once upon a time"], params)[0]
+    tok = llm.engine.tokenizer
+    within = len(tok.decode(base.token_ids[:8]))           # the text of the first 8 tokens
+    assert within >= 2
+    stop = base.text[:2]                                    # a string that ends inside it
+    cut = llm.generate(["Once upon a time"], replace(params, stop=[stop]))[0]
+    assert (cut.finish_reason, cut.text) == ("stop", "")
+    held = llm.generate(["Once upon a time"], replace(params, stop=[stop], min_tokens=8))[0]
+    assert held.token_ids[:8] == base.token_ids[:8]
+    later = base.text.find(stop, within - len(stop) + 1)   # the first one ending past those 8 tokens
+    if later >= 0:
+        assert (held.finish_reason, held.text) == ("stop", base.text[:later])
+    else:
+        assert (held.finish_reason, held.text) == ("length", base.text)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):
