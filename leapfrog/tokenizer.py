@@ -70,6 +70,7 @@ class _Backend(Protocol):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def id_to_token(self, i: int) -> str | None: ...
+    def token_bytes(self, i: int) -> bytes: ...
     def token_to_id(self, s: str) -> int | None: ...
     def mark_special(self, contents: list[str]) -> None: ...
 
@@ -87,6 +88,8 @@ class _HFBackend:
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
         added = self.tok.get_added_tokens_decoder()
         self.special_ids = {i for i, t in added.items() if t.special}
+        self._added_ids = set(added)
+        self._byte_level: dict[str, int] | None = None
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -97,6 +100,22 @@ class _HFBackend:
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        token = self.tok.id_to_token(i) or ""
+        if i in self._added_ids:
+            return token.encode()
+        if self._byte_level is None:           # the decoder's kind, read once
+            decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+            self._byte_level = _byte_decoder() if "ByteLevel" in kinds else {}
+        if self._byte_level:
+            try:
+                return bytes(self._byte_level[c] for c in token)
+            except KeyError:
+                return token.encode()
+        byte = _BYTE_PIECE.fullmatch(token)
+        return bytes([int(byte.group(1), 16)]) if byte else token.replace("\u2581", " ").encode()
 
     def token_to_id(self, s: str) -> int | None:
         return self.tok.token_to_id(s)
@@ -110,6 +129,7 @@ class _HFBackend:
         known = [c for c in contents if self.tok.token_to_id(c) is not None]
         self.tok.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in known])
         self.special_ids |= {self.tok.token_to_id(c) for c in known}
+        self._added_ids |= {self.tok.token_to_id(c) for c in known}
 
 
 def _sp_processor(proto: Any, dummy_prefix: bool) -> Any:
@@ -183,6 +203,15 @@ class _SPBackend:
             return self.added_pieces[i]
         return self.sp.id_to_piece(i) if 0 <= i < self.sp.get_piece_size() else None
 
+    def token_bytes(self, i: int) -> bytes:
+        if i in self.added_pieces:
+            return self.added_pieces[i].encode()
+        if not 0 <= i < self.sp.get_piece_size():
+            return b""
+        if self.sp.is_byte(i):
+            return bytes([int(self.sp.id_to_piece(i)[3:5], 16)])
+        return self.sp.id_to_piece(i).replace("\u2581", " ").encode()
+
     def _chunks(self, text: str) -> list[tuple[int, str | int]]:
         """(offset, text or added-token id) pieces of text, added tokens split out longest-first."""
         if not self.added:
@@ -230,6 +259,22 @@ class _SPBackend:
                 out += self.sp.id_to_piece(i).replace("▁", " ").encode()
         text = out.decode("utf-8", errors="replace")
         return text[1:] if self.dummy_prefix and text.startswith(" ") else text
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -370,6 +415,14 @@ class Tokenizer:
             ids = [i for i in ids if i not in self.special_token_ids]
         text = self._backend.decode(list(ids))
         return _clean_up_spaces(text) if self._clean_up else text
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes a token stands for on its own: a byte-level or byte-fallback token inside a
+        multi-byte character is part of one; a SentencePiece word start begins with a space. An
+        id past the vocabulary (a padded embedding) stands for nothing, as it decodes to nothing."""
+        if self._backend.id_to_token(i) is None:
+            return b""
+        return self._backend.token_bytes(i)
 
     def id_to_token(self, i: int) -> str:
         token = self._backend.id_to_token(i)

@@ -444,11 +444,12 @@ def usage(prep: Prepared, num_completion_tokens: int, outs: Any = ()) -> dict:
 
 
 class _Pieces:
-    """The text each token adds after the tokens before it, as the streamed text adds it (the
-    incremental detokenizer): a token keeps its leading space (SentencePiece drops it at the
-    start of a decode), a token that ends inside a multi-byte character adds nothing yet and the
-    one that completes it carries all of it, so the pieces join into the text. `piece` asks of
-    any token (an alternative too), `advance` moves past the one taken."""
+    """How a logprob entry shows each token, after the tokens before it. A token whose bytes are
+    whole characters shows the text it adds there, as the streamed text adds it (so it keeps its
+    SentencePiece leading space); a token inside a multi-byte character (an emoji is several
+    byte tokens) shows its own bytes as OpenAI does, "bytes:\\xf0\\x9f", and `bytes` gives them
+    too, so a client joins the bytes of such tokens into the text. `piece` asks of any token
+    (an alternative too), `advance` moves past the one taken and returns the text it added."""
 
     def __init__(self, tokenizer: Any, prompt: list[int], before: list[int] = ()) -> None:
         """After `prompt` (all of it text already, as the request's detokenizer takes it) and the
@@ -459,56 +460,75 @@ class _Pieces:
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt) + list(before[:cut]))
         self.detok.add(list(before[cut:]))
 
-    def piece(self, token_id: int) -> str:
-        text = self.detok.fork().add([token_id])
-        if text:
-            return text
-        alone = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        special = not self.tokenizer.decode([token_id]) and alone     # e.g. </s>: shown by name
-        return alone if special else ""
+    def raw(self, token_id: int) -> bytes | None:
+        """The token's own bytes (None where the tokenizer cannot say)."""
+        own = getattr(self.tokenizer, "token_bytes", None)
+        return None if own is None else own(token_id)
 
-    def advance(self, token_id: int) -> None:
-        self.detok.add([token_id])
+    def piece(self, token_id: int) -> str:
+        return self.show(token_id)[0]
+
+    def show(self, token_id: int) -> tuple[str, bytes]:
+        """(how the token is shown, its bytes as shown: the text's, or its own inside a character)."""
+        raw = self.raw(token_id)
+        if raw is not None and not _whole_characters(raw):
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+        text = self.detok.fork().add([token_id])
+        if not text:
+            alone = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            special = not self.tokenizer.decode([token_id]) and alone     # e.g. </s>: shown by name
+            text = alone if special else ""
+        return text, text.encode()
+
+    def advance(self, token_id: int) -> str:
+        return self.detok.add([token_id])
+
+
+def _whole_characters(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _pieces(entries: list[dict], tokenizer: Any, prompt: list[int], before: list[int]):
-    """Per entry: (chosen piece, [(alternative piece, logprob), ...]), each after its context."""
+    """Per entry: (chosen piece, its bytes, [(alternative piece, its bytes, logprob), ...], the
+    text the chosen token adds), each after its context."""
     reader = _Pieces(tokenizer, prompt, before)
     for e in entries:
-        tops = [(reader.piece(i), lp) for i, lp in e["top"]]
-        yield reader.piece(e["token_id"]), tops
-        reader.advance(e["token_id"])
+        tops = [(*reader.show(i), lp) for i, lp in e["top"]]
+        yield (*reader.show(e["token_id"]), tops, reader.advance(e["token_id"]))
 
 
 def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int, prompt: list[int],
                         before: list[int] = ()) -> dict:
     """OpenAI legacy shape: parallel lists, top alternatives as {token: logprob}; `prompt` and
     `before` are the token ids before the first entry (the prompt, earlier output), `offset`
-    the text length within the completion."""
+    the text length within the completion. Each offset is where the token's text begins (a
+    token inside a multi-byte character: where that character begins)."""
     tokens, lps, tops, offsets = [], [], [], []
-    for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, prompt, before)):
+    for e, (tok, _, alternatives, added) in zip(entries, _pieces(entries, tokenizer, prompt, before)):
         tokens.append(tok)
         lps.append(e["logprob"])
-        tops.append(dict(alternatives))
+        tops.append({piece: lp for piece, _, lp in alternatives})
         offsets.append(offset)
-        offset += len(tok)
+        offset += len(added)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def echo_logprobs(entries: list[dict | None], ids: list[int], tokenizer: Any, k: int) -> dict:
     """The echoed prompt's share of a completion's legacy logprobs: its first token has no
     logprob (null, as OpenAI's), the others theirs with `k` alternatives. Offsets count the
-    pieces' characters; a special token (<s>) is shown by name but takes no room in the text."""
+    text's characters; a special token (<s>) is shown by name but takes no room in the text."""
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
     reader = _Pieces(tokenizer, [])
     for token_id, e in zip(ids, entries):
-        piece = reader.piece(token_id)
-        tokens.append(piece)
+        tokens.append(reader.piece(token_id))
         lps.append(None if e is None else e["logprob"])
         tops.append(None if e is None else {reader.piece(i): lp for i, lp in e["top"][:k]})
-        reader.advance(token_id)
         offsets.append(offset)
-        offset += len(piece) if tokenizer.decode([token_id]) else 0
+        offset += len(reader.advance(token_id))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -549,10 +569,11 @@ def join_logprobs(head: dict | None, tail: dict | None) -> dict | None:
 
 
 def chat_logprobs(entries: list[dict], tokenizer: Any, prompt: list[int], before: list[int] = ()) -> dict:
-    def one(tok: str, lp: float) -> dict:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-    return {"content": [{**one(tok, e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in alternatives]}
-                        for e, (tok, alternatives) in zip(entries, _pieces(entries, tokenizer, prompt, before))]}
+    """OpenAI's chat shape; `bytes` are the token's text's, or its own inside a character."""
+    def one(tok: str, raw: bytes, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(raw)}
+    return {"content": [{**one(tok, raw, e["logprob"]), "top_logprobs": [one(*alt) for alt in alternatives]}
+                        for e, (tok, raw, alternatives, _) in zip(entries, _pieces(entries, tokenizer, prompt, before))]}
 
 
 def completion_body(final: dict[int, RequestOutput], req: CompletionRequest, prep: Prepared, tok: Any,

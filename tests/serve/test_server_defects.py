@@ -171,21 +171,30 @@ def test_max_completion_tokens_errors_name_it(server):
     assert_error(post(server, "/v1/chat/completions", {**chat, "max_tokens": 0}), 400, "invalid_value", "max_tokens")
 
 
-# --- logprob tokens join back into the text ------------------------------------------------------
-def test_logprob_tokens_join_into_text(server):
+# --- logprob tokens: their text, or their bytes inside a multi-byte character -------------------
+def token_bytes(token: str) -> bytes:
+    """A legacy logprob token's bytes: "bytes:\\xe6\\x98" (inside a character, OpenAI's form) or its text."""
+    if token.startswith("bytes:"):
+        return bytes.fromhex(token[len("bytes:"):].replace("\\x", ""))
+    return token.encode()
+
+
+def test_logprob_tokens_give_back_the_text(server):
+    """Tokens that are whole characters are the text at their offsets; the random test model also
+    writes stray bytes, which show as their bytes. The stream gives the same tokens."""
     body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
     choice = post(server, "/v1/completions", body).json()["choices"][0]
-    lp = choice["logprobs"]
-    assert "".join(lp["tokens"]) == choice["text"]
-    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    lp, text = choice["logprobs"], choice["text"]
+    for tok, at in zip(lp["tokens"], lp["text_offset"]):
+        assert tok.startswith("bytes:") or text[at:at + len(tok)] == tok, (tok, at, text)
+        assert not tok.startswith("bytes:") or at <= len(text)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
     streamed = [t for e in stream_text(server, body) for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
     assert streamed == lp["tokens"]
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                                                  "temperature": 0, "ignore_eos": True, "logprobs": True}).json()
-    msg = chat["choices"][0]
-    # the random test model emits stray UTF-8 bytes (U+FFFD in the text): the pieces carry them as the text does
-    joined = "".join(c["token"] for c in msg["logprobs"]["content"])
-    assert joined == msg["message"]["content"]
+    for c in chat["choices"][0]["logprobs"]["content"]:
+        assert bytes(c["bytes"]) == token_bytes(c["token"])
 
 
 def test_logprob_pieces_keep_sentencepiece_spaces():
@@ -207,26 +216,51 @@ def test_logprob_pieces_keep_sentencepiece_spaces():
     assert first["text_offset"] + second["text_offset"] == lp["text_offset"]
 
 
-def test_logprob_pieces_of_multibyte_characters_are_whole_characters():
-    """Emoji and CJK characters span several byte tokens: the token that completes a character
-    carries all of it, the others none, whatever token a streamed part starts at; no piece
-    holds U+FFFD and the pieces join into the text."""
-    from pathlib import Path
+@pytest.mark.parametrize("model", ["stories", "smollm2"])
+def test_tokens_inside_multibyte_characters_show_their_own_bytes(model):
+    """Emoji and CJK characters span several byte tokens (byte fallback in `stories`, byte-level
+    BPE in `smollm2`): each such token shows its own bytes, as OpenAI does ("bytes:\\xf0\\x9f";
+    chat: `bytes`), whatever token a streamed part starts at, so no two alternatives share a
+    key and every chosen token's logprob is under its own key; the bytes join into the text."""
+    from leapfrog.config import resolve_model
     from leapfrog.serve.openai_api import chat_logprobs, completion_logprobs
-    from leapfrog.tokenizer import Tokenizer
-    tok = Tokenizer.from_folder(Path(__file__).resolve().parents[2] / "checkpoints" / "stories")
+    from leapfrog.tokenizer import IncrementalDetokenizer, Tokenizer
+    try:
+        tok = Tokenizer.from_folder(resolve_model(model))
+    except FileNotFoundError:
+        pytest.skip(f"{model} is not installed")
     text = "Emoji party: 🎉🎉🎊🥳 and 春联, 福 too 🧧."
     ids = tok.encode(text)
-    assert len(ids) > len(text.split()) + 20           # byte tokens: characters span several ids
-    entries = [{"token_id": t, "logprob": -1.0, "top": [(t, -1.0)]} for t in ids[1:]]
-    for cut in range(len(entries)):
-        first = completion_logprobs(entries[:cut], tok, 0, ids[:1])
-        second = completion_logprobs(entries[cut:], tok, len("".join(first["tokens"])), ids[:1], ids[1:1 + cut])
+    bos = ids[:1] if ids[0] == tok.bos_token_id else []
+    ids = ids[len(bos):]
+    assert len(ids) > len(text.split()) + 10          # characters span several ids
+    partial = [i for i in ids if not _whole(tok.token_bytes(i))]
+    assert partial
+    entries = [{"token_id": t, "logprob": -float(k), "top": [(t, -float(k)), *[(p, -99.0 - j) for j, p in
+                enumerate(dict.fromkeys(partial)) if p != t][:4]]} for k, t in enumerate(ids)]
+    for cut in range(0, len(entries), 3):
+        first = completion_logprobs(entries[:cut], tok, 0, bos)
+        sent = len(IncrementalDetokenizer(tok, bos).add(ids[:cut]))      # the text streamed before it
+        second = completion_logprobs(entries[cut:], tok, sent, bos, ids[:cut])
         tokens = first["tokens"] + second["tokens"]
-        assert "".join(tokens) == text and not any("\ufffd" in t for t in tokens), (cut, tokens)
-    content = chat_logprobs(entries, tok, ids[:1])["content"]
-    assert "".join(c["token"] for c in content) == text
+        assert b"".join(token_bytes(t) for t in tokens) == text.encode(), (cut, tokens)
+        assert all("\ufffd" not in t for t in tokens)
+        for t, d, e in zip(tokens, first["top_logprobs"] + second["top_logprobs"], entries):
+            assert d[t] == e["logprob"] and len(d) == len(e["top"])       # no two keys the same
+        offsets = first["text_offset"] + second["text_offset"]
+        for t, at in zip(tokens, offsets):
+            assert t.startswith("bytes:") or text[at:at + len(t)] == t
+    content = chat_logprobs(entries, tok, bos)["content"]
     assert b"".join(bytes(c["bytes"]) for c in content).decode() == text
+    assert [c["token"] for c in content] == completion_logprobs(entries, tok, 0, bos)["tokens"]
+
+
+def _whole(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 # --- the schema -------------------------------------------------------------------------------------
