@@ -65,6 +65,9 @@ class EngineConfig:
     # quantized) quantizes activations to int8 per block of 32, llama.cpp's way, and multiplies
     # with AVX512-VNNI integer dot products (other products stay float32). No effect on cuda.
     matmul_precision: str = "float32"
+    # The chat template to use instead of the model's (vLLM's --chat-template): a file, or the
+    # Jinja text itself. None: the model's own.
+    chat_template: str | None = None
 
     @classmethod
     def from_options(cls, options: dict) -> tuple["EngineConfig", dict]:
@@ -103,6 +106,9 @@ class EngineConfig:
               "expected redis://host:port/db, rediss://... or unix:///path.sock")
         check("batch_invariant", self.batch_invariant is None or isinstance(self.batch_invariant, bool),
               "expected true, false or null (on wherever the CPU kernels run)")
+        check("chat_template", self.chat_template is None or (isinstance(self.chat_template, str)
+                                                              and self.chat_template.strip() != ""),
+              "expected a template file or the template's text")
         check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and not isinstance(self.kv_remote_ttl, bool)
               and self.kv_remote_ttl >= 1,
               "must be a number of seconds >= 1")

@@ -347,6 +347,21 @@ class Tokenizer:
         # whether the template writes a `tools` list itself (else serve/tools.py's fallback does)
         self.template_reads_tools: bool = self._template is not None and "tools" in self._template
 
+    def use_chat_template(self, template: str) -> None:
+        """Replace the model's chat template: `template` is a file holding one, or the Jinja text
+        itself (vLLM's --chat-template). Compiled now, so that a broken one is named at once."""
+        path = Path(template) if "\n" not in template and len(template) < 4096 else None
+        if path is not None and path.is_file():
+            source, origin = path.read_text(encoding="utf-8"), path
+        elif "{{" in template or "{%" in template:
+            source, origin = template, None
+        else:
+            raise ValueError(f"chat_template={template[:80]!r}: no such file, and not a Jinja template")
+        compiled = _compile_template(source, origin or Path("chat_template"))
+        self._template, self._template_origin, self._compiled = source, origin, compiled
+        self.has_chat_template = True
+        self.template_reads_tools = "tools" in source
+
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> "Tokenizer":
         folder = Path(path)

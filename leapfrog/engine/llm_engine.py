@@ -76,8 +76,10 @@ class LLMEngine:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.hf_config = read_config(self.model_path)
-        self.model = load_model(self.model_path, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_folder(self.model_path)
+        if self.config.chat_template is not None:       # a broken one is named before the weights load
+            self.tokenizer.use_chat_template(self.config.chat_template)
+        self.model = load_model(self.model_path, self.device, self.dtype)
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(self.device, self.config.seed)
         if draft_model and method not in DRAFT_MODEL_METHODS:

@@ -130,6 +130,7 @@ HELP = {
     "draft_model": ("drafter checkpoint folder for speculative methods; for method draft, a small AR model "
                     "sharing the tokenizer (e.g. stories)"),
     "served_model_name": "model id clients send and /v1/models lists (default: --model)",
+    "chat_template": "chat template instead of the model's, for every served model: a file, or the Jinja text",
     "host": "address to bind (default 0.0.0.0: all interfaces; use 127.0.0.1 for local only)",
     "port": "port (default 8080)",
     "ssl_certfile": "TLS certificate (PEM); with --ssl-keyfile serves HTTPS",

@@ -281,6 +281,21 @@ def test_chat_continues_a_final_message_and_hands_kwargs_to_the_template(llm, mo
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
+def test_a_chat_template_of_ones_own_replaces_the_models(llama_dir, tmp_path):
+    """chat_template (vLLM's --chat-template): a file or the Jinja text; a broken one or a path
+    that is not there is named before the weights load."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for given in (template, str(path)):
+        llm = LLM(str(llama_dir), chat_template=given)
+        assert llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<a>"
+    with pytest.raises(ValueError, match="chat template has a syntax error"):
+        LLM(str(llama_dir), chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        LLM(str(llama_dir), chat_template=str(tmp_path / "missing.jinja"))
+
+
 def test_get_tokenizer_answers_as_a_hugging_face_tokenizer(llm):
     """vLLM's llm.get_tokenizer() is a Hugging Face tokenizer: code written for it gets its
     defaults (apply_chat_template tokenizes and adds no generation prompt; decode keeps special
