@@ -96,6 +96,8 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "num_threads"):
             v = getattr(self, name)
             check(name, v is None or (_integer(v) and v > 0), "must be a positive integer")
+        check("kv_cache_bytes", self.kv_cache_tokens is None or self.kv_cache_bytes is None,
+              f"and kv_cache_tokens={self.kv_cache_tokens!r} both size the KV cache: set one")
         check("kv_spill_bytes", _integer(self.kv_spill_bytes) and self.kv_spill_bytes >= 0,
               "must be an integer >= 0 (0: no second tier)")
         check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and not isinstance(self.kv_spill_ttl, bool)

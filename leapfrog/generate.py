@@ -56,4 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         m, dt = last.metrics, time.perf_counter() - t0
         print(f"[{m.num_output_tokens} tokens in {dt:.2f}s, {m.num_output_tokens / dt:.1f} tok/s, "
               f"{m.tokens_per_forward:.2f} tokens/forward, finish={last.finish_reason}]", file=sys.stderr)
+    if last is not None and (last.finish_reason or "").startswith("error"):
+        # the request failed in the engine (e.g. error:kv_cache_too_small): say so, and not exit 0
+        print(f"error: the request failed ({last.finish_reason})", file=sys.stderr)
+        return 1
     return 0

@@ -112,7 +112,13 @@ def read_model_config(model: str) -> tuple[Path, dict]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not a Hugging Face checkpoint folder?)")
-    return path, json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config.json holds a JSON object, not {type(config).__name__}")
+    return path, config
 
 
 def _human(n: int) -> str:

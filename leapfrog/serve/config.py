@@ -277,6 +277,8 @@ def _canonical(key: str, value: Any, source: str) -> tuple[str, Any]:
             if m.group(2).lower() not in _UNITS:
                 raise ConfigError(f"{source}: {key}={value!r}: unknown size unit {m.group(2)!r}")
             return "kv_cache_bytes", int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if m and "." not in m.group(1):     # a count of tokens, typed (the flag takes text for the units)
+            return name, _coerce(name, int(m.group(1)), source)
     return name, _coerce(name, value, source)
 
 
@@ -350,13 +352,25 @@ def build_config(flags: dict, environ: dict[str, str] | None = None) -> ServerCo
         _merge_layer(read_file(path), merged, f"config file {path}")
     env_layer: dict = {}
     _merge_layer(read_env(environ), env_layer, "environment")
-    merged.update(env_layer)
+    _over(merged, env_layer)
     flag_layer: dict = {}
     _merge_layer(flags, flag_layer, "command line")
     if "method_options" in flag_layer:      # --option adds to the file's options
         flag_layer["method_options"] = {**merged.get("method_options", {}), **flag_layer["method_options"]}
-    merged.update(flag_layer)
+    _over(merged, flag_layer)
     return _finish(merged)
+
+
+# Keys that say the same thing two ways: a layer that sets one replaces the other below it.
+SAME_SETTING = (("kv_cache_tokens", "kv_cache_bytes"),)
+
+
+def _over(merged: dict, layer: dict) -> None:
+    for pair in SAME_SETTING:
+        if any(k in layer for k in pair):
+            for k in pair:
+                merged.pop(k, None)
+    merged.update(layer)
 
 
 def _served(merged: dict) -> None:
@@ -459,6 +473,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="append", default=None, help=help_text + " (repeatable)")
         else:
             typ = {"int": int, "float": float}.get(base, str)
+            if key == "kv_cache_tokens":     # a count, or a size with its unit ("2GiB")
+                typ = str
             p.add_argument(flag, type=typ, default=None, help=help_text)
 
 

@@ -203,6 +203,8 @@ def test_bad_requests_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="draft_model='stories': method 'ar' reads no draft model"):
         LLM(str(llm.engine.model_path), method="ar", draft_model="stories")
     from leapfrog.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_bytes=4096: and kv_cache_tokens=64 both size the KV cache"):
+        EngineConfig(kv_cache_tokens=64, kv_cache_bytes=4096).validate()
     for name in ("block_size", "max_batch_size", "kv_cache_tokens", "kv_spill_bytes"):   # True is no count
         with pytest.raises(ValueError, match=f"engine option {name}=True"):
             EngineConfig(**{name: True}).validate()
@@ -372,6 +374,11 @@ def test_cli_generate_writes_only_text_to_stdout(llama_dir, llm):
     proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
                            "--option", "block_size", "Once"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "expected KEY=VALUE" in proc.stderr and "Traceback" not in proc.stderr
+    # a request that fails in the engine says so and does not exit 0
+    proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
+                           "--option", "kv_cache_tokens=16", "--option", "block_size=4", "--max-tokens", "64",
+                           "--ignore-eos", "Once upon a time"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "error:kv_cache_too_small" in proc.stderr, (proc.returncode, proc.stderr)
 
 
 def test_bf16_on_cpu_tracks_fp32(llama_dir):

@@ -432,6 +432,15 @@ def test_info_cli(moe_dirs, capsys):
     assert "no such folder" in capsys.readouterr().err
 
 
+def test_info_names_a_config_that_is_no_json_object(tmp_path, capsys):
+    from leapfrog.cli import main
+    for text, why in (("[1, 2]", "holds a JSON object, not list"), ("{oops", "not a JSON file")):
+        (tmp_path / "config.json").write_text(text)
+        assert main(["info", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+
+
 # ---------------------------------------------------------------- training an MoE
 
 MOE_SHAPE = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,

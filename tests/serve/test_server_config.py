@@ -64,6 +64,19 @@ def test_deepspeed_style_parallel_keys(tmp_path):
         build_config(flags("--pipeline-parallel-size", "0"), environ={})
 
 
+def test_the_kv_cache_size_in_tokens_or_bytes_follows_the_layers():
+    """kv_cache_tokens and kv_cache_bytes say one thing two ways: the higher layer's wins whichever
+    it names (flags > environment > file), and --kv-cache-tokens takes a size with its unit, as its
+    help says."""
+    env = {"LEAPFROG_KV_CACHE_TOKENS": "64"}
+    assert build_config(flags("--kv-cache-bytes", "4096"), environ=env).engine == {"kv_cache_bytes": 4096}
+    assert build_config(flags("--kv-cache-tokens", "2GiB"), environ={}).engine == {"kv_cache_bytes": 2 << 30}
+    assert build_config(flags("--kv-cache-tokens", "4096"), environ={"CACHE_SIZE": "1GiB"}).engine == \
+        {"kv_cache_tokens": 4096}
+    with pytest.raises(ConfigError, match="kv_cache_tokens='1.5'"):
+        build_config(flags("--kv-cache-tokens", "1.5"), environ={})
+
+
 def test_guide_vocabulary_in_env():
     env = {"CACHE_SIZE": "512MiB", "MAX_TOKENS": "99", "BATCH_SIZE": "4", "TEMPERATURE": "0.5",
            "LEAPFROG_ENABLE_PREFIX_CACHING": "false", "LEAPFROG_API_KEY": "a, b",
