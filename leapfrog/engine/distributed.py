@@ -61,7 +61,7 @@ def follow(engine: Any) -> None:
             return
         try:
             getattr(engine, call)(*args, **kwargs)
-        except ValueError:            # rank 0 raised the same (a refused request) and carries on
+        except (ValueError, TypeError):     # rank 0 raised the same (a refused request) and carries on
             pass
 
 
@@ -72,6 +72,9 @@ class TensorParallelEngine:
         self.engine = engine
         self.followers = followers or []
         self._stopped = False
+        # A call cut off part way (Ctrl-C in a step's collectives, a rank gone) leaves the ranks
+        # out of step: no further collective can complete, shutdown included.
+        self._broken: BaseException | None = None
         atexit.register(self.shutdown)
 
     def _check(self, wait: float = 0.0) -> None:
@@ -104,37 +107,53 @@ class TensorParallelEngine:
         self._check()
         self._guarded(tp.broadcast_object, (call, args, kwargs))
 
+    def _call(self, call: str, *args: Any, **kwargs: Any) -> Any:
+        """`call` on every rank: broadcast, then made here. A ValueError or TypeError (a refused
+        request) is raised on every rank alike and leaves them in step; anything else that ends the call part
+        way (KeyboardInterrupt, a rank gone) does not."""
+        if self._broken is not None:
+            raise RankDied(f"an earlier call was cut off ({type(self._broken).__name__}); the ranks are "
+                           "out of step and the engine cannot go on") from self._broken
+        try:
+            self._send(call, *args, **kwargs)
+            return self._guarded(getattr(self.engine, call), *args, **kwargs)
+        except (ValueError, TypeError):
+            raise
+        except BaseException as exc:
+            self._broken = exc
+            raise
+
     def add_request(self, *args: Any, **kwargs: Any) -> str:
-        self._send("add_request", *args, **kwargs)
-        return self.engine.add_request(*args, **kwargs)
+        return self._call("add_request", *args, **kwargs)
 
     def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
-        self.engine.abort(request_id)
+        self._call("abort", request_id)
 
     def step(self) -> list:
-        self._send("step")
-        return self._guarded(self.engine.step)
+        return self._call("step")
 
     def parallel_stats(self) -> list[dict]:
         """Every rank's pipelined-step counters (runner.PipelineStats), in rank order."""
-        self._send("parallel_stats")
-        return self._guarded(self.engine.parallel_stats)
+        return self._call("parallel_stats")
 
     def shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
         atexit.unregister(self.shutdown)
+        in_step = self._broken is None and all(p.is_alive() for p in self.followers)
         try:
-            if all(p.is_alive() for p in self.followers):
+            if in_step:
                 tp.broadcast_object(("stop", (), {}))
         finally:
             for p in self.followers:
-                p.join(timeout=30)
-                if p.is_alive():
+                if in_step:
+                    p.join(timeout=30)
+                if p.is_alive():          # out of step: it waits in a collective that never ends
                     p.terminate()
-            tp.shutdown()
+                    p.join(timeout=5)
+            if in_step:
+                tp.shutdown()
 
     def __getattr__(self, name: str) -> Any:       # reads (tokenizer, config, stats, ...) go to the engine
         return getattr(self.engine, name)

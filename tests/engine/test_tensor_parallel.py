@@ -299,6 +299,59 @@ llm.shutdown()
 """
 
 
+INTERRUPTED = """
+import sys
+from leapfrog import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2)
+    print("built", flush=True)
+    while True:
+        llm.generate([[1, 5, 9, 30, 44]] * 8, SamplingParams(max_tokens=64, temperature=0.8, ignore_eos=True))
+"""
+
+
+def test_ctrl_c_in_a_step_over_ranks_stops_the_program(llama_dir, tmp_path):
+    """Ctrl-C lands in a step's collectives on rank 0: the ranks are out of step, so the stop
+    that used to be broadcast to the follower waited forever, both ranks spinning. Rank 0 now
+    stops its followers without a collective and the program ends."""
+    import subprocess
+    import sys
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, str(script), str(llama_dir)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "built"
+            time.sleep(1.5)
+            followers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid
+                         and b"spawn_main" in _cmdline(int(p))]
+            assert followers
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+            time.sleep(0.5)
+            assert not [p for p in followers if os.path.exists(f"/proc/{p}") and b"spawn_main" in _cmdline(p)]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_two_node_torchrun_on_loopback(llama_dir, tmp_path):
     """Two torchrun launchers, node ranks 0 and 1, one rendezvous on 127.0.0.1: rank 0 drives
     and prints, rank 1 follows and exits 0."""
