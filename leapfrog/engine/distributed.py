@@ -7,6 +7,8 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -45,12 +47,19 @@ def check_method(method: str) -> None:
 
 
 def _follower_main(rank: int, size: int, init_method: str, model: str, kwargs: dict) -> None:
-    """A spawned follower: join the group, build its part's engine, follow rank 0."""
-    torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
-    tp.init(rank, size, init_method, pipeline_size=sizes(kwargs)[1])
-    engine = LLMEngine(model, **kwargs)
-    follow(engine)
-    tp.shutdown()
+    """A spawned follower: join the group, build its part's engine, follow rank 0. An error here
+    is rank 0's too (the same options on every rank), which says it in full: one line here."""
+    try:
+        torch.set_num_threads(max(1, kwargs.pop("_threads_per_rank", 1)))
+        tp.init(rank, size, init_method, pipeline_size=sizes(kwargs)[1])
+        engine = LLMEngine(model, **kwargs)
+        follow(engine)
+        tp.shutdown()
+    except KeyboardInterrupt:             # Ctrl-C reaches every rank; rank 0 reports it
+        sys.exit(1)
+    except Exception as exc:
+        print(f"leapfrog rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def follow(engine: Any) -> None:
@@ -152,11 +161,36 @@ class TensorParallelEngine:
                 if p.is_alive():          # out of step: it waits in a collective that never ends
                     p.terminate()
                     p.join(timeout=5)
-            if in_step:
-                tp.shutdown()
+            tp.shutdown()                 # after the followers are gone: nothing waits on a peer
 
     def __getattr__(self, name: str) -> Any:       # reads (tokenizer, config, stats, ...) go to the engine
         return getattr(self.engine, name)
+
+
+def _join_watching(followers: list, size: int, init_method: str, pipeline: int) -> None:
+    """Rank 0 joins the group while it watches the followers: one that dies before it joins (a
+    script without `if __name__ == "__main__":` under the spawn start method, a crash while it
+    imports) is named at once, not after the rendezvous' timeout."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            tp.init(0, size, init_method, pipeline_size=pipeline)
+        except BaseException as exc:      # handed to the caller's thread
+            failed.append(exc)
+    joiner = threading.Thread(target=join, name="leapfrog-tp-join", daemon=True)
+    joiner.start()
+    while joiner.is_alive():
+        joiner.join(0.1)
+        dead = [p for p in followers if not p.is_alive()]
+        if dead and joiner.is_alive():
+            for p in followers:
+                p.terminate()
+            raise RuntimeError(f"rank {followers.index(dead[0]) + 1} exited (code {dead[0].exitcode}) before "
+                               "joining the group; a script that starts ranks needs its work under "
+                               "`if __name__ == \"__main__\":` (the ranks are spawned processes)")
+    if failed:
+        raise failed[0]
 
 
 def start(model: str, kwargs: dict) -> Any:
@@ -187,7 +221,7 @@ def start(model: str, kwargs: dict) -> Any:
     for p in followers:
         p.start()
     torch.set_num_threads(threads)
-    tp.init(0, size, init_method, pipeline_size=pipeline)
+    _join_watching(followers, size, init_method, pipeline)
     try:
         engine = LLMEngine(model, **kwargs)
     except BaseException:

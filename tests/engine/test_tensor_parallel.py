@@ -336,6 +336,30 @@ def test_ctrl_c_in_a_step_over_ranks_stops_the_program(llama_dir, tmp_path):
                 proc.kill()
 
 
+def test_a_size_the_model_cannot_be_split_by_is_one_error_without_tracebacks(llama_dir):
+    """4 ranks over 2 KV heads: every rank fails alike; rank 0 says why, the followers one line
+    each (they printed whole tracebacks first, before rank 0's message)."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "leapfrog", "generate", "--model", str(llama_dir),
+                           "--tensor-parallel-size", "4", "--max-tokens", "2", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_follower_that_dies_before_joining_is_named_at_once(llama_dir, tmp_path):
+    """A script without `if __name__ == "__main__":`: its spawned follower dies while starting,
+    and rank 0 waited in the rendezvous for its whole timeout (300 s) before failing."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from leapfrog import LLM\nLLM({str(llama_dir)!r}, tensor_parallel_size=2)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "before joining the group" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
 def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
