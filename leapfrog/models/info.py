@@ -112,13 +112,9 @@ def read_model_config(model: str) -> tuple[Path, dict]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not a Hugging Face checkpoint folder?)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a config.json holds a JSON object, not {type(config).__name__}")
-    return path, config
+    # deferred: the loader (its checks of a config.json) loads only when one is read
+    from leapfrog.models.loader import read_config_file
+    return path, read_config_file(path)
 
 
 def _human(n: int) -> str:

@@ -31,6 +31,11 @@ def read_config(folder: str | os.PathLike) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint folder?)")
+    return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict:
+    """A config.json's object (CheckpointError naming the file when it is not one)."""
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -434,7 +434,7 @@ def test_info_cli(moe_dirs, capsys):
 
 def test_info_names_a_config_that_is_no_json_object(tmp_path, capsys):
     from leapfrog.cli import main
-    for text, why in (("[1, 2]", "holds a JSON object, not list"), ("{oops", "not a JSON file")):
+    for text, why in (("[1, 2]", "must hold a JSON object, not list"), ("{oops", "not valid JSON")):
         (tmp_path / "config.json").write_text(text)
         assert main(["info", str(tmp_path)]) == 2
         err = capsys.readouterr().err
