@@ -130,9 +130,10 @@ def test_echo_puts_the_prompt_before_the_completion(server):
     lp, tail = echo["logprobs"], plain["logprobs"]
     k = len(lp["tokens"]) - len(tail["tokens"])
     assert lp["tokens"][k:] == tail["tokens"] and lp["token_logprobs"][k:] == pytest.approx(tail["token_logprobs"])
-    # offsets index the echoed text (the special <s> takes no room in it)
+    # offsets index the echoed text (the special <s> takes no room in it; a stray byte of the
+    # random model shows its bytes, which are not text)
     for token, offset in zip(lp["tokens"], lp["text_offset"]):
-        if token != "<s>":
+        if token != "<s>" and not token.startswith("bytes:"):
             assert echo["text"][offset:offset + len(token)] == token
     # streamed, the first chunk carries the prompt: the same text and logprobs
     import httpx
