@@ -100,8 +100,7 @@ class EngineConfig:
               f"and kv_cache_tokens={self.kv_cache_tokens!r} both size the KV cache: set one")
         check("kv_spill_bytes", _integer(self.kv_spill_bytes) and self.kv_spill_bytes >= 0,
               "must be an integer >= 0 (0: no second tier)")
-        check("kv_spill_ttl", isinstance(self.kv_spill_ttl, (int, float)) and not isinstance(self.kv_spill_ttl, bool)
-              and self.kv_spill_ttl > 0,
+        check("kv_spill_ttl", _number(self.kv_spill_ttl) and self.kv_spill_ttl > 0,
               "must be a number of seconds > 0")
         check("kv_remote_url", self.kv_remote_url is None or (isinstance(self.kv_remote_url, str) and
               self.kv_remote_url.split("://", 1)[0] in ("redis", "rediss", "unix")),
@@ -111,8 +110,7 @@ class EngineConfig:
         check("chat_template", self.chat_template is None or (isinstance(self.chat_template, str)
                                                               and self.chat_template.strip() != ""),
               "expected a template file or the template's text")
-        check("kv_remote_ttl", isinstance(self.kv_remote_ttl, (int, float)) and not isinstance(self.kv_remote_ttl, bool)
-              and self.kv_remote_ttl >= 1,
+        check("kv_remote_ttl", _number(self.kv_remote_ttl) and self.kv_remote_ttl >= 1,
               "must be a number of seconds >= 1")
 
     def torch_device(self) -> torch.device:
@@ -240,6 +238,10 @@ def _integer(v: object) -> bool:
     """An int that is not a bool (True is an int to Python, and `--option block_size=true` would
     otherwise mean 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _device_present(device: str) -> bool:

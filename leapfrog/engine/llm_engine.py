@@ -21,7 +21,7 @@ from leapfrog.layers import linear as linear_layers
 from leapfrog.layers.linear import compact_cpu_weights
 from leapfrog.layers.parallel import agree_min, gather_objects, pp_size, tp_size
 from leapfrog.models.loader import load_model, model_engine_options, model_method_options, read_config
-from leapfrog.methods import DRAFT_MODEL_METHODS, method_class
+from leapfrog.methods import draft_model_check, method_class
 from leapfrog.layers.attention import StepInterrupted
 from leapfrog.layers.cpu_kernels import LoopCall
 from leapfrog.methods.base import Batch, Method, MethodContext, ScheduledSeq, StepOutput
@@ -82,9 +82,7 @@ class LLMEngine:
         self.model = load_model(self.model_path, self.device, self.dtype)
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(self.device, self.config.seed)
-        if draft_model and method not in DRAFT_MODEL_METHODS:
-            raise ValueError(f"draft_model={draft_model!r}: method {method!r} reads no draft model (those "
-                             f"that do: {', '.join(DRAFT_MODEL_METHODS)})")
+        draft_model_check(method, draft_model)
         ctx = MethodContext(self.model, self.model_path, self.tokenizer, self.sampler,
                             self.device, self.dtype, draft_model, self._paged_runner, self.timed_step)
         # The model folder's defaults for this method (leapfrog.json), under the caller's own.

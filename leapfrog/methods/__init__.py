@@ -16,8 +16,6 @@ METHODS: dict[str, tuple[str, str]] = {
     "draft": ("leapfrog.methods.draft_model", "DraftModelMethod"),
     "ngram": ("leapfrog.methods.ngram", "NgramMethod"),
 }
-# The methods that read a draft_model (a drafter folder, or the small model `draft` runs).
-DRAFT_MODEL_METHODS = ("dflash", "dspark", "draft")
 
 
 def method_class(name: str) -> type:
@@ -25,6 +23,14 @@ def method_class(name: str) -> type:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     module, cls = METHODS[name]
     return getattr(importlib.import_module(module), cls)
+
+
+def draft_model_check(method: str, draft_model: str | None) -> None:
+    """A ValueError naming draft_model when `method` reads none (Method.reads_draft_model)."""
+    if draft_model and not method_class(method).reads_draft_model:
+        readers = [n for n in METHODS if method_class(n).reads_draft_model]
+        raise ValueError(f"draft_model={draft_model!r}: method {method!r} reads no draft model (those that do: "
+                         f"{', '.join(readers)})")
 
 
 def default_method(model: str) -> str:

@@ -119,6 +119,8 @@ class Method:
     # with SamplingParams.prompt_logprobs may use it (a diffusion model's rows are not: they read
     # their block both ways, and without a logit shift predict their own position).
     supports_prompt_logprobs: bool = True
+    # Whether it reads MethodContext.draft_model (a drafter, or the small model it drafts with).
+    reads_draft_model: bool = False
 
     def num_extra_tokens(self, seq: Sequence) -> int:
         """Query slots beyond the known tokens, for a sequence whose known tokens all fit."""

@@ -82,6 +82,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class DraftModelMethod(SpeculativeMethod):
     name = "draft"
+    reads_draft_model = True
     block_size = 16
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int = 4, fallback: str = "none",

@@ -27,6 +27,7 @@ __all__ = ["DFlashMethod", "DSparkMethod", "load_drafter"]   # load_drafter: re-
 
 class DFlashMethod(SpeculativeMethod):
     name = "dflash"
+    reads_draft_model = True
 
     def __init__(self, ctx: "MethodContext", num_speculative_tokens: int | None = None,
                  draft_sampling: str = "argmax", verify: str = "fixed", threshold: float = 0.7,

@@ -418,12 +418,10 @@ def _validate(cfg: ServerConfig) -> None:
     check("port", 0 <= cfg.port <= 65535, "must be in [0, 65535]")
     if cfg.method is not None:
         # deferred: the method table, without the methods' own modules
-        from leapfrog.methods import DRAFT_MODEL_METHODS, METHODS
+        from leapfrog.methods import METHODS
         hint = difflib.get_close_matches(str(cfg.method), list(METHODS), n=1)
         check("method", cfg.method in METHODS, f"expected one of {', '.join(sorted(METHODS))}"
               + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-        check("draft_model", not cfg.draft_model or cfg.method in DRAFT_MODEL_METHODS,
-              f"method {cfg.method!r} reads no draft model (those that do: {', '.join(DRAFT_MODEL_METHODS)})")
     check("log_level", cfg.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
           "expected critical, error, warning, info, debug or trace")
     check("default_max_tokens", SAMPLING_BOUNDS["max_tokens"].holds(cfg.default_max_tokens),

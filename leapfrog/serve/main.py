@@ -21,8 +21,8 @@ from typing import Any, Callable
 import uvicorn
 from fastapi import FastAPI
 
-from leapfrog.checkpoint.gguf import CheckpointError
 from leapfrog.config import resolve_model
+from leapfrog.methods import draft_model_check
 from leapfrog.models.loader import read_config
 from leapfrog.layers.parallel import launched_by_torchrun
 from leapfrog.serve import app as http_core
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = resolve_model(view.model)
             if folder.is_dir():
                 read_config(folder)   # a folder that is no checkpoint is named now
-    except (FileNotFoundError, CheckpointError) as exc:     # no such model, or a broken file named
+            draft_model_check(view.engine_kwargs()["method"], view.draft_model)
+    except (FileNotFoundError, ValueError) as exc:     # no such model, a broken file named, a drafter unread
         print(f"leapfrog serve: {exc}", file=sys.stderr)
         return 2
     follower = torchrun_role(cfg)

@@ -186,11 +186,12 @@ def test_cli_an_empty_model_name_is_refused(capsys):
     assert "the name is empty" in capsys.readouterr().err
 
 
-def test_a_draft_model_for_a_method_that_reads_none_is_refused():
-    with pytest.raises(ConfigError, match="draft_model='stories': method 'ar' reads no draft model"):
-        build_config(flags("--model", "stories", "--method", "ar", "--draft-model", "stories"), environ={})
-    cfg = build_config(flags("--model", "stories", "--method", "draft", "--draft-model", "stories"), environ={})
-    assert cfg.draft_model == "stories"
+def test_a_draft_model_for_a_method_that_reads_none_is_refused_before_binding(capsys, monkeypatch):
+    import leapfrog.serve.main as serve_main
+    monkeypatch.setattr(serve_main, "create_app", lambda cfg: pytest.fail("the models were loaded"))
+    assert main(["--model", "stories", "--method", "ar", "--draft-model", "stories", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "draft_model='stories': method 'ar' reads no draft model (those that do: dflash, dspark, draft)" in err
 
 
 def test_served_models_default_both_builtins_and_repeat_model():
